@@ -1,0 +1,48 @@
+"""agent-outbox: a durable outbox for the consequential actions of AI agents.
+
+Record an intent in the same transaction as the agent's own state; a relay and dispatch
+workers deliver it once, with the operation id as idempotency key; ambiguous outcomes are
+looked up, replayed only under the remote's dedup contract, or put before a human.
+"""
+
+from outbox.api import cancel, enqueue, find, get, wait
+from outbox.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    IntentConflict,
+    InvalidIntent,
+    NotCancellable,
+    OperationNotFound,
+    OutboxError,
+    SchemaNotReady,
+    StaleTransition,
+    TransitionError,
+    TransitionNotAllowed,
+    WaitTimeout,
+)
+from outbox.models import Event, Operation
+from outbox.states import Actor, State
+
+__all__ = [
+    "Actor",
+    "ConfigError",
+    "DatabaseUnavailable",
+    "Event",
+    "IntentConflict",
+    "InvalidIntent",
+    "NotCancellable",
+    "Operation",
+    "OperationNotFound",
+    "OutboxError",
+    "SchemaNotReady",
+    "StaleTransition",
+    "State",
+    "TransitionError",
+    "TransitionNotAllowed",
+    "WaitTimeout",
+    "cancel",
+    "enqueue",
+    "find",
+    "get",
+    "wait",
+]

@@ -1,0 +1,270 @@
+"""The agent-facing API: record an intent, read it back, cancel it, wait for its verdict.
+
+:func:`enqueue` joins the caller's transaction; that is the point of an outbox: the intent is
+committed if and only if the agent's own state change is. Nothing here commits on the
+caller's behalf, except :func:`wait`, which uses its own connection and writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+from uuid import UUID
+
+from sqlalchemy import Engine, text
+
+from outbox import statements
+from outbox.canonical import NotCanonicalizable, canonical_json, payload_hash
+from outbox.config import get_settings
+from outbox.db import get_engine
+from outbox.errors import (
+    IntentConflict,
+    InvalidIntent,
+    NotCancellable,
+    OperationNotFound,
+    WaitTimeout,
+)
+from outbox.models import Executor, Operation
+from outbox.states import Actor, State, transition
+
+#: Dotted names of letters, digits, ``_`` and ``-``: ``deploy.create_release``.
+TOOL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*(\.[A-Za-z][A-Za-z0-9_-]*)*")
+MAX_TOOL_LENGTH = 128
+MAX_TARGET_LENGTH = 1024
+MAX_INTENT_KEY_LENGTH = 255
+
+# An intent whose key is taken by a row that then vanishes (deleted by retention between our
+# INSERT and SELECT) is retried; more than this many misses in a row means something is wrong.
+_INSERT_TRIES = 3
+
+
+def enqueue(
+    session: Executor,
+    *,
+    tool: str,
+    target: str,
+    payload: Any,
+    intent_key: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    requested_by: str | None = None,
+) -> Operation:
+    """Record the intent to call ``tool`` on ``target`` with ``payload``, in the caller's txn.
+
+    This function joins the transaction of ``session`` (a SQLAlchemy ``Session`` or
+    ``Connection``) and does not begin, commit or roll back: the operation exists if and
+    only if the caller commits. Until then no relay or worker can see it.
+
+    ``intent_key`` names the intended effect across retries (default: the new operation's
+    id). Calling again with the same key and the same tool, target and payload returns the
+    existing operation, whatever its state; with any of them different it raises
+    :class:`IntentConflict` naming what differs, and writes nothing. Concurrent callers with
+    one key end with one operation.
+
+    The payload must be a JSON object; it is canonicalised (RFC 8785) and its sha256 stored,
+    and it never changes afterwards. Malformed input raises :class:`InvalidIntent` naming
+    the field.
+    """
+    _check_tool(tool)
+    _check_target(target)
+    _check_intent_key(intent_key)
+    canonical = _canonical_payload(payload)
+    digest = payload_hash(canonical)
+    meta = _checked_metadata(metadata)
+    for _ in range(_INSERT_TRIES):
+        created = statements.insert_intent(
+            session,
+            intent_key=intent_key,
+            tool=tool,
+            target=target,
+            canonical_payload=canonical.decode(),
+            payload_hash=digest,
+            metadata=meta,
+            requested_by=requested_by,
+        )
+        if created is not None:
+            return created
+        # A generated key is the new operation's id and cannot collide, so intent_key is set.
+        existing = statements.find_operation(session, str(intent_key))
+        if existing is not None:
+            _check_same_intent(existing, tool=tool, target=target, digest=digest)
+            return existing
+    raise IntentConflict(
+        f"intent key {intent_key!r} is being used and removed concurrently; try again",
+        intent_key=intent_key,
+        differences=(),
+    )
+
+
+def get(session: Executor, operation_id: UUID | str) -> Operation | None:
+    """The operation with this id, or ``None``. Reads in the caller's transaction."""
+    return statements.get_operation(session, _as_uuid(operation_id))
+
+
+def find(session: Executor, intent_key: str) -> Operation | None:
+    """The operation recorded under ``intent_key``, or ``None``. Reads in the caller's txn."""
+    return statements.find_operation(session, intent_key)
+
+
+def cancel(session: Executor, operation_id: UUID | str, *, reason: str | None = None) -> Operation:
+    """Withdraw a ``planned`` operation that no attempt can have reached the remote with.
+
+    Joins the caller's transaction and does not commit. Raises :class:`NotCancellable` when
+    the operation is past ``planned`` or an earlier attempt's outcome is in doubt (resolve
+    it instead), and :class:`OperationNotFound`.
+    """
+    op_id = _as_uuid(operation_id)
+    current = statements.get_operation(session, op_id)
+    if current is None:
+        raise OperationNotFound(f"no operation {op_id}", operation_id=op_id)
+    if current.state is not State.PLANNED:
+        raise NotCancellable(
+            f"operation {op_id} is {current.state.value}; only a planned operation can be "
+            "cancelled",
+            operation_id=op_id,
+        )
+    return transition(
+        session,
+        op_id,
+        from_state=State.PLANNED,
+        to_state=State.CANCELLED,
+        actor=Actor.AGENT,
+        reason=reason or "cancelled by the agent",
+    )
+
+
+def wait(
+    operation_id: UUID | str,
+    timeout: float = 30.0,
+    *,
+    engine: Engine | None = None,
+    poll_interval: float = 1.0,
+) -> Operation:
+    """Block until the operation is terminal or needs a human, and return it.
+
+    Sleeps on PostgreSQL ``LISTEN`` (a settled move sends a ``NOTIFY``), re-reading the row
+    at most every ``poll_interval`` seconds in case a notification is missed: no busy loop.
+    Uses its own connection from ``engine`` (default: the configured database) and writes
+    nothing. Raises :class:`WaitTimeout` (carrying the operation as last seen) after
+    ``timeout`` seconds, and :class:`OperationNotFound`.
+    """
+    op_id = _as_uuid(operation_id)
+    engine = engine or get_engine()
+    deadline = time.monotonic() + timeout
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f"LISTEN {statements.SETTLED_CHANNEL}"))
+        try:
+            listener = conn.connection.driver_connection
+            while True:
+                current = statements.get_operation(conn, op_id)
+                if current is None:
+                    raise OperationNotFound(f"no operation {op_id}", operation_id=op_id)
+                if current.is_settled:
+                    return current
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WaitTimeout(
+                        f"operation {op_id} is still {current.state.value} after {timeout:g}s",
+                        operation=current,
+                    )
+                for _ in listener.notifies(  # type: ignore[union-attr]
+                    timeout=min(remaining, poll_interval), stop_after=1
+                ):
+                    pass
+        finally:
+            conn.execute(text("UNLISTEN *"))
+
+
+def _as_uuid(value: UUID | str) -> UUID:
+    if isinstance(value, UUID):
+        return value
+    try:
+        return UUID(str(value))
+    except ValueError:
+        raise OperationNotFound(f"{value!r} is not an operation id", operation_id=value) from None
+
+
+def _check_tool(tool: Any) -> None:
+    if not isinstance(tool, str) or not TOOL_NAME.fullmatch(tool) or len(tool) > MAX_TOOL_LENGTH:
+        raise InvalidIntent(
+            f"tool {tool!r} is not a tool name: dotted words of letters, digits, '_' or '-', "
+            f"starting with a letter, at most {MAX_TOOL_LENGTH} characters",
+            field="tool",
+        )
+
+
+def _check_target(target: Any) -> None:
+    if not isinstance(target, str) or not target.strip():
+        raise InvalidIntent("target must be a non-empty string", field="target")
+    if len(target) > MAX_TARGET_LENGTH:
+        raise InvalidIntent(
+            f"target is {len(target)} characters; at most {MAX_TARGET_LENGTH} are allowed",
+            field="target",
+        )
+
+
+def _check_intent_key(intent_key: Any) -> None:
+    if intent_key is None:
+        return
+    if not isinstance(intent_key, str) or not intent_key.strip():
+        raise InvalidIntent("intent_key must be a non-empty string", field="intent_key")
+    if len(intent_key) > MAX_INTENT_KEY_LENGTH:
+        raise InvalidIntent(
+            f"intent_key is {len(intent_key)} characters; at most "
+            f"{MAX_INTENT_KEY_LENGTH} are allowed",
+            field="intent_key",
+        )
+
+
+def _canonical_payload(payload: Any) -> bytes:
+    if not isinstance(payload, Mapping):
+        raise InvalidIntent(
+            f"payload must be a JSON object, not {type(payload).__name__}", field="payload"
+        )
+    try:
+        canonical = canonical_json(dict(payload))
+    except NotCanonicalizable as exc:
+        raise InvalidIntent(f"payload is not canonical JSON: {exc}", field="payload") from exc
+    limit = get_settings().max_payload_bytes
+    if len(canonical) > limit:
+        raise InvalidIntent(
+            f"payload is {len(canonical)} bytes as canonical JSON; the limit is {limit} "
+            "(OUTBOX_MAX_PAYLOAD_BYTES)",
+            field="payload",
+        )
+    return canonical
+
+
+def _checked_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidIntent(
+            f"metadata must be a JSON object, not {type(metadata).__name__}", field="metadata"
+        )
+    try:
+        return dict(json.loads(canonical_json(dict(metadata))))
+    except NotCanonicalizable as exc:
+        raise InvalidIntent(f"metadata is not JSON: {exc}", field="metadata") from exc
+
+
+def _check_same_intent(existing: Operation, *, tool: str, target: str, digest: str) -> None:
+    differences = tuple(
+        name
+        for name, same in (
+            ("tool", existing.tool == tool),
+            ("target", existing.target == target),
+            ("payload", existing.payload_hash == digest),
+        )
+        if not same
+    )
+    if differences:
+        raise IntentConflict(
+            f"intent key conflict: {existing.intent_key!r} already names operation "
+            f"{existing.id} with a different {', '.join(differences)}; nothing was written",
+            intent_key=existing.intent_key,
+            operation_id=existing.id,
+            differences=differences,
+        )

@@ -1,0 +1,43 @@
+"""Canonical JSON for payloads, so one intent always hashes the same.
+
+We use the JSON Canonicalization Scheme (RFC 8785) through the ``rfc8785`` library: object
+keys sorted by UTF-16 code units, no whitespace, strings as UTF-8 without normalisation,
+numbers rendered as ECMAScript does. The consequences, decided here and documented in
+``docs/payloads.md``:
+
+* ``1`` and ``1.0`` are the same number (JSON has only one number type), so they hash alike;
+* integers must lie within ±(2**53 - 1), the range every JSON reader represents exactly;
+  send larger ones (snowflake ids, big amounts) as strings;
+* NaN and infinities are not JSON and are refused;
+* ``"é"`` precomposed and ``"é"`` decomposed are different strings and hash differently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import rfc8785
+
+
+class NotCanonicalizable(ValueError):
+    """The value cannot be represented as canonical JSON."""
+
+
+def canonical_json(value: Any) -> bytes:
+    """``value`` as RFC 8785 canonical JSON bytes, or :class:`NotCanonicalizable`."""
+    try:
+        return bytes(rfc8785.dumps(value))
+    except rfc8785.IntegerDomainError as exc:
+        raise NotCanonicalizable(
+            f"{exc}; integers beyond ±(2**53-1) lose precision in JSON, send them as strings"
+        ) from exc
+    except rfc8785.CanonicalizationError as exc:
+        raise NotCanonicalizable(str(exc)) from exc
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise NotCanonicalizable(f"not JSON-serialisable: {exc}") from exc
+
+
+def payload_hash(canonical: bytes) -> str:
+    """The sha256 hex digest that identifies a canonical payload."""
+    return hashlib.sha256(canonical).hexdigest()

@@ -1,0 +1,122 @@
+"""Settings, read from ``OUTBOX_*`` environment variables (pydantic-settings).
+
+Nothing configured is a valid configuration: with ``OUTBOX_DATABASE_URL`` unset the outbox
+starts (or reuses) an embedded PostgreSQL under ``OUTBOX_HOME``. An invalid value stops the
+program at start-up with a message naming the variable (:func:`load_settings`).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, HttpUrl, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from outbox.errors import ConfigError
+
+ENV_PREFIX = "OUTBOX_"
+
+#: Events an escalation webhook may subscribe to.
+WEBHOOK_EVENT_NAMES = frozenset({"needs_human", "resolved", "confirmed", "failed"})
+
+Seconds = Annotated[float, Field(gt=0)]
+
+
+def _split_commas(value: Any) -> Any:
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
+
+
+class Settings(BaseSettings):
+    """Every knob of the outbox; each field is the variable ``OUTBOX_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
+
+    database_url: SecretStr | None = Field(
+        default=None,
+        description="PostgreSQL URL; unset: an embedded PostgreSQL under OUTBOX_HOME.",
+    )
+    home: Path = Field(
+        default=Path(".outbox"),
+        description="Directory for local state (the embedded PostgreSQL's data).",
+    )
+    broker_url: SecretStr | None = Field(
+        default=None,
+        description="Celery broker URL; unset: the database itself (kombu's SQLAlchemy transport).",
+    )
+    config: Path | None = Field(default=None, description="TOML file declaring HTTP tools.")
+    tools: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Comma-separated modules that register tools."
+    )
+    sent_timeout: Seconds = Field(
+        default=60.0, description="A `sent` row older than this is checked by the sweep."
+    )
+    sent_max_age: Seconds = Field(
+        default=3600.0,
+        description="A `sent` row still locked by its dispatcher after this goes to a human.",
+    )
+    sweep_interval: Seconds = Field(default=15.0, description="Seconds between sweeps.")
+    republish_after: Seconds = Field(
+        default=30.0, description="A published `planned` row is published again after this."
+    )
+    max_payload_bytes: int = Field(
+        default=256 * 1024, gt=0, description="Largest canonical payload accepted by enqueue."
+    )
+    webhook_url: HttpUrl | None = Field(
+        default=None, description="Where escalations are POSTed (http or https)."
+    )
+    webhook_secret: SecretStr | None = Field(
+        default=None, description="Standard Webhooks signing secret (whsec_...)."
+    )
+    webhook_events: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["needs_human", "resolved"],
+        description="Comma-separated events to deliver: needs_human, resolved, confirmed, failed.",
+    )
+
+    _split_tools = field_validator("tools", "webhook_events", mode="before")(_split_commas)
+
+    @field_validator("webhook_events")
+    @classmethod
+    def _known_events(cls, value: list[str]) -> list[str]:
+        unknown = sorted(set(value) - WEBHOOK_EVENT_NAMES)
+        if unknown:
+            raise ValueError(
+                f"unknown event(s) {', '.join(unknown)}; "
+                f"choose from {', '.join(sorted(WEBHOOK_EVENT_NAMES))}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _ages_in_order(self) -> Settings:
+        if self.sent_max_age < self.sent_timeout:
+            raise ValueError(
+                f"OUTBOX_SENT_MAX_AGE ({self.sent_max_age:g}s) must be at least "
+                f"OUTBOX_SENT_TIMEOUT ({self.sent_timeout:g}s)"
+            )
+        return self
+
+
+def _describe(error: dict[str, Any]) -> str:
+    location = [str(part) for part in error.get("loc", ()) if part != "__root__"]
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    if not location:
+        return message
+    return f"{ENV_PREFIX}{location[0].upper()}: {message}"
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Read the settings from the environment, raising :class:`ConfigError` naming the variable."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(_describe(dict(error)) for error in exc.errors())
+        raise ConfigError(f"invalid configuration: {problems}") from exc
+
+
+@functools.cache
+def get_settings() -> Settings:
+    """The process-wide settings, read once."""
+    return load_settings()

@@ -1,0 +1,90 @@
+"""Typed errors of the outbox core.
+
+Every error the outbox raises on purpose derives from :class:`OutboxError`. Each class's
+docstring is its default message; identifiers travel as attributes so callers never parse
+a message. The CLI prints ``str(error)`` on one line and exits non-zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OutboxError(Exception):
+    """The outbox refused the request."""
+
+    def __init__(self, message: str | None = None, **attributes: Any) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+
+class ConfigError(OutboxError):
+    """A setting is invalid."""
+
+
+class DatabaseUnavailable(OutboxError):
+    """The database cannot be reached."""
+
+
+class SchemaNotReady(OutboxError):
+    """The outbox schema is missing or not at the latest revision; run `outbox db upgrade`."""
+
+
+class InvalidIntent(OutboxError):
+    """The intent is malformed; nothing was written.
+
+    ``field`` names the offending argument (``tool``, ``target``, ``payload``, ``intent_key``,
+    ``metadata``).
+    """
+
+    field: str
+
+
+class IntentConflict(OutboxError):
+    """The intent key is already used by an operation with another tool, target or payload.
+
+    ``intent_key`` is the reused key, ``operation_id`` the existing operation, and
+    ``differences`` the names of the fields that differ (a subset of ``tool``, ``target``,
+    ``payload``). Nothing was written.
+    """
+
+    intent_key: str
+    differences: tuple[str, ...]
+
+
+class OperationNotFound(OutboxError):
+    """No operation has this id."""
+
+
+class TransitionError(OutboxError):
+    """A state change was refused; nothing was written."""
+
+
+class TransitionNotAllowed(TransitionError):
+    """The state machine does not allow this actor to make this move.
+
+    Carries ``from_state``, ``to_state`` and ``actor``.
+    """
+
+
+class StaleTransition(TransitionError):
+    """The operation is no longer where the caller saw it (another component moved it first).
+
+    Carries ``operation_id``, the ``expected`` state (and attempt), and the ``actual`` ones.
+    """
+
+
+class ReplayDeadlinePassed(StaleTransition):
+    """The dedup window closed before the replay left: the replay deadline has passed."""
+
+
+class NotCancellable(TransitionError):
+    """The operation cannot be cancelled: an attempt may already have reached the remote."""
+
+
+class WaitTimeout(OutboxError):
+    """The operation did not settle before the timeout.
+
+    ``operation`` holds its state when the wait gave up.
+    """

@@ -1,0 +1,25 @@
+"""Advisory-lock keys: one 64-bit key space, namespaced so our locks never collide.
+
+PostgreSQL advisory locks take a signed 64-bit integer. Keys are the first 8 bytes of a
+BLAKE2b digest of ``namespace:name``, so an operation's lock key is the same in every
+process and on every host, and different namespaces (operations, migrations) cannot clash
+with each other or, in practice, with an application's own advisory locks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+#: Serialises concurrent ``outbox db upgrade`` runs.
+MIGRATION_NAMESPACE = "outbox.migrate"
+#: One lock per operation: whoever holds it owns the operation's next move.
+OPERATION_NAMESPACE = "outbox.operation"
+
+
+def advisory_key(namespace: str, name: str) -> int:
+    """The signed 64-bit advisory-lock key for ``name`` within ``namespace``."""
+    digest = hashlib.blake2b(f"{namespace}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+MIGRATION_LOCK_KEY = advisory_key(MIGRATION_NAMESPACE, "schema")

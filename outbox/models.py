@@ -1,0 +1,128 @@
+"""Read-only snapshots of rows: what the API hands back.
+
+An :class:`Operation` is a frozen copy, not a live ORM object, so no caller can change a
+state by assigning to an attribute: states change only through :func:`outbox.states.transition`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from sqlalchemy import Connection
+from sqlalchemy.orm import Session
+
+from outbox.states import SETTLED_STATES, TERMINAL_STATES, State
+
+#: Anything that can run a statement in the caller's transaction.
+Executor = Session | Connection
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """One consequential action, as recorded at the moment it was read."""
+
+    id: UUID
+    intent_key: str
+    tool: str
+    target: str
+    payload: Any
+    payload_hash: str
+    state: State
+    attempts: int
+    checks: int
+    maybe_applied: bool
+    remote_ref: str | None
+    result: Any
+    last_error: str | None
+    metadata: dict[str, Any]
+    requested_by: str | None
+    created_at: datetime
+    updated_at: datetime
+    available_at: datetime
+    published_at: datetime | None
+    first_sent_at: datetime | None
+    sent_at: datetime | None
+    next_check_at: datetime | None
+    replay_deadline: datetime | None
+    resolved_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[Any, Any]) -> Operation:
+        """Build a snapshot from a mapping holding every column of ``outbox.operations``."""
+        values = {field.name: row[field.name] for field in fields(cls)}
+        values["state"] = State(values["state"])
+        return cls(**values)
+
+    @property
+    def is_terminal(self) -> bool:
+        """Confirmed, failed or cancelled: nothing will ever move it again."""
+        return self.state in TERMINAL_STATES
+
+    @property
+    def is_settled(self) -> bool:
+        """Terminal, or waiting for a person: no component will move it on its own."""
+        return self.state in SETTLED_STATES
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready mapping (ids and times as strings), as ``--json`` prints it."""
+        data: dict[str, Any] = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, datetime):
+                value = _iso(value)
+            elif isinstance(value, UUID | State):
+                value = str(value)
+            data[field.name] = value
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One line of an operation's audit trail in ``outbox.events``."""
+
+    id: int
+    operation_id: UUID
+    from_state: State | None
+    to_state: State
+    attempt: int
+    actor: str
+    reason: str
+    detail: dict[str, Any] | None
+    at: datetime
+
+    @classmethod
+    def from_row(cls, row: Mapping[Any, Any]) -> Event:
+        """Build an event from a mapping holding every column of ``outbox.events``."""
+        from_state = row["from_state"]
+        return cls(
+            id=row["id"],
+            operation_id=row["operation_id"],
+            from_state=State(from_state) if from_state is not None else None,
+            to_state=State(row["to_state"]),
+            attempt=row["attempt"],
+            actor=row["actor"],
+            reason=row["reason"],
+            detail=row["detail"],
+            at=row["at"],
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready mapping, as ``ops show --json`` prints it."""
+        return {
+            "id": self.id,
+            "from_state": str(self.from_state) if self.from_state is not None else None,
+            "to_state": str(self.to_state),
+            "attempt": self.attempt,
+            "actor": self.actor,
+            "reason": self.reason,
+            "detail": self.detail,
+            "at": _iso(self.at),
+        }

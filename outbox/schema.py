@@ -1,0 +1,145 @@
+"""The outbox tables, in their own PostgreSQL schema ``outbox``.
+
+These SQLAlchemy Core tables are the canonical shape: the Alembic migrations must produce
+exactly them (``tests/integration/test_migrations.py`` compares the two). Invariants live here
+as named CHECK constraints, so a bug in any component cannot store an impossible row.
+Every timestamp defaults to ``clock_timestamp()``: the database clock decides, never a host's.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP, UUID
+
+from outbox.states import LIVE_STATES, TERMINAL_STATES, State
+
+SCHEMA = "outbox"
+
+metadata = MetaData(
+    schema=SCHEMA,
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    },
+)
+
+NOW = text("clock_timestamp()")
+
+
+def _quoted(states: frozenset[State]) -> str:
+    return ", ".join(f"'{state.value}'" for state in sorted(states, key=lambda s: s.value))
+
+
+def _timestamp(name: str, *, nullable: bool = True, now: bool = False) -> Column[object]:
+    return Column(
+        name,
+        TIMESTAMP(timezone=True),
+        nullable=nullable,
+        server_default=NOW if now else None,
+    )
+
+
+operations = Table(
+    "operations",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=text("outbox.uuid_v7()")),
+    Column("intent_key", Text, nullable=False),
+    Column("tool", Text, nullable=False),
+    Column("target", Text, nullable=False),
+    Column("payload", JSONB, nullable=False),
+    Column("payload_hash", Text, nullable=False),
+    Column("state", Text, nullable=False, server_default=State.PLANNED.value),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("checks", Integer, nullable=False, server_default="0"),
+    Column("maybe_applied", Boolean, nullable=False, server_default=text("false")),
+    Column("remote_ref", Text),
+    Column("result", JSONB),
+    Column("last_error", Text),
+    Column("metadata", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("requested_by", Text),
+    _timestamp("created_at", nullable=False, now=True),
+    _timestamp("updated_at", nullable=False, now=True),
+    _timestamp("available_at", nullable=False, now=True),
+    _timestamp("published_at"),
+    _timestamp("first_sent_at"),
+    _timestamp("sent_at"),
+    _timestamp("next_check_at"),
+    _timestamp("replay_deadline"),
+    _timestamp("resolved_at"),
+    UniqueConstraint("intent_key"),
+    CheckConstraint(f"state IN ({_quoted(frozenset(State))})", name="state_known"),
+    CheckConstraint("char_length(intent_key) BETWEEN 1 AND 255", name="intent_key_length"),
+    CheckConstraint("char_length(tool) BETWEEN 1 AND 128", name="tool_length"),
+    CheckConstraint("target <> ''", name="target_not_empty"),
+    CheckConstraint("payload_hash ~ '^[0-9a-f]{64}$'", name="payload_hash_sha256"),
+    CheckConstraint("attempts >= 0 AND checks >= 0", name="counters_not_negative"),
+    CheckConstraint(
+        "state <> 'confirmed' OR coalesce(remote_ref, '') <> ''", name="confirmed_has_remote_ref"
+    ),
+    CheckConstraint(
+        f"(state IN ({_quoted(TERMINAL_STATES)})) = (resolved_at IS NOT NULL)",
+        name="terminal_iff_resolved",
+    ),
+    CheckConstraint(
+        "state <> 'sent' OR (attempts > 0 AND sent_at IS NOT NULL)", name="sent_has_attempt"
+    ),
+    CheckConstraint(
+        "(attempts = 0) = (first_sent_at IS NULL) AND (first_sent_at IS NULL) = (sent_at IS NULL)"
+        " AND (first_sent_at IS NULL OR first_sent_at <= sent_at)",
+        name="sent_times_consistent",
+    ),
+    CheckConstraint("state <> 'cancelled' OR NOT maybe_applied", name="cancelled_never_applied"),
+    # The live queues each component scans: partial, so terminal rows cost nothing.
+    Index("ix_operations_planned_due", "available_at", postgresql_where=text("state = 'planned'")),
+    Index("ix_operations_sent_since", "sent_at", postgresql_where=text("state = 'sent'")),
+    Index(
+        "ix_operations_unknown_next_check",
+        "next_check_at",
+        postgresql_where=text("state = 'unknown'"),
+    ),
+    Index(
+        "ix_operations_needs_human_since",
+        "updated_at",
+        postgresql_where=text("state = 'needs_human'"),
+    ),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column(
+        "operation_id",
+        UUID(as_uuid=True),
+        ForeignKey("outbox.operations.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("from_state", Text),
+    Column("to_state", Text, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("actor", Text, nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("detail", JSONB),
+    _timestamp("at", nullable=False, now=True),
+    Index("ix_events_operation_id_id", "operation_id", "id"),
+)
+
+#: The states in which some component still has work to do; used by monitoring queries.
+LIVE_STATE_VALUES = tuple(sorted(state.value for state in LIVE_STATES))
