@@ -1,0 +1,94 @@
+"""Fixtures shared by every test: a real PostgreSQL, a fresh database per test session.
+
+``OUTBOX_TEST_DATABASE_URL`` points at a server on which the tests may create and drop
+databases (CI: the machine's PostgreSQL). Unset, the tests start the embedded PostgreSQL
+under ``.outbox-test/``, which is what a new user's machine does.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, make_url, text
+from sqlalchemy.orm import Session
+
+from outbox import embedded, migrate
+from outbox.db import create_engine
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def admin_url() -> str:
+    """A URL on a server where the tests may create databases."""
+    configured = os.environ.get("OUTBOX_TEST_DATABASE_URL")
+    if configured:
+        return configured
+    return embedded.ensure_running(REPO / ".outbox-test")
+
+
+class Databases:
+    """Creates throw-away databases on the test server and drops them at the end."""
+
+    def __init__(self, admin_url: str) -> None:
+        self.admin_url = admin_url
+        self.admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+        self.created: list[str] = []
+
+    def create(self) -> str:
+        """A new, empty database; returns its URL."""
+        name = f"outbox_test_{uuid.uuid4().hex[:12]}"
+        with self.admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        self.created.append(name)
+        return make_url(self.admin_url).set(database=name).render_as_string(hide_password=False)
+
+    def drop_all(self) -> None:
+        with self.admin.connect() as conn:
+            for name in self.created:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        self.admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def databases(admin_url: str) -> Iterator[Databases]:
+    """The factory of throw-away databases."""
+    factory = Databases(admin_url)
+    yield factory
+    factory.drop_all()
+
+
+@pytest.fixture(scope="session")
+def database_url(databases: Databases) -> str:
+    """A database migrated to head, shared by the session (tables emptied per test)."""
+    url = databases.create()
+    engine = create_engine(url)
+    migrate.upgrade(engine)
+    engine.dispose()
+    return url
+
+
+@pytest.fixture(scope="session")
+def _session_engine(database_url: str) -> Iterator[Engine]:
+    engine = create_engine(database_url, pool_size=10, max_overflow=20)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def engine(_session_engine: Engine) -> Engine:
+    """An engine on the migrated test database, emptied before the test."""
+    with _session_engine.begin() as conn:
+        conn.execute(text("TRUNCATE outbox.operations, outbox.events"))
+    return _session_engine
+
+
+@pytest.fixture
+def session(engine: Engine) -> Iterator[Session]:
+    """A session on the emptied test database; the test begins and commits as it needs."""
+    with Session(engine) as db_session:
+        yield db_session

@@ -1,0 +1,94 @@
+"""Operations in any state, built through the real state machine so every column agrees."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+from uuid import UUID
+
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+from outbox import api
+from outbox.models import Operation
+from outbox.states import Actor, Effects, State, transition
+
+_counter = itertools.count()
+
+# The real moves that lead from `planned` to each state.
+_PATHS: dict[State, list[tuple[State, State, Actor, Effects]]] = {
+    State.PLANNED: [],
+    State.SENT: [(State.PLANNED, State.SENT, Actor.DISPATCHER, Effects())],
+    State.CONFIRMED: [
+        (State.PLANNED, State.SENT, Actor.DISPATCHER, Effects()),
+        (State.SENT, State.CONFIRMED, Actor.DISPATCHER, Effects(remote_ref="rel-1")),
+    ],
+    State.FAILED: [
+        (State.PLANNED, State.SENT, Actor.DISPATCHER, Effects()),
+        (State.SENT, State.FAILED, Actor.DISPATCHER, Effects(last_error="422 refused")),
+    ],
+    State.UNKNOWN: [
+        (State.PLANNED, State.SENT, Actor.DISPATCHER, Effects()),
+        (State.SENT, State.UNKNOWN, Actor.DISPATCHER, Effects(last_error="read timeout")),
+    ],
+    State.NEEDS_HUMAN: [
+        (State.PLANNED, State.SENT, Actor.DISPATCHER, Effects()),
+        (State.SENT, State.UNKNOWN, Actor.DISPATCHER, Effects(last_error="read timeout")),
+        (State.UNKNOWN, State.NEEDS_HUMAN, Actor.RECONCILER, Effects()),
+    ],
+    State.CANCELLED: [(State.PLANNED, State.CANCELLED, Actor.AGENT, Effects())],
+}
+
+
+def make_operation(
+    engine: Engine,
+    state: State = State.PLANNED,
+    *,
+    tool: str = "deploy.create_release",
+    target: str = "project-a",
+    payload: dict[str, Any] | None = None,
+    intent_key: str | None = None,
+) -> Operation:
+    """A committed operation in ``state``, reached by the moves a real run would make."""
+    with Session(engine) as session, session.begin():
+        op = api.enqueue(
+            session,
+            tool=tool,
+            target=target,
+            payload=payload if payload is not None else {"n": next(_counter)},
+            intent_key=intent_key,
+        )
+        for from_state, to_state, actor, effects in _PATHS[state]:
+            op = transition(
+                session,
+                op.id,
+                from_state=from_state,
+                to_state=to_state,
+                actor=actor,
+                reason="factory",
+                effects=effects,
+            )
+    return op
+
+
+def age(engine: Engine, operation_id: UUID, seconds: float, *columns: str) -> None:
+    """Move the given timestamp columns of one operation ``seconds`` into the past."""
+    assignments = ", ".join(
+        f"{column} = {column} - make_interval(secs => :s)" for column in columns
+    )
+    with engine.begin() as conn:
+        conn.execute(
+            text(f"UPDATE outbox.operations SET {assignments} WHERE id = :id"),
+            {"s": seconds, "id": operation_id},
+        )
+
+
+def event_count(engine: Engine, operation_id: UUID | None = None) -> int:
+    """How many audit rows exist (for one operation, or in all)."""
+    query = "SELECT count(*) FROM outbox.events"
+    params: dict[str, Any] = {}
+    if operation_id is not None:
+        query += " WHERE operation_id = :id"
+        params["id"] = operation_id
+    with engine.connect() as conn:
+        return int(conn.execute(text(query), params).scalar_one())
