@@ -1,0 +1,78 @@
+"""``outbox enqueue``: record one intent from the shell (scripts, other runtimes, tests)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from outbox import api
+from outbox.cli.common import transaction
+from outbox.cli.output import console, print_json
+from outbox.errors import InvalidIntent
+
+
+def _read_json(value: str, option: str) -> Any:
+    """Parse ``value`` as JSON; ``@path`` reads a file and ``@-`` standard input."""
+    if value.startswith("@"):
+        source = value[1:]
+        try:
+            value = sys.stdin.read() if source == "-" else Path(source).read_text("utf-8")
+        except OSError as exc:
+            raise InvalidIntent(f"{option}: cannot read {source}: {exc.strerror}") from exc
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise InvalidIntent(f"{option} is not valid JSON: {exc}") from exc
+
+
+def enqueue_command(
+    *,
+    tool: Annotated[str, typer.Option(help="Registered tool name, e.g. deploy.create_release.")],
+    target: Annotated[str, typer.Option(help="What the tool acts on, e.g. a project name.")],
+    payload: Annotated[
+        str, typer.Option(help="The tool's input: a JSON object, @file, or @- for stdin.")
+    ],
+    key: Annotated[
+        str | None,
+        typer.Option(
+            help="Intent key naming this effect across retries (default: the new id). "
+            "The same key with the same input returns the existing operation."
+        ),
+    ] = None,
+    metadata: Annotated[
+        str | None, typer.Option(help="A JSON object stored beside the operation.")
+    ] = None,
+    requested_by: Annotated[
+        str | None, typer.Option(help="Who asked for it (an agent or user name).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the operation as JSON.")] = False,
+) -> None:
+    """Record the intent of one consequential action; the relay will deliver it.
+
+    Prints the operation. Run it again with the same --key and the same input and you get
+    the same operation back; the same --key with another tool, target or payload fails with
+    an intent key conflict and writes nothing.
+    """
+    with transaction() as session:
+        op = api.enqueue(
+            session,
+            tool=tool,
+            target=target,
+            payload=_read_json(payload, "--payload"),
+            intent_key=key,
+            metadata=_read_json(metadata, "--metadata") if metadata is not None else None,
+            requested_by=requested_by,
+        )
+    if as_json:
+        print_json(op.to_dict())
+        return
+    console.print(
+        f"[bold]{op.id}[/]  {op.state.value}  {op.tool} -> {op.target}  "
+        f"key={op.intent_key}  attempts={op.attempts}",
+        highlight=False,
+        soft_wrap=True,
+    )
