@@ -50,11 +50,14 @@ class IntentConflict(OutboxError):
     """
 
     intent_key: str
+    operation_id: object
     differences: tuple[str, ...]
 
 
 class OperationNotFound(OutboxError):
     """No operation has this id."""
+
+    operation_id: object
 
 
 class TransitionError(OutboxError):
@@ -67,12 +70,20 @@ class TransitionNotAllowed(TransitionError):
     Carries ``from_state``, ``to_state`` and ``actor``.
     """
 
+    from_state: object
+    to_state: object
+    actor: object
+
 
 class StaleTransition(TransitionError):
     """The operation is no longer where the caller saw it (another component moved it first).
 
     Carries ``operation_id``, the ``expected`` state (and attempt), and the ``actual`` ones.
     """
+
+    operation_id: object
+    expected: tuple[object, int | None]
+    actual: tuple[object, int]
 
 
 class ReplayDeadlinePassed(StaleTransition):
@@ -82,9 +93,13 @@ class ReplayDeadlinePassed(StaleTransition):
 class NotCancellable(TransitionError):
     """The operation cannot be cancelled: an attempt may already have reached the remote."""
 
+    operation_id: object
+
 
 class WaitTimeout(OutboxError):
     """The operation did not settle before the timeout.
 
     ``operation`` holds its state when the wait gave up.
     """
+
+    operation: object

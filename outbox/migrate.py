@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass
 
 from alembic import command
@@ -15,6 +16,11 @@ from outbox.schema import SCHEMA
 
 SCRIPT_LOCATION = "outbox:migrations"
 VERSION_TABLE = "alembic_version"
+
+# Alembic's `context` and `op` are process-wide proxies, so two commands running in threads
+# of one process would drive each other's migration. The advisory lock in env.py serialises
+# processes; this serialises the threads of one process.
+_ALEMBIC_COMMAND = threading.Lock()
 
 
 def alembic_config(output: io.StringIO | None = None) -> Config:
@@ -35,7 +41,7 @@ def head() -> str:
 def upgrade(engine: Engine, revision: str = "head") -> None:
     """Bring the ``outbox`` schema to ``revision``; concurrent callers serialise and all succeed."""
     config = alembic_config()
-    with engine.connect() as connection:
+    with _ALEMBIC_COMMAND, engine.connect() as connection:
         config.attributes["connection"] = connection
         command.upgrade(config, revision)
 
@@ -43,7 +49,8 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 def sql(revision: str = "head") -> str:
     """The DDL that upgrades an empty database to ``revision``, without connecting."""
     output = io.StringIO()
-    command.upgrade(alembic_config(output), revision, sql=True)
+    with _ALEMBIC_COMMAND:
+        command.upgrade(alembic_config(output), revision, sql=True)
     return output.getvalue()
 
 

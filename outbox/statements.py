@@ -131,6 +131,17 @@ def _seconds(value: float) -> ColumnElement[Any]:
     return literal(timedelta(seconds=value), INTERVAL)
 
 
+def _replay_deadline(from_state: State, effects: Effects) -> ColumnElement[Any]:
+    """The deadline of a move into ``planned``: set by a replay, kept by an undelivered attempt."""
+    if effects.replay_window_s is not None:
+        return operations.c.first_sent_at + _seconds(effects.replay_window_s)
+    if from_state is State.SENT:
+        # sent->planned means the attempt provably never left: the row is the same replay it
+        # was before, and its next attempt must still leave inside the dedup window.
+        return operations.c.replay_deadline
+    return null()
+
+
 def _changes(from_state: State, to_state: State, effects: Effects) -> dict[str, Any]:
     """The column values a move writes, by the rules of DESIGN.md's bookkeeping columns."""
     o = operations.c
@@ -149,11 +160,7 @@ def _changes(from_state: State, to_state: State, effects: Effects) -> dict[str, 
             "available_at": now + _seconds(effects.available_in_s),
             "next_check_at": null(),
             "checks": 0,
-            "replay_deadline": (
-                o.first_sent_at + _seconds(effects.replay_window_s)
-                if effects.replay_window_s is not None
-                else null()
-            ),
+            "replay_deadline": _replay_deadline(from_state, effects),
         }
     elif to_state is State.UNKNOWN:
         values |= {"next_check_at": now + _seconds(effects.check_in_s)}

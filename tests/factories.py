@@ -9,8 +9,8 @@ from uuid import UUID
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import api
-from outbox.models import Operation
+from outbox import api, statements
+from outbox.models import Event, Operation
 from outbox.states import Actor, Effects, State, transition
 
 _counter = itertools.count()
@@ -92,3 +92,55 @@ def event_count(engine: Engine, operation_id: UUID | None = None) -> int:
         params["id"] = operation_id
     with engine.connect() as conn:
         return int(conn.execute(text(query), params).scalar_one())
+
+
+def move(
+    engine: Engine,
+    operation: Operation,
+    to_state: State,
+    actor: Actor,
+    effects: Effects | None = None,
+    *,
+    reason: str = "test",
+) -> Operation:
+    """Commit one real transition of ``operation`` from the state it was read in."""
+    with Session(engine) as session, session.begin():
+        return transition(
+            session,
+            operation.id,
+            from_state=operation.state,
+            to_state=to_state,
+            actor=actor,
+            reason=reason,
+            attempt=operation.attempts,
+            effects=effects or Effects(),
+        )
+
+
+def reload(engine: Engine, operation_id: UUID) -> Operation:
+    """The committed row of one operation, read on a fresh connection."""
+    with engine.connect() as conn:
+        found = api.get(conn, operation_id)
+    assert found is not None, f"operation {operation_id} vanished"
+    return found
+
+
+def events_of(engine: Engine, operation_id: UUID) -> list[Event]:
+    """One operation's committed audit trail, oldest first."""
+    with engine.connect() as conn:
+        return statements.list_events(conn, operation_id)
+
+
+def operation_count(engine: Engine) -> int:
+    """How many operations are committed."""
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT count(*) FROM outbox.operations")).scalar_one())
+
+
+def mark_published(engine: Engine, operation_id: UUID) -> None:
+    """Stamp ``published_at`` as the relay does when it hands a planned row to the broker."""
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE outbox.operations SET published_at = clock_timestamp() WHERE id = :id"),
+            {"id": operation_id},
+        )

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.acceptance.conftest import CLI, REPO, clean_environment, run_outbox
+from tests.acceptance.conftest import CLI, REPO, Result, clean_environment, run_outbox
 from tests.conftest import Databases
 
 TOOL = "deploy.create_release"
 
 
-def _enqueue(outbox_cli: CLI, payload: str, *extra: str) -> object:
+def _enqueue(outbox_cli: CLI, payload: str, *extra: str) -> Result:
     return outbox_cli(
         "enqueue", "--tool", TOOL, "--target", "project-a", "--payload", payload, *extra
     )

@@ -92,38 +92,41 @@ def upgrade() -> None:
         _ts("resolved_at"),
         sa.PrimaryKeyConstraint("id", name="pk_operations"),
         sa.UniqueConstraint("intent_key", name="uq_operations_intent_key"),
-        sa.CheckConstraint(f"state IN ({STATES})", name="ck_operations_state_known"),
+        sa.CheckConstraint(f"state IN ({STATES})", name=op.f("ck_operations_state_known")),
         sa.CheckConstraint(
-            "char_length(intent_key) BETWEEN 1 AND 255", name="ck_operations_intent_key_length"
-        ),
-        sa.CheckConstraint("char_length(tool) BETWEEN 1 AND 128", name="ck_operations_tool_length"),
-        sa.CheckConstraint("target <> ''", name="ck_operations_target_not_empty"),
-        sa.CheckConstraint(
-            "payload_hash ~ '^[0-9a-f]{64}$'", name="ck_operations_payload_hash_sha256"
+            "char_length(intent_key) BETWEEN 1 AND 255",
+            name=op.f("ck_operations_intent_key_length"),
         ),
         sa.CheckConstraint(
-            "attempts >= 0 AND checks >= 0", name="ck_operations_counters_not_negative"
+            "char_length(tool) BETWEEN 1 AND 128", name=op.f("ck_operations_tool_length")
+        ),
+        sa.CheckConstraint("target <> ''", name=op.f("ck_operations_target_not_empty")),
+        sa.CheckConstraint(
+            "payload_hash ~ '^[0-9a-f]{64}$'", name=op.f("ck_operations_payload_hash_sha256")
+        ),
+        sa.CheckConstraint(
+            "attempts >= 0 AND checks >= 0", name=op.f("ck_operations_counters_not_negative")
         ),
         sa.CheckConstraint(
             "state <> 'confirmed' OR coalesce(remote_ref, '') <> ''",
-            name="ck_operations_confirmed_has_remote_ref",
+            name=op.f("ck_operations_confirmed_has_remote_ref"),
         ),
         sa.CheckConstraint(
             f"(state IN ({TERMINAL})) = (resolved_at IS NOT NULL)",
-            name="ck_operations_terminal_iff_resolved",
+            name=op.f("ck_operations_terminal_iff_resolved"),
         ),
         sa.CheckConstraint(
             "state <> 'sent' OR (attempts > 0 AND sent_at IS NOT NULL)",
-            name="ck_operations_sent_has_attempt",
+            name=op.f("ck_operations_sent_has_attempt"),
         ),
         sa.CheckConstraint(
             "(attempts = 0) = (first_sent_at IS NULL) AND (first_sent_at IS NULL) = (sent_at IS NULL)"
             " AND (first_sent_at IS NULL OR first_sent_at <= sent_at)",
-            name="ck_operations_sent_times_consistent",
+            name=op.f("ck_operations_sent_times_consistent"),
         ),
         sa.CheckConstraint(
             "state <> 'cancelled' OR NOT maybe_applied",
-            name="ck_operations_cancelled_never_applied",
+            name=op.f("ck_operations_cancelled_never_applied"),
         ),
         schema="outbox",
     )

@@ -1,0 +1,149 @@
+"""Settings from ``OUTBOX_*`` variables: valid defaults, clear errors naming the variable."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from outbox.config import WEBHOOK_EVENT_NAMES, load_settings
+from outbox.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with no ``OUTBOX_*`` variable set (the developer's shell may set some)."""
+    for name in list(os.environ):
+        if name.startswith("OUTBOX_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults_are_valid_with_no_variable() -> None:
+    """With nothing configured the settings load, with the documented defaults."""
+    settings = load_settings()
+    assert settings.database_url is None
+    assert settings.broker_url is None
+    assert settings.home == Path(".outbox")
+    assert settings.tools == []
+    assert settings.sent_timeout == 60.0
+    assert settings.sent_max_age == 3600.0
+    assert settings.sent_max_age >= settings.sent_timeout
+    assert settings.webhook_url is None
+    assert settings.webhook_events == ["needs_human", "resolved"]
+    assert settings.max_payload_bytes == 256 * 1024
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("OUTBOX_SENT_TIMEOUT", "abc"),
+        ("OUTBOX_SENT_TIMEOUT", "-1"),
+        ("OUTBOX_SENT_TIMEOUT", "0"),
+        ("OUTBOX_SENT_MAX_AGE", "-5"),
+        ("OUTBOX_SWEEP_INTERVAL", "soon"),
+        ("OUTBOX_REPUBLISH_AFTER", "0"),
+        ("OUTBOX_MAX_PAYLOAD_BYTES", "0"),
+        ("OUTBOX_MAX_PAYLOAD_BYTES", "1.5"),
+        ("OUTBOX_WEBHOOK_URL", "ftp://x"),
+        ("OUTBOX_WEBHOOK_URL", "not a url"),
+        ("OUTBOX_WEBHOOK_EVENTS", "bogus"),
+        ("OUTBOX_WEBHOOK_EVENTS", "needs_human,bogus"),
+    ],
+)
+def test_invalid_value_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    """An invalid value raises ConfigError whose message names the offending variable."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=f"{variable}:"):
+        load_settings()
+
+
+def test_unknown_webhook_event_is_named() -> None:
+    """An unknown webhook event is named, with the events that may be chosen."""
+    with pytest.raises(ConfigError, match="bogus") as caught:
+        load_settings(webhook_events="needs_human,bogus")
+    assert all(name in str(caught.value) for name in WEBHOOK_EVENT_NAMES)
+
+
+def test_sent_max_age_below_sent_timeout_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OUTBOX_SENT_MAX_AGE smaller than OUTBOX_SENT_TIMEOUT is refused, naming both variables."""
+    monkeypatch.setenv("OUTBOX_SENT_TIMEOUT", "100")
+    monkeypatch.setenv("OUTBOX_SENT_MAX_AGE", "50")
+    with pytest.raises(ConfigError) as caught:
+        load_settings()
+    assert "OUTBOX_SENT_MAX_AGE" in str(caught.value)
+    assert "OUTBOX_SENT_TIMEOUT" in str(caught.value)
+
+
+def test_sent_max_age_below_the_default_timeout_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lowering only OUTBOX_SENT_MAX_AGE below the default sent timeout is refused too."""
+    monkeypatch.setenv("OUTBOX_SENT_MAX_AGE", "30")
+    with pytest.raises(ConfigError, match="OUTBOX_SENT_MAX_AGE"):
+        load_settings()
+
+
+def test_sent_max_age_equal_to_sent_timeout_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OUTBOX_SENT_MAX_AGE equal to OUTBOX_SENT_TIMEOUT is the smallest accepted value."""
+    monkeypatch.setenv("OUTBOX_SENT_TIMEOUT", "90")
+    monkeypatch.setenv("OUTBOX_SENT_MAX_AGE", "90")
+    settings = load_settings()
+    assert settings.sent_timeout == settings.sent_max_age == 90.0
+
+
+def test_every_problem_is_reported_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several invalid variables are all named in one ConfigError."""
+    monkeypatch.setenv("OUTBOX_SENT_TIMEOUT", "abc")
+    monkeypatch.setenv("OUTBOX_WEBHOOK_URL", "ftp://x")
+    with pytest.raises(ConfigError) as caught:
+        load_settings()
+    assert "OUTBOX_SENT_TIMEOUT" in str(caught.value)
+    assert "OUTBOX_WEBHOOK_URL" in str(caught.value)
+
+
+def test_tools_are_comma_separated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OUTBOX_TOOLS is split on commas, blanks trimmed and empty items dropped."""
+    monkeypatch.setenv("OUTBOX_TOOLS", " myapp.tools , other.mod,,third ")
+    assert load_settings().tools == ["myapp.tools", "other.mod", "third"]
+
+
+def test_single_tool_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single module name in OUTBOX_TOOLS is a one-item list."""
+    monkeypatch.setenv("OUTBOX_TOOLS", "myapp.tools")
+    assert load_settings().tools == ["myapp.tools"]
+
+
+def test_webhook_events_are_comma_separated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OUTBOX_WEBHOOK_EVENTS is a comma-separated list of known events."""
+    monkeypatch.setenv("OUTBOX_WEBHOOK_EVENTS", "confirmed, failed")
+    assert load_settings().webhook_events == ["confirmed", "failed"]
+
+
+def test_valid_values_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Valid variables are read and converted to their types."""
+    monkeypatch.setenv("OUTBOX_SENT_TIMEOUT", "2.5")
+    monkeypatch.setenv("OUTBOX_SENT_MAX_AGE", "120")
+    monkeypatch.setenv("OUTBOX_WEBHOOK_URL", "https://hooks.example.com/outbox")
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://u:secret@db/outbox")
+    settings = load_settings()
+    assert settings.sent_timeout == 2.5
+    assert settings.sent_max_age == 120.0
+    assert str(settings.webhook_url) == "https://hooks.example.com/outbox"
+    assert settings.database_url is not None
+    assert settings.database_url.get_secret_value() == "postgresql://u:secret@db/outbox"
+
+
+def test_database_url_is_not_printed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The database URL is a secret: its password does not appear in the settings' repr."""
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://u:hunter2@db/outbox")
+    assert "hunter2" not in repr(load_settings())
+
+
+def test_settings_are_frozen() -> None:
+    """Loaded settings cannot be changed by assignment."""
+    settings = load_settings()
+    with pytest.raises(ValueError, match="frozen"):
+        settings.sent_timeout = 5.0
