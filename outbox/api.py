@@ -19,6 +19,7 @@ from sqlalchemy import Engine, text
 from outbox import statements
 from outbox.canonical import NotCanonicalizable, canonical_json, payload_hash
 from outbox.config import get_settings
+from outbox.contracts import CONTRACTS
 from outbox.db import get_engine
 from outbox.errors import (
     IntentConflict,
@@ -193,6 +194,9 @@ def _check_tool(tool: Any) -> None:
             f"starting with a letter, at most {MAX_TOOL_LENGTH} characters",
             field="tool",
         )
+    if CONTRACTS.loaded and CONTRACTS.get(tool) is None:
+        known = ", ".join(CONTRACTS.names()) or "none"
+        raise InvalidIntent(f"unknown tool {tool!r}; registered tools: {known}", field="tool")
 
 
 def _check_target(target: Any) -> None:

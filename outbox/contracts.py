@@ -1,0 +1,122 @@
+"""What the core knows about tools: their names and their contracts, in a plain table.
+
+The executable tools live in ``workers.tools``; they register their :class:`ToolContract`
+here, so the core (``enqueue``'s check for unknown tools, operator resolution's in-flight
+horizon) never imports the layer above. A contract is validated when it is built:
+contradictory values are refused with a :class:`ConfigError` naming the tool and the field.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from outbox.errors import ConfigError
+
+#: Slack between "the last byte a dispatcher may send" and "a request can no longer land":
+#: covers scheduling delays and the remote's own queueing.
+INFLIGHT_MARGIN_S = 5.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class DedupContract:
+    """The remote's promise: the same key with the same payload within ``window_s`` is one effect."""
+
+    #: How long after the first request the remote remembers a key.
+    window_s: float
+    #: Safety margin taken off the window's end: covers clock skew between the database
+    #: and the remote, and the replay's own travel time.
+    margin_s: float = 300.0
+    #: True if the remote also deduplicates *concurrent* same-key requests, so a replay may
+    #: leave while the previous attempt could still be in flight.
+    concurrent_safe: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolContract:
+    """The knobs of one tool (the same names as the TOML keys, without ``_s`` for Python)."""
+
+    name: str
+    #: Total deadline of one call, all phases together; no retries inside a call.
+    timeout_s: float = 10.0
+    #: Longest time from the `sent` commit to the first byte; later, the call is not made.
+    send_deadline_s: float = 2.0
+    #: After this long, a request sent at ``sent_at`` can no longer land at the remote.
+    inflight_horizon_s: float = 600.0
+    #: Inconclusive lookups before falling through to the dedup rule or a human.
+    max_checks: int = 12
+    #: Attempts (sends) before the operation goes to a human.
+    max_attempts: int = 5
+    #: Whether the tool can ask the remote if the effect happened.
+    has_lookup: bool = False
+    #: The remote's deduplication contract, if it has one.
+    dedup: DedupContract | None = None
+
+    def __post_init__(self) -> None:
+        for problem in self._problems():
+            raise ConfigError(f"tool {self.name!r}: {problem}")
+
+    def _problems(self) -> Iterator[str]:
+        positive = {
+            "timeout_s": self.timeout_s,
+            "send_deadline_s": self.send_deadline_s,
+            "inflight_horizon_s": self.inflight_horizon_s,
+            "max_checks": self.max_checks,
+            "max_attempts": self.max_attempts,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                yield f"{name} must be positive, not {value}"
+        floor = self.send_deadline_s + self.timeout_s + INFLIGHT_MARGIN_S
+        if self.inflight_horizon_s < floor:
+            yield (
+                f"inflight_horizon_s ({self.inflight_horizon_s:g}) must be at least "
+                f"send_deadline_s + timeout_s + {INFLIGHT_MARGIN_S:g}s margin ({floor:g}): "
+                "before that a request may still be on its way"
+            )
+        if self.dedup is not None:
+            if self.dedup.margin_s < 0:
+                yield f"dedup margin_s must not be negative, not {self.dedup.margin_s:g}"
+            if self.dedup.window_s <= self.dedup.margin_s:
+                yield (
+                    f"dedup window_s ({self.dedup.window_s:g}) must exceed its margin_s "
+                    f"({self.dedup.margin_s:g})"
+                )
+
+
+@dataclass
+class ContractTable:
+    """The tools this process knows. ``loaded`` is False until a registry has been loaded:
+    until then ``enqueue`` accepts any tool name (a pure agent process needs no tools)."""
+
+    _contracts: dict[str, ToolContract] = field(default_factory=dict)
+    loaded: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def register(self, contract: ToolContract) -> None:
+        """Add or replace the contract of ``contract.name``."""
+        with self._lock:
+            self._contracts[contract.name] = contract
+
+    def get(self, name: str) -> ToolContract | None:
+        """The contract of tool ``name``, or ``None``."""
+        return self._contracts.get(name)
+
+    def names(self) -> list[str]:
+        """Registered tool names, sorted."""
+        return sorted(self._contracts)
+
+    def mark_loaded(self) -> None:
+        """Declare the table complete: from now on unknown tools are refused."""
+        self.loaded = True
+
+    def clear(self) -> None:
+        """Forget every contract (tests)."""
+        with self._lock:
+            self._contracts.clear()
+            self.loaded = False
+
+
+#: The process-wide table.
+CONTRACTS = ContractTable()

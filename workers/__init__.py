@@ -1,0 +1,1 @@
+"""Dispatch workers: the Celery app, the dispatch protocol, advisory locks, the tools."""
