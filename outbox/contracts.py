@@ -21,7 +21,7 @@ INFLIGHT_MARGIN_S = 5.0
 
 @dataclass(frozen=True, kw_only=True)
 class DedupContract:
-    """The remote's promise: the same key with the same payload within ``window_s`` is one effect."""
+    """The remote promises: one key with one payload within ``window_s`` is one effect."""
 
     #: How long after the first request the remote remembers a key.
     window_s: float
