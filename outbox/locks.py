@@ -23,3 +23,8 @@ def advisory_key(namespace: str, name: str) -> int:
 
 
 MIGRATION_LOCK_KEY = advisory_key(MIGRATION_NAMESPACE, "schema")
+
+
+def operation_lock_key(operation_id: object) -> int:
+    """The advisory-lock key owning one operation's next move (dispatch, sweep, resolve)."""
+    return advisory_key(OPERATION_NAMESPACE, str(operation_id))

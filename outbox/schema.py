@@ -143,3 +143,15 @@ events = Table(
 
 #: The states in which some component still has work to do; used by monitoring queries.
 LIVE_STATE_VALUES = tuple(sorted(state.value for state in LIVE_STATES))
+
+#: Running relays. ``idle`` says one sleeps on LISTEN, so ``enqueue`` rings the bell only then.
+relays = Table(
+    "relays",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("pid", Integer, nullable=False),
+    Column("host", Text, nullable=False),
+    Column("idle", Boolean, nullable=False, server_default=text("false")),
+    _timestamp("started_at", nullable=False, now=True),
+    _timestamp("heartbeat_at", nullable=False, now=True),
+)

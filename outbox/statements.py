@@ -51,7 +51,12 @@ _INSERT_INTENT = text(
         INSERT INTO outbox.events (operation_id, from_state, to_state, attempt, actor, reason)
         SELECT id, NULL, state, attempts, 'agent', 'enqueued' FROM inserted
     )
-    SELECT * FROM inserted
+    SELECT inserted.*,
+           -- Ring the relay only while one sleeps: NOTIFY serialises commits cluster-wide,
+           -- so a busy relay (which polls anyway) must not cost the agent's commit that lock.
+           (SELECT pg_notify('outbox_planned', '')
+            WHERE EXISTS (SELECT FROM outbox.relays WHERE idle)) AS rang
+    FROM inserted
     """
 )
 
@@ -235,3 +240,158 @@ def move(
     query = select(*columns).add_cte(logged.cte("logged"))
     row = executor.execute(query).mappings().one_or_none()
     return Operation.from_row(row) if row is not None else None
+
+
+# --- relay ------------------------------------------------------------------------------
+
+#: NOTIFY channel the relay listens on; rung by enqueue only while some relay is idle.
+PLANNED_CHANNEL = "outbox_planned"
+
+_CLAIM_DUE = text(
+    """
+    SELECT id, tool, target FROM outbox.operations
+    WHERE state = 'planned'
+      AND available_at <= clock_timestamp()
+      AND (published_at IS NULL
+           OR published_at <= clock_timestamp() - make_interval(secs => :republish_after))
+    ORDER BY available_at
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+    """
+)
+
+
+def claim_due(
+    executor: Executor, *, limit: int, republish_after_s: float
+) -> list[tuple[UUID, str, str]]:
+    """Lock up to ``limit`` due ``planned`` rows not published recently: (id, tool, target).
+
+    ``SKIP LOCKED`` lets several relays claim disjoint batches; the row locks last until the
+    caller's transaction ends, so a batch is published by one relay at a time.
+    """
+    rows = executor.execute(_CLAIM_DUE, {"limit": limit, "republish_after": republish_after_s})
+    return [(row.id, row.tool, row.target) for row in rows]
+
+
+def mark_published(executor: Executor, operation_ids: list[UUID]) -> int:
+    """Record that these rows' messages were confirmed by the broker; returns rows updated."""
+    if not operation_ids:
+        return 0
+    result = executor.execute(
+        text(
+            "UPDATE outbox.operations SET published_at = clock_timestamp() "
+            "WHERE id = ANY(:ids) AND state = 'planned'"
+        ),
+        {"ids": operation_ids},
+    )
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def announce_relay(executor: Executor, name: str, *, pid: int, host: str, idle: bool) -> None:
+    """Record a running relay and whether it sleeps on LISTEN (then enqueue rings the bell).
+
+    An upsert, so it doubles as the heartbeat and survives a peer's clean-up of its row.
+    """
+    executor.execute(
+        text(
+            "INSERT INTO outbox.relays (name, pid, host, idle) VALUES (:name, :pid, :host, :idle) "
+            "ON CONFLICT (name) DO UPDATE SET idle = :idle, heartbeat_at = clock_timestamp()"
+        ),
+        {"name": name, "pid": pid, "host": host, "idle": idle},
+    )
+
+
+def any_due_unpublished(executor: Executor) -> bool:
+    """Whether some due ``planned`` row has never been published."""
+    row = executor.execute(
+        text(
+            "SELECT EXISTS (SELECT FROM outbox.operations WHERE state = 'planned' "
+            "AND available_at <= clock_timestamp() AND published_at IS NULL)"
+        )
+    )
+    return bool(row.scalar_one())
+
+
+def forget_relay(executor: Executor, name: str) -> None:
+    """Remove a relay's row when it stops."""
+    executor.execute(text("DELETE FROM outbox.relays WHERE name = :name"), {"name": name})
+
+
+def forget_silent_relays(executor: Executor, *, older_than_s: float) -> int:
+    """Remove rows of relays that stopped heartbeating (killed): they would keep the bell on."""
+    result = executor.execute(
+        text(
+            "DELETE FROM outbox.relays "
+            "WHERE heartbeat_at < clock_timestamp() - make_interval(secs => :age)"
+        ),
+        {"age": older_than_s},
+    )
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+# --- dispatch -----------------------------------------------------------------------------
+
+
+def try_lock(executor: Executor, key: int) -> bool:
+    """Take the session-level advisory lock ``key`` without waiting; whether it was taken."""
+    row = executor.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": key})
+    return bool(row.scalar_one())
+
+
+def unlock_all(executor: Executor) -> None:
+    """Release every session-level advisory lock this connection holds."""
+    executor.execute(text("SELECT pg_advisory_unlock_all()"))
+
+
+def require_synchronous_commit(executor: Executor) -> None:
+    """Make the current transaction's COMMIT wait for the WAL flush (and sync replicas).
+
+    The `sent` commit must be durable before any byte goes to the remote, whatever the
+    server's or role's default for ``synchronous_commit``.
+    """
+    executor.execute(text("SET LOCAL synchronous_commit = on"))
+
+
+def record_event(
+    executor: Executor,
+    operation_id: UUID,
+    *,
+    state: State,
+    attempt: int,
+    actor: Actor,
+    reason: str,
+    detail: Mapping[str, Any] | None = None,
+) -> None:
+    """Append an event that changes no state (a late outcome, evidence that lost a race)."""
+    executor.execute(
+        insert(events).values(
+            operation_id=operation_id,
+            from_state=state.value,
+            to_state=state.value,
+            attempt=attempt,
+            actor=actor.value,
+            reason=reason,
+            detail=dict(detail) if detail is not None else None,
+        )
+    )
+
+
+_DISPATCH_VIEW = text(
+    """
+    SELECT *,
+           available_at <= clock_timestamp() AS due,
+           replay_deadline IS NOT NULL AND replay_deadline <= clock_timestamp() AS replay_expired
+    FROM outbox.operations WHERE id = :id
+    """
+)
+
+
+def get_for_dispatch(executor: Executor, operation_id: UUID) -> tuple[Operation, bool, bool] | None:
+    """The operation, whether it is due, and whether its replay deadline has passed.
+
+    Both judged by the database clock, in the same read.
+    """
+    row = executor.execute(_DISPATCH_VIEW, {"id": operation_id}).mappings().one_or_none()
+    if row is None:
+        return None
+    return Operation.from_row(row), bool(row["due"]), bool(row["replay_expired"])

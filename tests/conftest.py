@@ -83,7 +83,7 @@ def _session_engine(database_url: str) -> Iterator[Engine]:
 def engine(_session_engine: Engine) -> Engine:
     """An engine on the migrated test database, emptied before the test."""
     with _session_engine.begin() as conn:
-        conn.execute(text("TRUNCATE outbox.operations, outbox.events"))
+        conn.execute(text("TRUNCATE outbox.operations, outbox.events, outbox.relays"))
     return _session_engine
 
 
