@@ -10,10 +10,11 @@ import sys
 
 import typer
 
-from outbox.cli import db, ops
+from outbox.cli import db, dev, ops
 from outbox.cli.demo import demo_command
 from outbox.cli.enqueue import enqueue_command
 from outbox.cli.output import environment_help, fail
+from outbox.cli.services import relay_command, worker_command
 from outbox.errors import OutboxError
 
 app = typer.Typer(
@@ -30,8 +31,11 @@ app = typer.Typer(
 )
 app.add_typer(db.app, name="db")
 app.add_typer(ops.app, name="ops")
+app.add_typer(dev.app, name="dev")
 app.command("enqueue", no_args_is_help=True)(enqueue_command)
 app.command("demo")(demo_command)
+app.command("relay")(relay_command)
+app.command("worker")(worker_command)
 
 
 def main() -> None:

@@ -1,0 +1,110 @@
+"""``outbox dev``: what developers, tests and benchmarks run beside the outbox."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from outbox.cli.output import fail
+from outbox.testing.deploy_service import (
+    DEFAULT_FAULT_DELAY_S,
+    DEFAULT_PORT,
+    FAULT_MODES,
+    DeployService,
+    DeployServiceError,
+    parse_fault_rates,
+    serve,
+)
+
+app = typer.Typer(
+    help="Development helpers: the reference remote service for tests, demos and benchmarks.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="markdown",
+)
+
+
+@app.callback()
+def dev() -> None:
+    """Development helpers: the reference remote service for tests, demos and benchmarks."""
+    # A callback keeps `deploy-service` a sub-command when this app runs on its own, too.
+
+
+@app.command("deploy-service")
+def deploy_service_command(
+    *,
+    host: Annotated[str, typer.Option(help="Address to bind; keep it local.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on; 0 picks a free one.")] = (
+        DEFAULT_PORT
+    ),
+    dedup_window: Annotated[
+        float | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="Honour the same key with the same payload for this long (200, same release). "
+            "Unset: no dedup, every request creates a release.",
+        ),
+    ] = None,
+    lookup: Annotated[
+        bool, typer.Option("--lookup/--no-lookup", help="Serve GET .../by-key/{key} (else 501).")
+    ] = True,
+    ledger: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE", help="Keep the ledger in this SQLite file (default: in memory)."
+        ),
+    ] = None,
+    idempotency_header: Annotated[
+        str, typer.Option(metavar="NAME", help="Header carrying the idempotency key.")
+    ] = "Idempotency-Key",
+    fault_rate: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="MODE=RATE",
+            help=f"Inject a fault with this probability (repeatable). Modes: "
+            f"{', '.join(FAULT_MODES)}.",
+        ),
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed the fault draws, for reproducible runs.")
+    ] = None,
+    fault_delay: Annotated[
+        float,
+        typer.Option(metavar="SECONDS", help="How long commit_then_timeout and slow wait."),
+    ] = DEFAULT_FAULT_DELAY_S,
+    log_requests: Annotated[
+        bool, typer.Option("--log-requests", help="Print one line per request on stderr.")
+    ] = False,
+) -> None:
+    """Run the reference remote service in the foreground until Ctrl-C or SIGTERM.
+
+    It creates releases at `POST /projects/{target}/releases`, keyed by an idempotency
+    header, and keeps a ledger of every effect (`GET /ledger`) so a run can check that no
+    action happened twice. Faults are injected by rate (`--fault-rate`), per request
+    (`X-Fault` header) or per key (`POST /_faults/keys/{key}`). Prints one line with its URL.
+    """
+    try:
+        service = DeployService(
+            host=host,
+            port=port,
+            dedup_window_s=dedup_window,
+            lookup_enabled=lookup,
+            ledger_path=ledger,
+            idempotency_header=idempotency_header,
+            fault_rates=parse_fault_rates(fault_rate or []),
+            seed=seed,
+            fault_delay_s=fault_delay,
+            log_requests=log_requests,
+        )
+        serve(service, _announce)
+    except DeployServiceError as exc:
+        fail(str(exc))
+
+
+def _announce(line: str) -> None:
+    # Flushed at once: whoever started us (a test, a script) waits for this line on a pipe.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
