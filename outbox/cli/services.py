@@ -1,0 +1,107 @@
+"""``outbox relay`` and ``outbox worker``: the long-running processes."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType
+from typing import Annotated
+
+import typer
+
+from outbox import logs, migrate
+from outbox.cli.common import connected
+from outbox.cli.output import fail
+from outbox.config import get_settings
+
+log = logging.getLogger(__name__)
+
+
+def _require_schema() -> None:
+    with connected() as engine:
+        status = migrate.status(engine)
+    if not status.up_to_date:
+        fail(
+            f"schema is at {status.current or 'nothing (empty database)'}, head is "
+            f"{status.head}: run `outbox db upgrade` first"
+        )
+
+
+def relay_command(
+    batch_size: Annotated[
+        int, typer.Option(min=1, max=10_000, help="Rows claimed and published per batch.")
+    ] = 200,
+    poll_interval: Annotated[
+        float,
+        typer.Option(min=0.01, help="Seconds between polls while idle (NOTIFY wakes sooner)."),
+    ] = 1.0,
+    republish_after: Annotated[
+        float | None,
+        typer.Option(
+            min=0.1,
+            help="Publish a row again after this many seconds (default: OUTBOX_REPUBLISH_AFTER).",
+        ),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+) -> None:
+    """Publish a dispatch message for every due `planned` operation, until SIGTERM.
+
+    Several relays may run at once: each claims its own batches. A broker or database
+    outage is retried with backoff; nothing is marked published unless the broker
+    confirmed it. SIGTERM or Ctrl-C finishes the current batch and exits 0.
+    """
+    # Deferred: the CLI sits above the workers layer and imports it only here.
+    from outbox.relay import Relay, RelayConfig  # noqa: PLC0415
+    from workers.app import app  # noqa: PLC0415
+    from workers.publish import CeleryPublisher  # noqa: PLC0415
+
+    logs.configure(log_level.upper())
+    _require_schema()
+    settings = get_settings()
+    config = RelayConfig(
+        batch_size=batch_size,
+        poll_interval_s=poll_interval,
+        republish_after_s=republish_after or settings.republish_after,
+    )
+    with connected() as engine:
+        relay = Relay(engine, CeleryPublisher(app), config)
+
+        def stop(signum: int, _frame: FrameType | None) -> None:
+            log.info("stopping after this batch", extra={"action": "relay_stopping"})
+            relay.stop()
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        log.info("relay %s started", relay.name, extra={"action": "relay_started"})
+        relay.run_forever()
+    log.info("relay stopped", extra={"action": "relay_stopped"})
+
+
+def worker_command(
+    queues: Annotated[
+        str, typer.Option("-Q", "--queues", help="Comma-separated queues to consume.")
+    ] = "dispatch",
+    concurrency: Annotated[
+        int, typer.Option("-c", "--concurrency", min=1, help="Worker processes or threads.")
+    ] = 2,
+    pool: Annotated[
+        str, typer.Option("-P", "--pool", help="Celery pool: prefork, threads or solo.")
+    ] = "prefork",
+    name: Annotated[
+        str | None, typer.Option("-n", "--hostname", help="Worker name (default: celery@host).")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+) -> None:
+    """Run a Celery worker on the outbox app: dispatch (and later lookup) tasks.
+
+    Tools come from OUTBOX_TOOLS (Python modules) and OUTBOX_CONFIG (HTTP tools in TOML).
+    """
+    from workers.app import app  # noqa: PLC0415
+
+    logs.configure(log_level.upper())
+    _require_schema()
+    app.loader.import_default_modules()
+    argv = ["worker", "-Q", queues, "-c", str(concurrency), "-P", pool, "-l", log_level]
+    if name:
+        argv += ["-n", name]
+    app.worker_main(argv)
