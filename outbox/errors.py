@@ -27,6 +27,10 @@ class DatabaseUnavailable(OutboxError):
     """The database cannot be reached."""
 
 
+class BrokerUnavailable(OutboxError):
+    """The broker cannot be reached or did not confirm a batch; nothing was marked published."""
+
+
 class SchemaNotReady(OutboxError):
     """The outbox schema is missing or not at the latest revision; run `outbox db upgrade`."""
 

@@ -19,6 +19,7 @@ import os
 import random
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,8 +30,12 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
 from outbox import faults, statements
+from outbox.errors import BrokerUnavailable
 
 log = logging.getLogger(__name__)
+
+#: How often a sleeping relay checks whether it was asked to stop.
+_STOP_CHECK_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,8 @@ class Publisher(Protocol):
     def publish(self, messages: Sequence[OutboundMessage]) -> set[UUID]:
         """Publish ``messages``; return the ids the broker confirmed (may be a subset).
 
-        Raises on a broker failure; the relay then records nothing for the batch.
+        Raises :class:`BrokerUnavailable` on a broker failure; the relay then records
+        nothing for the batch.
         """
         ...
 
@@ -139,7 +145,7 @@ class Relay:
                 try:
                     result = self.run_once()
                     backoff = self.config.min_backoff_s
-                except (DBAPIError, OSError, ConnectionError) as exc:
+                except (DBAPIError, BrokerUnavailable, OSError) as exc:
                     log.warning(
                         "relay batch failed, retrying in %.1fs: %s",
                         backoff,
@@ -173,17 +179,29 @@ class Relay:
                 try:
                     # Rows committed between our last claim and the idle flag rang no bell.
                     if not statements.any_due_unpublished(conn):
-                        listener = conn.connection.driver_connection
-                        for _ in listener.notifies(  # type: ignore[union-attr]
-                            timeout=self.config.poll_interval_s, stop_after=1
-                        ):
-                            pass
+                        self._wait_for_bell(conn)
                 finally:
                     self._announce(conn, idle=False)
                     conn.execute(text("UNLISTEN *"))
         except DBAPIError as exc:
             log.warning("relay cannot listen: %s", exc, extra={"action": "relay_error"})
             self._stop.wait(self.config.poll_interval_s)
+
+    def _wait_for_bell(self, conn: Connection) -> None:
+        """Block until a NOTIFY, the poll interval, or stop(); in short slices for stop()."""
+        listener = conn.connection.driver_connection
+        deadline = time.monotonic() + self.config.poll_interval_s
+        while not self._stop.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            rang = False
+            for _ in listener.notifies(  # type: ignore[union-attr]
+                timeout=min(remaining, _STOP_CHECK_S), stop_after=1
+            ):
+                rang = True
+            if rang:
+                return
 
     def _announce(self, conn: Connection, *, idle: bool) -> None:
         statements.announce_relay(

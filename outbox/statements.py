@@ -395,3 +395,20 @@ def get_for_dispatch(executor: Executor, operation_id: UUID) -> tuple[Operation,
     if row is None:
         return None
     return Operation.from_row(row), bool(row["due"]), bool(row["replay_expired"])
+
+
+def lock_holder_pid(executor: Executor, key: int) -> int | None:
+    """The backend pid holding session advisory lock ``key`` in this database, or ``None``.
+
+    Must run on a connection that does not hold the lock itself: it reads ``pg_locks``.
+    """
+    unsigned = key & 0xFFFFFFFFFFFFFFFF
+    row = executor.execute(
+        text(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND classid = :hi AND objid = :lo AND objsubid = 1 "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        ),
+        {"hi": unsigned >> 32, "lo": unsigned & 0xFFFFFFFF},
+    ).first()
+    return int(row.pid) if row is not None else None

@@ -8,8 +8,11 @@ under ``.outbox-test/``, which is what a new user's machine does.
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -92,3 +95,47 @@ def session(engine: Engine) -> Iterator[Session]:
     """A session on the emptied test database; the test begins and commits as it needs."""
     with Session(engine) as db_session:
         yield db_session
+
+
+def _port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_url() -> Iterator[str]:
+    """An AMQP URL on a throw-away vhost of the local RabbitMQ (skips without one, not in CI)."""
+    configured = os.environ.get("OUTBOX_TEST_BROKER_URL")
+    if configured:
+        yield configured
+        return
+    if not _port_open(5672):
+        if os.environ.get("CI") == "true":
+            pytest.fail("RabbitMQ is not running on 127.0.0.1:5672, and CI requires it")
+        pytest.skip("RabbitMQ is not running on 127.0.0.1:5672")
+    vhost = f"outbox_test_{uuid.uuid4().hex[:8]}"
+    ctl = shutil.which("rabbitmqctl")
+    if ctl is None:
+        yield "amqp://guest:guest@127.0.0.1:5672//"
+        return
+    subprocess.run([ctl, "add_vhost", vhost], check=True, capture_output=True)
+    subprocess.run(
+        [ctl, "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"],
+        check=True,
+        capture_output=True,
+    )
+    yield f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
+    subprocess.run([ctl, "delete_vhost", vhost], check=False, capture_output=True)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Keep each phase's report on the test item, so fixtures can tell a failed test."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report

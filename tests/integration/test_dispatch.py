@@ -1,0 +1,503 @@
+"""The dispatch protocol, called as a plain function against a real PostgreSQL and real tools."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import DBAPIError
+
+from outbox import faults, statements
+from outbox.contracts import ContractTable
+from outbox.locks import operation_lock_key
+from outbox.states import Actor, Effects, State, transition
+from outbox.testing import DeployService
+from outbox.testing.deploy_service import FaultMode
+from tests.factories import age, events_of, make_operation, reload
+from workers.dispatch import Outcome, dispatch
+from workers.tools import (
+    Ambiguous,
+    Applied,
+    DispatchResult,
+    NotDelivered,
+    Rejected,
+    ToolCall,
+    ToolRegistry,
+    tool,
+)
+from workers.tools.http import load_http_tools
+
+TOOL = "deploy.create_release"
+
+
+class Remote:
+    """A Python tool's remote: counts calls and answers what the test says."""
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self.answer: Callable[[ToolCall], DispatchResult] = lambda call: Applied(
+            f"ref-{call.operation_id}"
+        )
+        self.lock = threading.Lock()
+
+    def __call__(self, call: ToolCall) -> DispatchResult:
+        with self.lock:
+            self.calls.append(call)
+        return self.answer(call)
+
+
+@pytest.fixture
+def registry() -> ToolRegistry:
+    """A registry of its own, so tests never see each other's tools."""
+    return ToolRegistry(ContractTable())
+
+
+@pytest.fixture
+def remote(registry: ToolRegistry) -> Remote:
+    """A Python tool named deploy.create_release that records its calls."""
+    target = Remote()
+    tool(TOOL, timeout=2, send_deadline=2, inflight_horizon=60, max_attempts=3, registry=registry)(
+        target
+    )
+    return target
+
+
+def test_applied_answer_confirms(engine: Engine, registry: ToolRegistry, remote: Remote) -> None:
+    """An applied answer moves planned → sent → confirmed with the remote's ref, in one call."""
+    op = make_operation(engine)
+    report = dispatch(op.id, engine=engine, registry=registry)
+    assert report.outcome is Outcome.CONFIRMED
+    done = reload(engine, op.id)
+    assert done.state is State.CONFIRMED
+    assert done.remote_ref == f"ref-{op.id}"
+    assert done.attempts == 1
+    assert [call.operation_id for call in remote.calls] == [str(op.id)]
+    assert remote.calls[0].payload == op.payload
+    assert [(e.from_state, e.to_state) for e in events_of(engine, op.id)][1:] == [
+        (State.PLANNED, State.SENT),
+        (State.SENT, State.CONFIRMED),
+    ]
+
+
+def test_refusal_fails_when_nothing_earlier_may_have_applied(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """A declared refusal on a first attempt is failed, authoritatively."""
+    remote.answer = lambda call: Rejected("HTTP 422: bad version")
+    op = make_operation(engine)
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.FAILED
+    done = reload(engine, op.id)
+    assert done.state is State.FAILED
+    assert done.last_error == "HTTP 422: bad version"
+    assert not done.maybe_applied
+
+
+def test_refusal_after_an_ambiguous_attempt_is_unknown(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """A refusal after an earlier attempt that may have applied is unknown, not failed."""
+    remote.answer = lambda call: Ambiguous("read timeout")
+    op = make_operation(engine)
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.UNKNOWN
+    with engine.begin() as conn:  # the reconciler schedules a replay (maybe_applied stays set)
+        transition(
+            conn,
+            op.id,
+            from_state=State.UNKNOWN,
+            to_state=State.PLANNED,
+            actor=Actor.RECONCILER,
+            reason="dedup replay",
+            effects=Effects(replay_window_s=3600),
+        )
+    remote.answer = lambda call: Rejected("HTTP 422: key reused")
+    report = dispatch(op.id, engine=engine, registry=registry)
+    assert report.outcome is Outcome.UNKNOWN
+    done = reload(engine, op.id)
+    assert done.state is State.UNKNOWN
+    assert done.attempts == 2
+    assert "earlier attempt may have applied" in (done.last_error or "")
+
+
+def test_ambiguous_answer_is_unknown(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """An ambiguous answer leaves the operation unknown and marks it maybe applied."""
+    remote.answer = lambda call: Ambiguous("reset after send")
+    op = make_operation(engine)
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.UNKNOWN
+    done = reload(engine, op.id)
+    assert done.state is State.UNKNOWN
+    assert done.maybe_applied
+    assert done.next_check_at is not None
+
+
+def test_not_delivered_goes_back_to_planned_with_backoff(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """A provably undelivered attempt returns to planned, unpublished, due only after a backoff."""
+    remote.answer = lambda call: NotDelivered("connection refused")
+    op = make_operation(engine)
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.REPLANNED
+    back = reload(engine, op.id)
+    assert back.state is State.PLANNED
+    assert back.attempts == 1
+    assert back.published_at is None
+    assert not back.maybe_applied
+    assert back.available_at > back.updated_at
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.NOT_DUE
+    assert len(remote.calls) == 1
+
+
+def test_duplicate_messages_make_one_call(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """The same operation dispatched five times, one after another, calls the remote once."""
+    op = make_operation(engine)
+    outcomes = [dispatch(op.id, engine=engine, registry=registry).outcome for _ in range(5)]
+    assert outcomes == [Outcome.CONFIRMED] + [Outcome.NOT_PLANNED] * 4
+    assert len(remote.calls) == 1
+
+
+def test_racing_dispatchers_make_one_call(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """Two dispatchers racing one operation (a slow remote) make exactly one call."""
+
+    def slow(call: ToolCall) -> DispatchResult:
+        time.sleep(0.3)
+        return Applied("ref-slow")
+
+    remote.answer = slow
+    op = make_operation(engine)
+    barrier = threading.Barrier(4)
+    outcomes: list[Outcome] = []
+
+    def racer() -> None:
+        barrier.wait()
+        outcomes.append(dispatch(op.id, engine=engine, registry=registry).outcome)
+
+    threads = [threading.Thread(target=racer) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(remote.calls) == 1
+    assert outcomes.count(Outcome.CONFIRMED) == 1
+    assert set(outcomes) <= {Outcome.CONFIRMED, Outcome.LOCK_BUSY, Outcome.NOT_PLANNED}
+
+
+def test_a_message_finding_sent_hands_it_to_the_reconciler(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """A redelivered message that finds the row sent (its dispatcher gone) moves it to unknown."""
+    op = make_operation(engine, State.SENT)
+    report = dispatch(op.id, engine=engine, registry=registry)
+    assert report.outcome is Outcome.DISPATCHER_LOST
+    lost = reload(engine, op.id)
+    assert lost.state is State.UNKNOWN
+    assert lost.maybe_applied
+    assert remote.calls == []
+    assert "dispatcher lost" in events_of(engine, op.id)[-1].reason
+
+
+def test_a_held_lock_means_hands_off(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """While another component holds the operation's lock, dispatch neither writes nor calls."""
+    op = make_operation(engine)
+    with engine.connect() as holder:
+        assert statements.try_lock(holder, operation_lock_key(op.id))
+        holder.commit()
+        report = dispatch(op.id, engine=engine, registry=registry)
+        statements.unlock_all(holder)
+        holder.commit()
+    assert report.outcome is Outcome.LOCK_BUSY
+    assert reload(engine, op.id).state is State.PLANNED
+    assert remote.calls == []
+
+
+def test_the_lock_is_released_after_an_attempt(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """After dispatch returns, nobody holds the operation's lock."""
+    op = make_operation(engine)
+    dispatch(op.id, engine=engine, registry=registry)
+    with engine.connect() as probe:
+        assert statements.lock_holder_pid(probe, operation_lock_key(op.id)) is None
+
+
+def test_a_failing_sent_commit_is_never_followed_by_a_call(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """If committing `sent` raises, the remote is not called and the row stays planned."""
+    op = make_operation(engine)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE FUNCTION pg_temp.refuse() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN RAISE EXCEPTION 'disk full'; END $$"
+            )
+        )
+        conn.execute(
+            text(
+                "CREATE TRIGGER refuse_sent BEFORE UPDATE ON outbox.operations FOR EACH ROW "
+                "WHEN (NEW.state = 'sent') EXECUTE FUNCTION pg_temp.refuse()"
+            )
+        )
+    try:
+        with pytest.raises(DBAPIError, match="disk full"):
+            dispatch(op.id, engine=engine, registry=registry)
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP TRIGGER refuse_sent ON outbox.operations"))
+    assert remote.calls == []
+    assert reload(engine, op.id).state is State.PLANNED
+
+
+def test_an_injected_fault_after_the_sent_commit_makes_no_call(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """A dispatcher that dies right after committing `sent` has called nobody; the row says sent."""
+    op = make_operation(engine)
+    with faults.armed("after_sent_commit", "raise"), pytest.raises(faults.InjectedFault):
+        dispatch(op.id, engine=engine, registry=registry)
+    assert remote.calls == []
+    assert reload(engine, op.id).state is State.SENT
+
+
+def test_a_send_past_its_deadline_is_not_made(engine: Engine, registry: ToolRegistry) -> None:
+    """When the send deadline has passed since the `sent` commit, the call is not made."""
+    remote = Remote()
+    tool(TOOL, timeout=2, send_deadline=1e-9, inflight_horizon=60, registry=registry)(remote)
+    op = make_operation(engine)
+    report = dispatch(op.id, engine=engine, registry=registry)
+    assert report.outcome is Outcome.NOT_SENT
+    assert remote.calls == []
+    back = reload(engine, op.id)
+    assert back.state is State.PLANNED
+    assert back.attempts == 1
+    assert not back.maybe_applied
+    assert "not sent" in events_of(engine, op.id)[-1].reason
+
+
+def test_an_unknown_tool_goes_to_a_human(engine: Engine, registry: ToolRegistry) -> None:
+    """An operation whose tool this worker does not know needs a human, and nothing crashes."""
+    op = make_operation(engine, tool="mail.send")
+    report = dispatch(op.id, engine=engine, registry=registry)
+    assert report.outcome is Outcome.NEEDS_HUMAN
+    stuck = reload(engine, op.id)
+    assert stuck.state is State.NEEDS_HUMAN
+    assert "not registered" in events_of(engine, op.id)[-1].reason
+
+
+def test_max_attempts_stops_a_loop(engine: Engine, registry: ToolRegistry, remote: Remote) -> None:
+    """After max_attempts undelivered attempts the operation goes to a human, not round again."""
+    remote.answer = lambda call: NotDelivered("connection refused")
+    op = make_operation(engine)
+    for _ in range(3):
+        assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.REPLANNED
+        age(engine, op.id, 3600, "available_at")
+    report = dispatch(op.id, engine=engine, registry=registry)
+    assert report.outcome is Outcome.NEEDS_HUMAN
+    assert len(remote.calls) == 3
+    assert "max_attempts (3)" in events_of(engine, op.id)[-1].reason
+
+
+def test_a_replay_past_its_deadline_goes_to_a_human(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """A dedup replay whose deadline has passed is not sent; it needs a human."""
+    op = make_operation(engine, State.UNKNOWN)
+    with engine.begin() as conn:
+        transition(
+            conn,
+            op.id,
+            from_state=State.UNKNOWN,
+            to_state=State.PLANNED,
+            actor=Actor.RECONCILER,
+            reason="dedup replay",
+            effects=Effects(replay_window_s=60),
+        )
+    age(engine, op.id, 120, "first_sent_at", "sent_at", "replay_deadline")
+    report = dispatch(op.id, engine=engine, registry=registry)
+    assert report.outcome is Outcome.NEEDS_HUMAN
+    assert remote.calls == []
+    assert "dedup window closed" in events_of(engine, op.id)[-1].reason
+
+
+def test_a_stale_outcome_becomes_evidence(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """An outcome arriving after the sweep took the row is kept as an event and confirms it."""
+    op = make_operation(engine)
+
+    def swept_meanwhile(call: ToolCall) -> DispatchResult:
+        with engine.begin() as conn:
+            transition(
+                conn,
+                op.id,
+                from_state=State.SENT,
+                to_state=State.UNKNOWN,
+                actor=Actor.SWEEP,
+                reason="dispatcher lost",
+                attempt=call.attempt,
+            )
+        return Applied("ref-late")
+
+    remote.answer = swept_meanwhile
+    report = dispatch(op.id, engine=engine, registry=registry)
+    assert report.outcome is Outcome.LATE
+    done = reload(engine, op.id)
+    assert done.state is State.CONFIRMED
+    assert done.remote_ref == "ref-late"
+    reasons = [(e.actor, e.reason) for e in events_of(engine, op.id)]
+    assert ("dispatcher", "late outcome of attempt 1: applied at the remote") in reasons
+    assert reasons[-1][0] == "evidence"
+
+
+def test_a_stale_outcome_never_overwrites_a_later_attempt(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """An outcome of attempt k that arrives after attempt k+1 began changes nothing but the log."""
+    op = make_operation(engine)
+
+    def overtaken(call: ToolCall) -> DispatchResult:
+        with engine.begin() as conn:
+            for from_state, to_state, actor in (
+                (State.SENT, State.UNKNOWN, Actor.SWEEP),
+                (State.UNKNOWN, State.PLANNED, Actor.RECONCILER),
+                (State.PLANNED, State.SENT, Actor.DISPATCHER),
+            ):
+                transition(
+                    conn,
+                    op.id,
+                    from_state=from_state,
+                    to_state=to_state,
+                    actor=actor,
+                    reason="moved on",
+                )
+        return Rejected("HTTP 422")
+
+    remote.answer = overtaken
+    report = dispatch(op.id, engine=engine, registry=registry)
+    assert report.outcome is Outcome.LATE
+    current = reload(engine, op.id)
+    assert current.state is State.SENT
+    assert current.attempts == 2
+    assert events_of(engine, op.id)[-1].reason.startswith("late outcome of attempt 1")
+
+
+def test_a_cut_connection_still_records_the_outcome(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """A dispatcher whose connection is killed mid-call records its outcome on a new one."""
+    op = make_operation(engine)
+
+    def cut_my_connection(call: ToolCall) -> DispatchResult:
+        with engine.begin() as conn:
+            pid = statements.lock_holder_pid(conn, operation_lock_key(op.id))
+            assert pid is not None
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        return Applied("ref-after-cut")
+
+    remote.answer = cut_my_connection
+    report = dispatch(op.id, engine=engine, registry=registry)
+    assert report.outcome is Outcome.CONFIRMED
+    assert reload(engine, op.id).remote_ref == "ref-after-cut"
+
+
+# --- the declarative HTTP tool against the reference service --------------------------------
+
+
+@pytest.fixture
+def service() -> Iterator[DeployService]:
+    """The reference deploy service, without dedup, on a free port."""
+    with DeployService(port=0, fault_delay_s=3.0) as running:
+        yield running
+
+
+def _http_registry(tmp_path: Any, url: str, **overrides: Any) -> ToolRegistry:
+    values = {
+        "timeout_s": 1.0,
+        "send_deadline_s": 1.0,
+        "inflight_horizon_s": 30,
+        "max_attempts": 3,
+        **overrides,
+    }
+    settings = "\n".join(f"{key} = {value!r}" for key, value in values.items())
+    config = tmp_path / "tools.toml"
+    config.write_text(
+        f"""
+[tools."{TOOL}"]
+kind = "http"
+method = "POST"
+url = "{url}/projects/{{target}}/releases"
+idempotency_header = "Idempotency-Key"
+remote_ref = "id"
+rejected_statuses = [400, 422]
+lookup_url = "{url}/projects/{{target}}/releases/by-key/{{operation_id}}"
+lookup_remote_ref = "id"
+lookup_not_applied_statuses = [404]
+{settings}
+""",
+        encoding="utf-8",
+    )
+    registry = ToolRegistry(ContractTable())
+    for http_tool in load_http_tools(config):
+        registry.register(http_tool)
+    return registry
+
+
+@pytest.mark.parametrize(
+    ("fault", "outcome", "state", "effects"),
+    [
+        (None, Outcome.CONFIRMED, State.CONFIRMED, 1),
+        ("commit_then_timeout", Outcome.UNKNOWN, State.UNKNOWN, 1),
+        ("commit_then_reset", Outcome.UNKNOWN, State.UNKNOWN, 1),
+        ("error_503", Outcome.UNKNOWN, State.UNKNOWN, 0),
+        ("reject_422", Outcome.FAILED, State.FAILED, 0),
+    ],
+)
+def test_http_outcomes_are_classified_honestly(
+    engine: Engine,
+    service: DeployService,
+    tmp_path: Any,
+    fault: FaultMode | None,
+    outcome: Outcome,
+    state: State,
+    effects: int,
+) -> None:
+    """Each fault of the reference service ends in the state its evidence allows, no more."""
+    registry = _http_registry(tmp_path, service.url)
+    op = make_operation(engine)
+    if fault is not None:
+        service.faults.arm_key(str(op.id), fault, 1)
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is outcome
+    done = reload(engine, op.id)
+    assert done.state is state
+    assert service.effects_by_key().get(str(op.id), 0) == effects
+    if state is State.CONFIRMED:
+        [effect] = service.ledger()
+        assert done.remote_ref == effect.id
+
+
+def test_http_connection_refused_then_service_back(engine: Engine, tmp_path: Any) -> None:
+    """Connection refused returns the operation to planned; once the service is up, one effect."""
+    with DeployService(port=0) as probe:
+        port = int(probe.url.rsplit(":", 1)[1])
+    url = f"http://127.0.0.1:{port}"
+    registry = _http_registry(tmp_path, url)
+    op = make_operation(engine)
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.REPLANNED
+    assert reload(engine, op.id).state is State.PLANNED
+    age(engine, op.id, 3600, "available_at")
+    with DeployService(port=port) as service:
+        assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.CONFIRMED
+        assert service.effects_by_key() == {str(op.id): 1}
+    done = reload(engine, op.id)
+    assert done.state is State.CONFIRMED
+    assert done.attempts == 2

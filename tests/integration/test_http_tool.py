@@ -1,0 +1,535 @@
+"""Tools under ``run_dispatch``/``run_lookup``: HTTP tools against a real local HTTP server,
+Python tools that hang, raise or answer junk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from outbox.contracts import ContractTable
+from workers.tools import (
+    Ambiguous,
+    Applied,
+    DispatchResult,
+    HttpTool,
+    Inconclusive,
+    LookupResult,
+    NotApplied,
+    NotDelivered,
+    Rejected,
+    ToolCall,
+    ToolRegistry,
+    close_thread_loop,
+    invoke,
+    load_http_tools,
+    run_dispatch,
+    run_lookup,
+    tool,
+)
+
+NAME = "deploy.create_release"
+OPERATION_ID = "5d0c3f8e-0000-4000-8000-000000000001"
+#: Slack allowed on top of a deadline before a test calls the call slow.
+SLACK_S = 0.6
+
+Behaviour = Callable[["Handler"], None]
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One request as the server received it."""
+
+    method: str
+    path: str
+    client_port: int
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class Remote:
+    """What the local server does for each method, and what it saw."""
+
+    post: Behaviour
+    get: Behaviour
+    port: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+    seen: list[Seen] = field(default_factory=list)
+
+
+class Server(ThreadingHTTPServer):
+    """A ThreadingHTTPServer that carries its Remote and stays quiet about broken pipes."""
+
+    remote: Remote
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Ignore handler errors: a client that gave up is what several tests arrange."""
+
+
+class Handler(BaseHTTPRequestHandler):
+    """Records the request, then lets the test's behaviour answer."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive, so connection reuse is visible
+    server: Server
+
+    def do_POST(self) -> None:
+        """Dispatch requests."""
+        self._serve(self.server.remote.post)
+
+    def do_GET(self) -> None:
+        """Lookup requests."""
+        self._serve(self.server.remote.get)
+
+    def _serve(self, behaviour: Behaviour) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        self.server.remote.seen.append(
+            Seen(self.command, self.path, self.client_address[1], dict(self.headers.items()), body)
+        )
+        behaviour(self)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Keep the test output clean."""
+
+
+def respond(status: int, body: Any = None, *, delay_s: float = 0.0) -> Behaviour:
+    """Answer ``status`` with ``body`` (bytes as is, anything else as JSON) after a delay."""
+    raw = body if isinstance(body, bytes) else json.dumps(body if body is not None else {}).encode()
+
+    def behave(handler: Handler) -> None:
+        if delay_s and handler.server.remote.stop.wait(delay_s):
+            return
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(raw)))
+        handler.end_headers()
+        handler.wfile.write(raw)
+
+    return behave
+
+
+def hang_up(handler: Handler) -> None:
+    """Close the connection without answering."""
+    handler.close_connection = True
+
+
+def trickle(handler: Handler) -> None:
+    """Send the headers, then one body byte every 50 ms: no read ever waits long."""
+    handler.send_response(201)
+    handler.send_header("Content-Length", "1000")
+    handler.end_headers()
+    try:
+        for _ in range(1000):
+            handler.wfile.write(b" ")
+            handler.wfile.flush()
+            if handler.server.remote.stop.wait(0.05):
+                return
+    except OSError:
+        return  # the client gave up, as it should
+
+
+@pytest.fixture(autouse=True)
+def closed_loop() -> Iterator[None]:
+    """Each test's event loop and HTTP client are closed after it, as a worker does at exit."""
+    yield
+    close_thread_loop()
+
+
+@pytest.fixture
+def remote() -> Iterator[Remote]:
+    """A real HTTP server on 127.0.0.1 whose answers each test sets."""
+    state = Remote(post=respond(201, {"id": "rel-1"}), get=respond(404))
+    server = Server(("127.0.0.1", 0), Handler)
+    server.remote = state
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
+    thread.start()
+    state.port = server.server_address[1]
+    yield state
+    state.stop.set()
+    close_thread_loop()  # closes the kept-alive connections, ending their handler threads
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+@pytest.fixture
+def refused_port() -> Iterator[int]:
+    """A port with a bound socket that does not listen: connecting is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+def http_tool(
+    tmp_path: Path, port: int, *, timeout_s: float = 2.0, remote_ref: str = "id"
+) -> HttpTool:
+    """The DESIGN.md tool pointed at ``port``, with short deadlines."""
+    lines = [
+        f'[tools."{NAME}"]',
+        'kind = "http"',
+        'method = "POST"',
+        f'url = "http://127.0.0.1:{port}/projects/{{target}}/releases"',
+        'idempotency_header = "Idempotency-Key"',
+        f"timeout_s = {timeout_s}",
+        "send_deadline_s = 1",
+        f'remote_ref = "{remote_ref}"',
+        "rejected_statuses = [400, 403, 404, 422]",
+        f'lookup_url = "http://127.0.0.1:{port}/projects/{{target}}/releases/by-key/'
+        '{operation_id}"',
+        'lookup_remote_ref = "id"',
+        "lookup_not_applied_statuses = [404]",
+        "inflight_horizon_s = 60",
+        'headers = { X-Client = "outbox-tests" }',
+        'env_headers = { Authorization = "TEST_DEPLOY_TOKEN" }',
+    ]
+    path = tmp_path / "tools.toml"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (loaded,) = load_http_tools(path, environ={"TEST_DEPLOY_TOKEN": "Bearer t0ken"})
+    return loaded
+
+
+def make_call(**overrides: Any) -> ToolCall:
+    """A ToolCall for the HTTP tool with a two-second budget."""
+    values: dict[str, Any] = {
+        "operation_id": OPERATION_ID,
+        "intent_key": "release-1.2.3",
+        "tool": NAME,
+        "target": "project-a",
+        "payload": {"version": "1.2.3"},
+        "attempt": 1,
+        "timeout_s": 2.0,
+    }
+    return ToolCall(**(values | overrides))
+
+
+def timed(function: Callable[[], Any]) -> tuple[Any, float]:
+    """The function's result and how long it took."""
+    started = time.monotonic()
+    result = function()
+    return result, time.monotonic() - started
+
+
+# --- HTTP dispatch ---------------------------------------------------------------------------
+
+
+def test_created_with_an_id_is_applied(remote: Remote, tmp_path: Path) -> None:
+    """201 with the remote_ref is Applied; the request carries the key, headers and payload."""
+    remote.post = respond(201, {"id": "rel-7", "version": "1.2.3"})
+    result = run_dispatch(http_tool(tmp_path, remote.port), make_call(target="team a/b?c"))
+    assert result == Applied("rel-7", result={"id": "rel-7", "version": "1.2.3"})
+    (seen,) = remote.seen
+    assert seen.method == "POST"
+    assert seen.path == "/projects/team%20a%2Fb%3Fc/releases"
+    assert seen.headers["Idempotency-Key"] == OPERATION_ID
+    assert seen.headers["Authorization"] == "Bearer t0ken"
+    assert seen.headers["X-Client"] == "outbox-tests"
+    assert seen.headers["Content-Type"] == "application/json"
+    assert json.loads(seen.body) == {"version": "1.2.3"}
+
+
+def test_a_nested_remote_ref_is_followed(remote: Remote, tmp_path: Path) -> None:
+    """remote_ref follows objects and list indexes into the answer."""
+    remote.post = respond(200, {"data": {"items": [{"id": 31}]}})
+    tool_ = http_tool(tmp_path, remote.port, remote_ref="data.items.0.id")
+    assert run_dispatch(tool_, make_call()) == Applied(
+        "31", result={"data": {"items": [{"id": 31}]}}
+    )
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "reason"),
+    [
+        (respond(200, {"status": "ok"}), "HTTP 200 without a value at 'id'"),
+        (respond(201, b"{not json"), "HTTP 201 with a malformed JSON answer"),
+        (respond(201, {"id": ""}), "HTTP 201 without a value at 'id'"),
+        (respond(409, {"error": "key in use"}), "409: key in use"),
+        (respond(500, {"error": "boom"}), "HTTP 500"),
+        (respond(503, b""), "HTTP 503: (empty body)"),
+        (respond(302, {}), "HTTP 302"),
+        (hang_up, "RemoteProtocolError"),
+    ],
+)
+def test_uncertain_answers_are_ambiguous(
+    remote: Remote, tmp_path: Path, behaviour: Behaviour, reason: str
+) -> None:
+    """A 2xx without a reference, malformed JSON, 409, 5xx, 3xx or a hang-up is Ambiguous."""
+    remote.post = behaviour
+    result = run_dispatch(http_tool(tmp_path, remote.port), make_call())
+    assert isinstance(result, Ambiguous)
+    assert reason in result.reason
+    assert len(remote.seen) == 1  # one request, never a retry
+
+
+def test_a_declared_refusal_is_rejected(remote: Remote, tmp_path: Path) -> None:
+    """A status in rejected_statuses is Rejected with the status and a short body."""
+    remote.post = respond(422, {"error": "version " + "x" * 400})
+    result = run_dispatch(http_tool(tmp_path, remote.port), make_call())
+    assert isinstance(result, Rejected)
+    assert result.reason.startswith('HTTP 422: {"error": "version xxx')
+    assert len(result.reason) < 230
+    assert result.result == {"error": "version " + "x" * 400}
+
+
+def test_an_answer_later_than_the_timeout_is_ambiguous(remote: Remote, tmp_path: Path) -> None:
+    """A server answering after the deadline makes the call Ambiguous, on time."""
+    remote.post = respond(201, {"id": "rel-late"}, delay_s=3)
+    result, elapsed = timed(
+        lambda: run_dispatch(
+            http_tool(tmp_path, remote.port, timeout_s=0.5), make_call(timeout_s=0.5)
+        )
+    )
+    assert isinstance(result, Ambiguous)
+    assert elapsed < 0.5 + SLACK_S
+
+
+def test_the_total_deadline_bounds_a_trickling_answer(remote: Remote, tmp_path: Path) -> None:
+    """A body trickling in faster than any read timeout still ends at the total deadline."""
+    remote.post = trickle
+    result, elapsed = timed(
+        lambda: run_dispatch(http_tool(tmp_path, remote.port), make_call(timeout_s=0.6))
+    )
+    assert result == Ambiguous("exceeded the total deadline of 0.6s")
+    assert 0.5 < elapsed < 0.6 + SLACK_S
+
+
+def test_a_refused_connection_is_not_delivered(refused_port: int, tmp_path: Path) -> None:
+    """Connection refused means no byte left: NotDelivered, for dispatch; Inconclusive, lookup."""
+    http = http_tool(tmp_path, refused_port)
+    result = run_dispatch(http, make_call())
+    assert isinstance(result, NotDelivered)
+    assert "ConnectError" in result.reason
+    assert isinstance(run_lookup(http, make_call()), Inconclusive)
+
+
+def test_dot_segments_in_a_target_stay_in_place(remote: Remote, tmp_path: Path) -> None:
+    """A target of '..' is encoded, so it cannot move the request to another path."""
+    run_dispatch(http_tool(tmp_path, remote.port), make_call(target=".."))
+    assert remote.seen[0].path == "/projects/%2E%2E/releases"
+
+
+# --- HTTP lookup -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "expected"),
+    [
+        (respond(200, {"id": "rel-9"}), Applied("rel-9", result={"id": "rel-9"})),
+        (respond(404, {"error": "no such key"}), NotApplied("HTTP 404")),
+        (respond(500, {"error": "boom"}), Inconclusive('HTTP 500: {"error": "boom"}')),
+        (respond(200, {"state": "pending"}), Inconclusive('HTTP 200: {"state": "pending"}')),
+        (respond(200, b"<html>"), Inconclusive("HTTP 200: <html>")),
+        (respond(410, {}), Inconclusive("HTTP 410: {}")),
+    ],
+)
+def test_lookup_answers(
+    remote: Remote, tmp_path: Path, behaviour: Behaviour, expected: LookupResult
+) -> None:
+    """Only a resolved lookup_remote_ref is Applied and only a declared status NotApplied."""
+    remote.get = behaviour
+    assert run_lookup(http_tool(tmp_path, remote.port), make_call()) == expected
+    (seen,) = remote.seen
+    assert (seen.method, seen.path) == (
+        "GET",
+        f"/projects/project-a/releases/by-key/{OPERATION_ID}",
+    )
+    assert seen.headers["Authorization"] == "Bearer t0ken"
+
+
+def test_a_slow_lookup_is_inconclusive(remote: Remote, tmp_path: Path) -> None:
+    """A lookup answering after the deadline is Inconclusive, on time."""
+    remote.get = respond(200, {"id": "rel-9"}, delay_s=3)
+    result, elapsed = timed(
+        lambda: run_lookup(http_tool(tmp_path, remote.port), make_call(timeout_s=0.4))
+    )
+    assert isinstance(result, Inconclusive)
+    assert elapsed < 0.4 + SLACK_S
+
+
+def test_connections_are_reused_across_calls(remote: Remote, tmp_path: Path) -> None:
+    """Consecutive calls on one thread share the event loop, its client and the connection."""
+    http = http_tool(tmp_path, remote.port)
+    assert run_dispatch(http, make_call()) == Applied("rel-1", result={"id": "rel-1"})
+    assert run_lookup(http, make_call()) == NotApplied("HTTP 404")
+    first, second = remote.seen
+    assert first.client_port == second.client_port
+
+
+def test_a_direct_call_on_a_foreign_loop_leaves_nothing_open(
+    remote: Remote, tmp_path: Path
+) -> None:
+    """Awaiting dispatch on a caller's own loop uses a one-call client, closed with the call."""
+    http = http_tool(tmp_path, remote.port)
+    result = asyncio.run(http.dispatch(make_call()))
+    assert result == Applied("rel-1", result={"id": "rel-1"})
+    assert asyncio.run(http.lookup(make_call())) == NotApplied("HTTP 404")
+    first, second = remote.seen
+    assert first.client_port != second.client_port
+
+
+# --- Python tools under run_dispatch ---------------------------------------------------------
+
+
+@pytest.fixture
+def registry() -> ToolRegistry:
+    """A private registry, so these tools never reach the process-wide tables."""
+    return ToolRegistry(ContractTable())
+
+
+@pytest.fixture
+def release() -> Iterator[threading.Event]:
+    """Set at teardown to free the threads of abandoned synchronous calls."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+def test_a_sync_tool_past_its_deadline_is_ambiguous(
+    registry: ToolRegistry, release: threading.Event
+) -> None:
+    """A synchronous tool still running at the deadline is abandoned and reported Ambiguous."""
+
+    @tool("slow.sync", registry=registry)
+    def slow(call: ToolCall) -> DispatchResult:
+        release.wait(10)
+        return Applied("too-late")
+
+    result, elapsed = timed(lambda: run_dispatch(slow, make_call(timeout_s=0.3)))
+    assert result == Ambiguous("exceeded the total deadline of 0.3s")
+    assert elapsed < 0.3 + SLACK_S
+
+
+def test_an_async_tool_past_its_deadline_is_ambiguous(registry: ToolRegistry) -> None:
+    """An async tool is cancelled at the deadline and reported Ambiguous."""
+    cancelled = threading.Event()
+
+    @tool("slow.async", registry=registry)
+    async def slow(call: ToolCall) -> DispatchResult:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return Applied("too-late")
+
+    result, elapsed = timed(lambda: run_dispatch(slow, make_call(timeout_s=0.3)))
+    assert result == Ambiguous("exceeded the total deadline of 0.3s")
+    assert elapsed < 0.3 + SLACK_S
+    assert cancelled.is_set()
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_raising_tools_are_ambiguous_or_inconclusive(
+    registry: ToolRegistry, is_async: bool
+) -> None:
+    """An exception from dispatch is Ambiguous and from lookup Inconclusive, naming its type."""
+
+    def fail(call: ToolCall) -> Any:
+        raise ValueError("boom")
+
+    async def fail_async(call: ToolCall) -> Any:
+        raise ValueError("boom")
+
+    broken = tool("broken.tool", registry=registry)(fail_async if is_async else fail)
+    broken.lookup(fail_async if is_async else fail)
+    assert run_dispatch(broken, make_call()) == Ambiguous("ValueError: boom")
+    assert run_lookup(broken, make_call()) == Inconclusive("ValueError: boom")
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_junk_answers_are_ambiguous_or_inconclusive(registry: ToolRegistry, is_async: bool) -> None:
+    """A tool answering something that is not a result type is Ambiguous or Inconclusive."""
+
+    def junk(call: ToolCall) -> Any:
+        return {"ok": True}
+
+    async def junk_async(call: ToolCall) -> Any:
+        return NotApplied()  # a lookup result is junk for a dispatch
+
+    odd = tool("odd.tool", registry=registry)(junk_async if is_async else junk)
+    odd.lookup(junk)
+    result = run_dispatch(odd, make_call())
+    assert isinstance(result, Ambiguous)
+    assert "not a DispatchResult" in result.reason
+    assert run_lookup(odd, make_call()) == Inconclusive(
+        "lookup returned {'ok': True}, not a LookupResult"
+    )
+
+
+def test_a_sync_tool_returning_a_coroutine_is_ambiguous(registry: ToolRegistry) -> None:
+    """A coroutine from a function not declared async is never run and reported Ambiguous."""
+
+    async def answer() -> DispatchResult:
+        return Applied("never")
+
+    @tool("sneaky.tool", registry=registry)
+    def sneaky(call: ToolCall) -> Any:
+        return answer()
+
+    result = run_dispatch(sneaky, make_call())
+    assert isinstance(result, Ambiguous)
+    assert "coroutine" in result.reason
+
+
+def test_good_answers_pass_through(registry: ToolRegistry) -> None:
+    """A sync or async tool's result comes back unchanged; a tool without lookup is
+    Inconclusive."""
+
+    @tool("fine.sync", registry=registry)
+    def fine(call: ToolCall) -> DispatchResult:
+        return Applied(f"ok-{call.attempt}")
+
+    @tool("fine.async", registry=registry)
+    async def fine_async(call: ToolCall) -> DispatchResult:
+        return Rejected("no")
+
+    assert run_dispatch(fine, make_call(attempt=3)) == Applied("ok-3")
+    assert run_dispatch(fine_async, make_call()) == Rejected("no")
+    assert run_lookup(fine, make_call()) == Inconclusive("tool 'fine.sync' has no lookup")
+
+
+def test_a_call_that_never_got_a_thread_is_not_delivered(
+    registry: ToolRegistry, release: threading.Event
+) -> None:
+    """With every tool thread busy past the deadline the call never ran: NotDelivered."""
+    ran = threading.Event()
+
+    @tool("queued.tool", registry=registry)
+    def queued(call: ToolCall) -> DispatchResult:
+        ran.set()
+        return Applied("ran")
+
+    pool = invoke._shared_pool()
+    blockers = [pool.submit(release.wait, 10) for _ in range(invoke.POOL_THREADS)]
+    result = run_dispatch(queued, make_call(timeout_s=0.2))
+    release.set()
+    for blocker in blockers:
+        blocker.result(timeout=5)
+    assert isinstance(result, NotDelivered)
+    assert "never started" in result.reason
+    assert not ran.is_set()
+
+
+def test_run_dispatch_refuses_to_block_a_running_event_loop(registry: ToolRegistry) -> None:
+    """Called from inside an event loop, run_dispatch raises before calling the tool."""
+    called = threading.Event()
+
+    @tool("loop.tool", registry=registry)
+    def loop_tool(call: ToolCall) -> DispatchResult:
+        called.set()
+        return Applied("x")
+
+    async def inside() -> DispatchResult:
+        return run_dispatch(loop_tool, make_call())
+
+    with pytest.raises(RuntimeError, match="not from inside a running event loop"):
+        asyncio.run(inside())
+    assert not called.is_set()

@@ -1,0 +1,220 @@
+"""The relay against a real PostgreSQL and a real broker (RabbitMQ, and the database itself)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from kombu import Connection
+from sqlalchemy import Engine, text
+
+from outbox import faults
+from outbox.config import load_settings
+from outbox.errors import BrokerUnavailable
+from outbox.relay import Relay, RelayConfig
+from outbox.states import State
+from tests.factories import age, make_operation, reload
+from tests.proxy import TcpProxy
+from workers.app import celery_settings
+from workers.publish import CeleryPublisher
+
+
+def _app(database_url: str, broker_url: str | None) -> Celery:
+    settings = load_settings(database_url=database_url, broker_url=broker_url)
+    app = Celery("outbox-test")
+    app.conf.update(celery_settings(settings))
+    return app
+
+
+def _drain(app: Celery) -> list[dict[str, Any]]:
+    """Take every message waiting in the dispatch queue; their task kwargs."""
+    bodies: list[dict[str, Any]] = []
+    with Connection(
+        app.conf.broker_url, transport_options=app.conf.broker_transport_options
+    ) as conn:
+        queue = app.amqp.queues["dispatch"](conn.default_channel)
+        queue.declare()
+        while (message := queue.get(no_ack=True)) is not None:
+            _, kwargs, _ = message.decode()
+            bodies.append(kwargs)
+    return bodies
+
+
+@pytest.fixture(params=["rabbitmq", "database"])
+def app(request: pytest.FixtureRequest, database_url: str) -> Iterator[Celery]:
+    """A Celery app on RabbitMQ (a throw-away vhost) or on the test database, queue emptied."""
+    broker = request.getfixturevalue("rabbitmq_url") if request.param == "rabbitmq" else None
+    celery = _app(database_url, broker)
+    _drain(celery)
+    yield celery
+    _drain(celery)
+
+
+MakeRelay = Callable[..., Relay]
+
+
+@pytest.fixture
+def make_relay(engine: Engine) -> Iterator[MakeRelay]:
+    """Build relays whose broker connections are closed after the test."""
+    made: list[Relay] = []
+
+    def make(app: Celery, **config: Any) -> Relay:
+        relay = Relay(engine, CeleryPublisher(app), RelayConfig(**config))
+        made.append(relay)
+        return relay
+
+    yield make
+    for relay in made:
+        relay.publisher.close()
+
+
+def test_due_rows_are_published_once_with_tool_and_target(
+    engine: Engine, app: Celery, make_relay: MakeRelay
+) -> None:
+    """run_once publishes each due row once, marks it published, and names tool and target."""
+    ops = [make_operation(engine, target=f"p{i}") for i in range(5)]
+    relay = make_relay(app)
+    result = relay.run_once()
+    assert (result.claimed, result.published) == (5, 5)
+    assert relay.run_once().claimed == 0
+    messages = _drain(app)
+    assert sorted(m["operation_id"] for m in messages) == sorted(str(op.id) for op in ops)
+    by_id = {m["operation_id"]: m for m in messages}
+    for op in ops:
+        assert by_id[str(op.id)]["tool"] == op.tool
+        assert by_id[str(op.id)]["target"] == op.target
+        assert reload(engine, op.id).published_at is not None
+
+
+def test_rows_not_due_wait_and_lost_messages_are_republished(
+    engine: Engine, app: Celery, make_relay: MakeRelay
+) -> None:
+    """A row backing off is not published; a published row is republished after the delay."""
+    waiting = make_operation(engine)
+    age(engine, waiting.id, -3600, "available_at")  # an hour in the future
+    published = make_operation(engine)
+    relay = make_relay(app, republish_after_s=30)
+    assert relay.run_once().claimed == 1
+    assert relay.run_once().claimed == 0
+    age(engine, published.id, 31, "published_at")
+    assert relay.run_once().claimed == 1
+    assert [m["operation_id"] for m in _drain(app)] == [str(published.id)] * 2
+
+
+def test_batches_are_bounded(engine: Engine, app: Celery, make_relay: MakeRelay) -> None:
+    """A relay claims at most batch_size rows at a time."""
+    for _ in range(7):
+        make_operation(engine)
+    relay = make_relay(app, batch_size=3)
+    assert [relay.run_once().claimed for _ in range(4)] == [3, 3, 1, 0]
+    assert len(_drain(app)) == 7
+
+
+def test_a_crash_between_publish_and_commit_marks_nothing(
+    engine: Engine, app: Celery, make_relay: MakeRelay
+) -> None:
+    """A relay dying after publishing but before its commit leaves the rows unpublished."""
+    ops = [make_operation(engine) for _ in range(3)]
+    relay = make_relay(app)
+    with faults.armed("relay_after_publish", "raise"), pytest.raises(faults.InjectedFault):
+        relay.run_once()
+    assert all(reload(engine, op.id).published_at is None for op in ops)
+    assert relay.run_once().published == 3
+    # Published twice: harmless, the dispatcher's compare-and-set makes the second a no-op.
+    assert len(_drain(app)) == 6
+
+
+def test_two_relays_share_the_work(engine: Engine, app: Celery, make_relay: MakeRelay) -> None:
+    """Two relays running together publish every row, none lost, none in both batches."""
+    ops = [make_operation(engine) for _ in range(60)]
+    relays = [make_relay(app, batch_size=7), make_relay(app, batch_size=7)]
+    claimed = [0, 0]
+
+    def drain(index: int) -> None:
+        while (result := relays[index].run_once()).claimed:
+            claimed[index] += result.published
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(claimed) == 60
+    messages = _drain(app)
+    assert sorted(m["operation_id"] for m in messages) == sorted(str(op.id) for op in ops)
+
+
+def test_a_broker_outage_marks_nothing_published(
+    engine: Engine, database_url: str, rabbitmq_url: str, make_relay: MakeRelay
+) -> None:
+    """With the broker unreachable no row is marked published; once back, all are delivered."""
+    port = int(rabbitmq_url.split("@", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+    proxy = TcpProxy(port).start()
+    vhost = rabbitmq_url.rsplit("/", 1)[1]
+    app = _app(database_url, f"amqp://guest:guest@127.0.0.1:{proxy.port}/{vhost}")
+    try:
+        _drain(app)
+        relay = make_relay(app)
+        first = make_operation(engine)
+        assert relay.run_once().published == 1
+        proxy.cut()
+        ops = [make_operation(engine) for _ in range(4)]
+        for _ in range(3):
+            with pytest.raises(BrokerUnavailable):
+                relay.run_once()
+        assert all(reload(engine, op.id).published_at is None for op in ops)
+        proxy.restore()
+        assert relay.run_once().published == 4
+        ids = [m["operation_id"] for m in _drain(app)]
+        assert sorted(ids) == sorted(str(op.id) for op in [first, *ops])
+    finally:
+        proxy.stop()
+
+
+def test_the_relay_sleeps_on_notify_and_wakes_for_a_new_intent(
+    engine: Engine, app: Celery, make_relay: MakeRelay
+) -> None:
+    """An idle relay says so, and an intent enqueued then reaches the broker well before a poll."""
+    relay = make_relay(app, poll_interval_s=30)
+    runner = threading.Thread(target=relay.run_forever)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not _relay_idle(engine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _relay_idle(engine)
+        started = time.monotonic()
+        op = make_operation(engine)
+        while reload(engine, op.id).published_at is None and time.monotonic() - started < 10:
+            time.sleep(0.02)
+        waited = time.monotonic() - started
+        assert reload(engine, op.id).published_at is not None
+        assert waited < 5, f"the bell did not wake the relay ({waited:.1f}s)"
+    finally:
+        relay.stop()
+        runner.join(40)
+    assert not runner.is_alive()
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM outbox.relays")).scalar_one() == 0
+    assert [m["operation_id"] for m in _drain(app)] == [str(op.id)]
+
+
+def _relay_idle(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(text("SELECT coalesce(bool_or(idle), false) FROM outbox.relays")).scalar()
+        )
+
+
+def test_a_cancelled_or_sent_row_is_never_published(
+    engine: Engine, app: Celery, make_relay: MakeRelay
+) -> None:
+    """Only planned rows are claimed."""
+    for state in (State.SENT, State.CANCELLED, State.CONFIRMED, State.UNKNOWN):
+        make_operation(engine, state)
+    assert make_relay(app).run_once().claimed == 0
+    assert _drain(app) == []

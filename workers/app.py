@@ -1,0 +1,107 @@
+"""The Celery app: queues, serialisation and delivery settings, from ``OUTBOX_*`` config.
+
+``app`` is created unconfigured at import; its configuration is read from the settings the
+first time Celery needs it (``on_configure``), so ``celery -A workers.app`` and
+``outbox worker`` behave the same and importing this module connects to nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from outbox.config import Settings, get_settings
+from outbox.contracts import CONTRACTS
+from outbox.db import database_url
+from workers import dbbroker
+
+#: Durable queues, one per kind of work.
+QUEUES = ("dispatch", "lookup", "human", "reconcile")
+
+#: Task names (stable: they are in messages in flight during an upgrade).
+DISPATCH_TASK = "outbox.dispatch"
+
+#: The database broker's tables (kombu's SQLAlchemy transport), named so nobody mistakes them.
+BROKER_QUEUE_TABLE = "outbox_kombu_queue"
+BROKER_MESSAGE_TABLE = "outbox_kombu_message"
+
+#: Seconds a task may run beyond its tool's send deadline + timeout before Celery kills it.
+TIME_LIMIT_SLACK_S = 30.0
+#: RabbitMQ's default consumer_timeout is 30 minutes; a hard limit far below it means an
+#: unacknowledged message is never taken back from a worker that is merely slow.
+MAX_TIME_LIMIT_S = 15 * 60.0
+
+
+def broker_url(settings: Settings) -> str:
+    """``OUTBOX_BROKER_URL``, or the database itself (kombu's SQLAlchemy transport)."""
+    if settings.broker_url is not None:
+        return settings.broker_url.get_secret_value()
+    return f"{dbbroker.ALIAS}+{database_url(settings)}"
+
+
+def uses_database_broker(url: str) -> bool:
+    """Whether ``url`` is the database broker (no publisher confirms, no redelivery:
+    correctness rests on the relay and the sweep)."""
+    return url.startswith(f"{dbbroker.ALIAS}+")
+
+
+def celery_settings(settings: Settings, *, time_limit_s: float | None = None) -> dict[str, Any]:
+    """The Celery configuration for ``settings`` (a plain dict, for tests and docs)."""
+    conf: dict[str, Any] = {
+        "broker_url": broker_url(settings),
+        "broker_connection_retry_on_startup": True,
+        # JSON only: a message is an operation id, never code.
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "result_serializer": "json",
+        # The outbox table holds every outcome; Celery keeps none.
+        "task_ignore_result": True,
+        "result_backend": None,
+        # A message is acknowledged only after the dispatch function returns, and given back
+        # if the worker process dies; prefetch 1 keeps messages on the broker, not in a
+        # worker's memory, so a stuck worker does not hoard them.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_queues": [Queue(name, Exchange(name), routing_key=name) for name in QUEUES],
+        "task_default_queue": "dispatch",
+        "task_routes": {DISPATCH_TASK: {"queue": "dispatch", "routing_key": "dispatch"}},
+        "task_time_limit": min(time_limit_s or MAX_TIME_LIMIT_S, MAX_TIME_LIMIT_S),
+        "worker_hijack_root_logger": False,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+    }
+    if settings.broker_url is None:
+        conf["broker_transport_options"] = {
+            "queue_tablename": BROKER_QUEUE_TABLE,
+            "message_tablename": BROKER_MESSAGE_TABLE,
+        }
+    return conf
+
+
+def time_limit_for(contract_timeouts: list[float]) -> float:
+    """A hard task time limit covering the slowest tool's send deadline plus its timeout."""
+    slowest = max(contract_timeouts, default=0.0)
+    return min(slowest + TIME_LIMIT_SLACK_S, MAX_TIME_LIMIT_S)
+
+
+class OutboxCelery(Celery):  # type: ignore[misc]
+    """Celery configured from ``OUTBOX_*`` settings the first time it is used."""
+
+    def on_configure(self) -> None:
+        """Load the tools (they set the time limit), then apply :func:`celery_settings`."""
+        # Deferred: loading tools imports user modules, which may import this app.
+        from workers.tools import load_tools  # noqa: PLC0415
+
+        settings = get_settings()
+        load_tools(settings)
+        contracts = [CONTRACTS.get(name) for name in CONTRACTS.names()]
+        limit = time_limit_for(
+            [c.send_deadline_s + c.timeout_s for c in contracts if c is not None]
+        )
+        self.conf.update(celery_settings(settings, time_limit_s=limit))
+
+
+app = OutboxCelery("outbox", include=["workers.tasks"])

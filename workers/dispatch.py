@@ -1,0 +1,371 @@
+"""The dispatch protocol (DESIGN.md), as a plain function: :func:`dispatch`.
+
+1. One connection for this attempt, shared with nothing; the operation's session advisory
+   lock on it (a miss: another component owns the operation).
+2. On that connection, compare-and-set ``planned → sent`` with ``synchronous_commit=on``,
+   committed before any byte leaves. A row found in ``sent`` means its dispatcher is gone:
+   it moves to ``unknown`` and the remote is never called from here.
+3. The send deadline, then the tool call under one total deadline, no retries inside.
+4. The outcome, classified and committed fenced by the attempt number; a write that misses
+   (the sweep moved on) is kept as a "late outcome" event, and confirms the operation if it
+   still waits at that attempt for a verdict.
+5. The lock is released (or the connection discarded) whatever happened.
+
+A message is only a doorbell: every branch here is safe for a lost, duplicated or
+reordered message, and for a ``kill -9`` at any line.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import time
+from dataclasses import dataclass
+from uuid import UUID
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+
+from outbox import faults, statements
+from outbox.contracts import ToolContract
+from outbox.errors import ReplayDeadlinePassed, StaleTransition
+from outbox.locks import operation_lock_key
+from outbox.models import Operation
+from outbox.states import Actor, Effects, State, transition
+from workers.tools import REGISTRY, Tool, ToolCall, run_dispatch
+from workers.tools.registry import ToolRegistry
+from workers.tools.results import Ambiguous, Applied, DispatchResult, NotDelivered, Rejected
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(enum.StrEnum):
+    """How one :func:`dispatch` call ended."""
+
+    LOCK_BUSY = "lock_busy"  #: another component holds the operation: try again shortly
+    GONE = "gone"  #: no such operation (deleted)
+    NOT_DUE = "not_due"  #: still backing off; the relay publishes it again when due
+    NOT_PLANNED = "not_planned"  #: a duplicate message: someone already moved it on
+    DISPATCHER_LOST = "dispatcher_lost"  #: found in `sent`: moved to `unknown`, not called
+    NEEDS_HUMAN = "needs_human"  #: cannot be dispatched (unknown tool, limits, deadline)
+    NOT_SENT = "not_sent"  #: the send deadline passed after the `sent` commit: not called
+    CONFIRMED = "confirmed"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+    REPLANNED = "replanned"  #: provably not delivered: back to `planned` with backoff
+    LATE = "late"  #: the outcome arrived after the row moved on; kept as an event
+
+
+@dataclass(frozen=True)
+class DispatchReport:
+    """What :func:`dispatch` did, for the task's log line and for tests."""
+
+    operation_id: UUID
+    outcome: Outcome
+    attempt: int | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchConfig:
+    """Dispatcher knobs, each with the reason for its default."""
+
+    #: First backoff after a provably undelivered attempt; doubles per attempt.
+    base_backoff_s: float = 1.0
+    #: Ceiling of that backoff, so a remote back from an outage is retried promptly.
+    max_backoff_s: float = 60.0
+
+
+def dispatch(
+    operation_id: UUID | str,
+    *,
+    engine: Engine,
+    registry: ToolRegistry = REGISTRY,
+    config: DispatchConfig | None = None,
+) -> DispatchReport:
+    """Make at most one attempt of one operation, by the dispatch protocol."""
+    op_id = UUID(str(operation_id))
+    config = config or DispatchConfig()
+    with engine.connect() as conn:
+        try:
+            if not statements.try_lock(conn, operation_lock_key(op_id)):
+                conn.commit()
+                return DispatchReport(op_id, Outcome.LOCK_BUSY)
+            conn.commit()
+            faults.point("after_lock")
+            return _attempt(engine, conn, op_id, registry, config)
+        finally:
+            _release(conn)
+
+
+def _release(conn: Connection) -> None:
+    """Leave no lock behind on a pooled connection: unlock, or throw the connection away."""
+    try:
+        conn.rollback()
+        statements.unlock_all(conn)
+        conn.commit()
+    except Exception:  # noqa: BLE001 -- whatever broke, the connection must not keep the lock
+        conn.invalidate()
+
+
+def _attempt(
+    engine: Engine,
+    conn: Connection,
+    op_id: UUID,
+    registry: ToolRegistry,
+    config: DispatchConfig,
+) -> DispatchReport:
+    found = statements.get_for_dispatch(conn, op_id)
+    conn.commit()
+    if found is None:
+        return DispatchReport(op_id, Outcome.GONE)
+    ready = _ready_to_send(conn, *found, registry)
+    if isinstance(ready, DispatchReport):
+        return ready
+    op, tool = ready
+    started = time.monotonic()
+    sent = _commit_sent(conn, op)
+    if isinstance(sent, DispatchReport):
+        return sent
+    if time.monotonic() - started > tool.contract.send_deadline_s:
+        return _not_sent(conn, sent, tool.contract)
+    result = run_dispatch(
+        tool,
+        ToolCall(
+            operation_id=str(op_id),
+            intent_key=sent.intent_key,
+            tool=sent.tool,
+            target=sent.target,
+            payload=sent.payload,
+            attempt=sent.attempts,
+            timeout_s=tool.contract.timeout_s,
+        ),
+    )
+    faults.point("after_call")
+    try:
+        report = _record_outcome(conn, sent, result, config)
+    except DBAPIError as exc:
+        if not exc.connection_invalidated:
+            raise
+        # Our connection died during the call (and with it our lock): the attempt's outcome
+        # is still the truth about attempt k, so record it on a fresh connection, fenced by
+        # the attempt number exactly as before; if the sweep got there first it is kept as
+        # a late outcome.
+        with engine.connect() as fresh:
+            report = _record_outcome(fresh, sent, result, config)
+    faults.point("after_outcome_commit")
+    return report
+
+
+def _ready_to_send(  # noqa: PLR0911 -- one return per reason not to send, in order
+    conn: Connection, op: Operation, due: bool, replay_expired: bool, registry: ToolRegistry
+) -> tuple[Operation, Tool] | DispatchReport:
+    """The checks before the `sent` commit: the operation and its tool, or why not."""
+    if op.state is State.SENT:
+        return _dispatcher_lost(conn, op)
+    if op.state is not State.PLANNED:
+        return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, op.state.value)
+    tool = registry.get(op.tool)
+    if tool is None:
+        return _to_human(conn, op, f"tool {op.tool!r} is not registered on this worker")
+    if op.attempts >= tool.contract.max_attempts:
+        return _to_human(conn, op, f"max_attempts ({tool.contract.max_attempts}) reached")
+    if not due:
+        return DispatchReport(op.id, Outcome.NOT_DUE, op.attempts)
+    if replay_expired:
+        return _to_human(conn, op, _deadline_reason(op))
+    return op, tool
+
+
+def _commit_sent(conn: Connection, op: Operation) -> Operation | DispatchReport:
+    """Compare-and-set `planned -> sent`, durably committed before anything is sent."""
+    try:
+        with conn.begin():
+            statements.require_synchronous_commit(conn)
+            sent = transition(
+                conn,
+                op.id,
+                from_state=State.PLANNED,
+                to_state=State.SENT,
+                actor=Actor.DISPATCHER,
+                reason=f"dispatching attempt {op.attempts + 1}",
+                attempt=op.attempts,
+            )
+    except ReplayDeadlinePassed:
+        return _to_human(conn, op, _deadline_reason(op))
+    except StaleTransition as exc:
+        return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(exc))
+    faults.point("after_sent_commit")
+    log.info(
+        "attempt %d of %s committed as sent",
+        sent.attempts,
+        op.id,
+        extra={"action": "dispatch_sent", "operation_id": str(op.id), "tool": op.tool},
+    )
+    return sent
+
+
+def _deadline_reason(op: Operation) -> str:
+    return f"the dedup window closed before the replay left (replay deadline {op.replay_deadline})"
+
+
+def _dispatcher_lost(conn: Connection, op: Operation) -> DispatchReport:
+    """A message found the attempt in `sent` while we hold the lock: its dispatcher is gone."""
+    try:
+        with conn.begin():
+            transition(
+                conn,
+                op.id,
+                from_state=State.SENT,
+                to_state=State.UNKNOWN,
+                actor=Actor.DISPATCHER,
+                reason="dispatcher lost: a message found the attempt in sent with its lock free",
+                attempt=op.attempts,
+            )
+    except StaleTransition as exc:
+        return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(exc))
+    log.warning(
+        "attempt %d of %s lost its dispatcher; handed to the reconciler",
+        op.attempts,
+        op.id,
+        extra={"action": "dispatch_lost", "operation_id": str(op.id)},
+    )
+    return DispatchReport(op.id, Outcome.DISPATCHER_LOST, op.attempts)
+
+
+def _to_human(conn: Connection, op: Operation, reason: str) -> DispatchReport:
+    try:
+        with conn.begin():
+            transition(
+                conn,
+                op.id,
+                from_state=State.PLANNED,
+                to_state=State.NEEDS_HUMAN,
+                actor=Actor.DISPATCHER,
+                reason=reason,
+                attempt=op.attempts,
+            )
+    except StaleTransition as exc:
+        return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(exc))
+    log.warning(
+        "%s needs a human: %s",
+        op.id,
+        reason,
+        extra={"action": "dispatch_needs_human", "operation_id": str(op.id)},
+    )
+    return DispatchReport(op.id, Outcome.NEEDS_HUMAN, op.attempts, reason)
+
+
+def _not_sent(conn: Connection, sent: Operation, contract: ToolContract) -> DispatchReport:
+    reason = f"not sent: more than send_deadline_s ({contract.send_deadline_s:g}s) since sent"
+    try:
+        with conn.begin():
+            transition(
+                conn,
+                sent.id,
+                from_state=State.SENT,
+                to_state=State.PLANNED,
+                actor=Actor.DISPATCHER,
+                reason=reason,
+                attempt=sent.attempts,
+                effects=Effects(last_error=reason),
+            )
+    except StaleTransition as exc:
+        return DispatchReport(sent.id, Outcome.LATE, sent.attempts, str(exc))
+    return DispatchReport(sent.id, Outcome.NOT_SENT, sent.attempts, reason)
+
+
+def _classify(
+    sent: Operation, result: DispatchResult, config: DispatchConfig
+) -> tuple[State, Outcome, Effects, str]:
+    """The move an outcome calls for: (to state, outcome, effects, reason)."""
+    if isinstance(result, Applied):
+        effects = Effects(remote_ref=result.remote_ref, result=result.result)
+        return State.CONFIRMED, Outcome.CONFIRMED, effects, "applied at the remote"
+    if isinstance(result, Rejected):
+        if sent.maybe_applied:
+            reason = f"refused, but an earlier attempt may have applied: {result.reason}"
+            return State.UNKNOWN, Outcome.UNKNOWN, Effects(last_error=reason), reason
+        effects = Effects(last_error=result.reason, result=result.result)
+        return State.FAILED, Outcome.FAILED, effects, f"refused: {result.reason}"
+    if isinstance(result, NotDelivered):
+        backoff = min(config.max_backoff_s, config.base_backoff_s * 2 ** (sent.attempts - 1))
+        effects = Effects(
+            last_error=result.reason,
+            available_in_s=backoff * random.uniform(0.8, 1.2),  # noqa: S311 -- jitter only
+        )
+        return State.PLANNED, Outcome.REPLANNED, effects, f"not delivered: {result.reason}"
+    reason = result.reason if isinstance(result, Ambiguous) else repr(result)
+    return State.UNKNOWN, Outcome.UNKNOWN, Effects(last_error=reason), f"ambiguous: {reason}"
+
+
+def _record_outcome(
+    conn: Connection, sent: Operation, result: DispatchResult, config: DispatchConfig
+) -> DispatchReport:
+    to_state, outcome, effects, reason = _classify(sent, result, config)
+    try:
+        with conn.begin():
+            transition(
+                conn,
+                sent.id,
+                from_state=State.SENT,
+                to_state=to_state,
+                actor=Actor.DISPATCHER,
+                reason=reason,
+                attempt=sent.attempts,
+                effects=effects,
+            )
+    except StaleTransition:
+        return _late_outcome(conn, sent, result, reason)
+    log.info(
+        "attempt %d of %s: %s",
+        sent.attempts,
+        sent.id,
+        reason,
+        extra={"action": f"dispatch_{outcome.value}", "operation_id": str(sent.id)},
+    )
+    return DispatchReport(sent.id, outcome, sent.attempts, reason)
+
+
+def _late_outcome(
+    conn: Connection, sent: Operation, result: DispatchResult, reason: str
+) -> DispatchReport:
+    """The row moved on while we were calling (the sweep took it): keep what we learnt."""
+    attempt = sent.attempts
+    with conn.begin():
+        current = statements.get_operation(conn, sent.id)
+        if current is None:
+            return DispatchReport(sent.id, Outcome.GONE, attempt)
+        statements.record_event(
+            conn,
+            sent.id,
+            state=current.state,
+            attempt=attempt,
+            actor=Actor.DISPATCHER,
+            reason=f"late outcome of attempt {attempt}: {reason}",
+        )
+    waiting = current.state in (State.UNKNOWN, State.NEEDS_HUMAN)
+    if isinstance(result, Applied) and waiting and current.attempts == attempt:
+        try:
+            with conn.begin():
+                transition(
+                    conn,
+                    sent.id,
+                    from_state=current.state,
+                    to_state=State.CONFIRMED,
+                    actor=Actor.EVIDENCE,
+                    reason=f"late outcome of attempt {attempt}: applied",
+                    attempt=attempt,
+                    effects=Effects(remote_ref=result.remote_ref, result=result.result),
+                )
+        except StaleTransition:
+            pass  # someone decided in between; our evidence is in the event above
+    log.warning(
+        "late outcome of attempt %d of %s: %s",
+        attempt,
+        sent.id,
+        reason,
+        extra={"action": "dispatch_late", "operation_id": str(sent.id)},
+    )
+    return DispatchReport(sent.id, Outcome.LATE, attempt, reason)

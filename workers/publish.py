@@ -1,0 +1,163 @@
+"""Publishing dispatch messages for the relay, with publisher confirms kept in flight.
+
+On RabbitMQ the channel is put in confirm mode once; a batch is published back to back and
+then the broker's ``basic.ack``/``basic.nack`` frames are collected, so a batch of N costs one
+round trip, not N. Only acknowledged messages count as published; a nack, a timeout or a
+broken connection leaves the rest unconfirmed (their rows stay unpublished).
+
+On the database broker (kombu's SQLAlchemy transport) a publish is an INSERT that kombu
+commits before returning: there is no confirm to wait for, and no redelivery either.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+from uuid import UUID
+
+from celery import Celery
+from kombu import Connection
+from kombu.messaging import Producer
+from sqlalchemy import Engine, text
+
+from outbox.errors import BrokerUnavailable
+from outbox.relay import OutboundMessage
+from workers.app import BROKER_MESSAGE_TABLE, DISPATCH_TASK, uses_database_broker
+
+log = logging.getLogger(__name__)
+
+
+class CeleryPublisher:
+    """A :class:`outbox.relay.Publisher` that sends ``outbox.dispatch`` tasks through Celery."""
+
+    def __init__(self, app: Celery, *, confirm_timeout_s: float = 10.0) -> None:
+        self.app = app
+        self.confirm_timeout_s = confirm_timeout_s
+        self.database_broker = uses_database_broker(str(app.conf.broker_url))
+        self._connection: Connection | None = None
+        self._producer: Producer | None = None
+        self._next_tag = 1
+        self._acked: set[int] = set()
+        self._nacked: set[int] = set()
+        self._highest_multiple_ack = 0
+
+    def publish(self, messages: Sequence[OutboundMessage]) -> set[UUID]:
+        """Publish ``messages``; return the ids the broker confirmed."""
+        try:
+            producer = self._ensure_producer()
+            if self.database_broker:
+                for message in messages:
+                    self._send(producer, message)
+                return {message.operation_id for message in messages}
+            return self._publish_confirmed(producer, messages)
+        except BrokerUnavailable:
+            self.close()
+            raise
+        except Exception as exc:  # kombu, amqp and socket errors alike: the broker failed us
+            self.close()
+            raise BrokerUnavailable(f"publishing to the broker failed: {exc!r}") from exc
+
+    def close(self) -> None:
+        """Drop the broker connection (the next publish opens a new one)."""
+        if self._connection is not None:
+            try:
+                self._connection.release()
+            except Exception as exc:  # noqa: BLE001 -- closing a broken connection may fail too
+                log.debug("closing the broker connection failed: %s", exc)
+        self._connection = None
+        self._producer = None
+
+    def _ensure_producer(self) -> Producer:
+        if self._producer is not None:
+            return self._producer
+        connection = self.app.connection_for_write()
+        connection.ensure_connection(max_retries=1)
+        channel = connection.default_channel
+        self.app.amqp.queues["dispatch"](channel).declare()
+        if not self.database_broker:
+            channel.confirm_select()
+            channel.events["basic_ack"].add(self._on_ack)
+            channel.events["basic_nack"].add(self._on_nack)
+            self._next_tag = 1
+        self._connection = connection
+        self._producer = self.app.amqp.Producer(channel, auto_declare=False)
+        return self._producer
+
+    def _send(self, producer: Producer, message: OutboundMessage) -> None:
+        self.app.send_task(
+            DISPATCH_TASK,
+            kwargs={
+                "operation_id": str(message.operation_id),
+                "tool": message.tool,
+                "target": message.target,
+            },
+            producer=producer,
+            queue="dispatch",
+            routing_key="dispatch",
+            retry=False,
+        )
+
+    def _publish_confirmed(
+        self, producer: Producer, messages: Sequence[OutboundMessage]
+    ) -> set[UUID]:
+        tags: dict[int, UUID] = {}
+        for message in messages:
+            self._send(producer, message)
+            tags[self._next_tag] = message.operation_id
+            self._next_tag += 1
+        deadline = time.monotonic() + self.confirm_timeout_s
+        connection = self._connection
+        if connection is None:
+            raise BrokerUnavailable("the broker connection closed during the batch")
+        while not all(self._settled(tag) for tag in tags):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BrokerUnavailable(
+                    f"{sum(not self._settled(t) for t in tags)} of {len(tags)} messages "
+                    f"unconfirmed after {self.confirm_timeout_s:g}s"
+                )
+            connection.drain_events(timeout=remaining)
+        confirmed = {op_id for tag, op_id in tags.items() if self._confirmed(tag)}
+        self._forget(tags)
+        return confirmed
+
+    def _on_ack(self, delivery_tag: int, multiple: bool) -> None:
+        if multiple:
+            self._highest_multiple_ack = max(self._highest_multiple_ack, delivery_tag)
+        else:
+            self._acked.add(delivery_tag)
+
+    def _on_nack(self, delivery_tag: int, multiple: bool) -> None:
+        if multiple:
+            self._nacked.update(
+                tag
+                for tag in range(self._highest_multiple_ack + 1, delivery_tag + 1)
+                if tag not in self._acked
+            )
+        else:
+            self._nacked.add(delivery_tag)
+
+    def _confirmed(self, tag: int) -> bool:
+        if tag in self._acked:
+            return True
+        return tag not in self._nacked and tag <= self._highest_multiple_ack
+
+    def _settled(self, tag: int) -> bool:
+        return tag in self._nacked or self._confirmed(tag)
+
+    def _forget(self, tags: dict[int, Any]) -> None:
+        self._acked.difference_update(tags)
+        self._nacked.difference_update(tags)
+
+
+def prune_consumed_messages(engine: Engine) -> int:
+    """Delete messages the database broker already delivered (kombu only hides them).
+
+    kombu's SQLAlchemy transport marks a message invisible when a worker takes it and never
+    delivers it again, so deleting invisible rows loses nothing.
+    """
+    with engine.begin() as conn:
+        result = conn.execute(text(f"DELETE FROM {BROKER_MESSAGE_TABLE} WHERE visible = false"))  # noqa: S608
+    return int(result.rowcount)

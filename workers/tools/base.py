@@ -1,0 +1,101 @@
+"""What every tool is: a contract, a ``dispatch`` and (if the contract says so) a ``lookup``.
+
+A tool does one request per call: no retries inside, because only the outbox may decide that
+a second request is safe (DESIGN.md, "The dispatch protocol"). Either method may be a plain
+function or ``async def``; :mod:`workers.tools.invoke` runs both kinds under the call's total
+deadline and turns every surprise into a conservative result.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+from outbox.api import MAX_TOOL_LENGTH, TOOL_NAME
+from outbox.contracts import ToolContract
+from outbox.errors import ConfigError
+from workers.tools.results import DispatchResult, LookupResult
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call of a tool for one attempt of one operation."""
+
+    #: The outbox operation's id: the idempotency key the remote sees.
+    operation_id: str
+    #: The agent's name for the intended effect (the operation id unless the agent chose one).
+    intent_key: str
+    #: The registered tool name.
+    tool: str
+    #: What the tool acts on (a project, a customer…), as the agent gave it.
+    target: str
+    #: The operation's payload, as enqueued; the same on every attempt.
+    payload: dict[str, Any]
+    #: The attempt number (1 for the first send).
+    attempt: int
+    #: The total budget for this call, all phases together, in seconds.
+    timeout_s: float
+
+
+class Tool(abc.ABC):
+    """A registered tool: its :class:`ToolContract`, ``dispatch`` and optional ``lookup``.
+
+    ``dispatch(call)`` sends the request once and classifies the answer as a
+    :data:`DispatchResult`; ``lookup(call)`` asks the remote whether the operation's effect
+    exists and answers a :data:`LookupResult`. Both may be synchronous or ``async def``.
+    Call them through :func:`workers.tools.run_dispatch` / :func:`workers.tools.run_lookup`,
+    which enforce the deadline and never raise.
+    """
+
+    contract: ToolContract
+
+    @property
+    def name(self) -> str:
+        """The tool's registered name."""
+        return self.contract.name
+
+    @property
+    def module(self) -> str | None:
+        """The Python module that defined the tool, if any (``load_tools`` re-registers
+        the tools of an already imported module)."""
+        return None
+
+    @property
+    def origin(self) -> str:
+        """Where the tool was defined, for error messages."""
+        return type(self).__name__
+
+    @abc.abstractmethod
+    def dispatch(self, call: ToolCall) -> DispatchResult | Awaitable[DispatchResult]:
+        """Send the request for ``call`` once and classify the answer."""
+
+    def lookup(self, call: ToolCall) -> LookupResult | Awaitable[LookupResult]:
+        """Ask the remote whether ``call``'s operation was applied (only if ``has_lookup``)."""
+        raise NotImplementedError(f"tool {self.name!r} has no lookup")
+
+    @property
+    def is_async_dispatch(self) -> bool:
+        """Whether ``dispatch`` is a coroutine function (run on an event loop)."""
+        return inspect.iscoroutinefunction(self.dispatch)
+
+    @property
+    def is_async_lookup(self) -> bool:
+        """Whether ``lookup`` is a coroutine function (run on an event loop)."""
+        return inspect.iscoroutinefunction(self.lookup)
+
+    def same_definition(self, other: Tool) -> bool:
+        """Whether ``other`` is this tool defined again (a reload), not a second tool."""
+        return other is self
+
+
+def check_tool_name(name: object) -> str:
+    """Return ``name`` if ``enqueue`` would accept it as a tool name, else raise ConfigError."""
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name) or len(name) > MAX_TOOL_LENGTH:
+        raise ConfigError(
+            f"tool name {name!r} is invalid: dotted words of letters, digits, '_' or '-', "
+            f"starting with a letter, at most {MAX_TOOL_LENGTH} characters"
+        )
+    return name
