@@ -209,9 +209,14 @@ class Relay:
         )
 
     def _register(self) -> None:
-        with self.engine.begin() as conn:
-            statements.forget_silent_relays(conn, older_than_s=self.config.silent_after_s)
-            self._announce(conn, idle=False)
+        # Best effort: a relay that starts during a database outage still runs (its first
+        # idle announcement creates the row), it just cannot clean up after dead peers yet.
+        try:
+            with self.engine.begin() as conn:
+                statements.forget_silent_relays(conn, older_than_s=self.config.silent_after_s)
+                self._announce(conn, idle=False)
+        except DBAPIError as exc:
+            log.warning("relay could not register: %s", exc, extra={"action": "relay_error"})
 
     def _unregister(self) -> None:
         try:

@@ -26,8 +26,12 @@ class TcpProxy:
         """Listen (on a free port the first time, on the same port after a cut)."""
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        listener.listen(128)
+        try:
+            listener.bind(("127.0.0.1", self.port))
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
         self.port = listener.getsockname()[1]
         self._listener = listener
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
@@ -39,6 +43,10 @@ class TcpProxy:
             listener, self._listener = self._listener, None
             connections, self._connections = self._connections, []
         if listener is not None:
+            # shutdown() wakes the thread blocked in accept(); close() alone would leave the
+            # port bound until that accept returned.
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
             listener.close()
         for conn in connections:
             with contextlib.suppress(OSError):

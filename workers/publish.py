@@ -32,9 +32,20 @@ log = logging.getLogger(__name__)
 class CeleryPublisher:
     """A :class:`outbox.relay.Publisher` that sends ``outbox.dispatch`` tasks through Celery."""
 
-    def __init__(self, app: Celery, *, confirm_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        *,
+        confirm_timeout_s: float = 10.0,
+        engine: Engine | None = None,
+        prune_every_s: float = 60.0,
+    ) -> None:
         self.app = app
         self.confirm_timeout_s = confirm_timeout_s
+        #: On the database broker: where delivered messages are pruned from, and how often.
+        self.engine = engine
+        self.prune_every_s = prune_every_s
+        self._last_prune = time.monotonic()
         self.database_broker = uses_database_broker(str(app.conf.broker_url))
         self._connection: Connection | None = None
         self._producer: Producer | None = None
@@ -50,6 +61,7 @@ class CeleryPublisher:
             if self.database_broker:
                 for message in messages:
                     self._send(producer, message)
+                self._maybe_prune()
                 return {message.operation_id for message in messages}
             return self._publish_confirmed(producer, messages)
         except BrokerUnavailable:
@@ -58,6 +70,18 @@ class CeleryPublisher:
         except Exception as exc:  # kombu, amqp and socket errors alike: the broker failed us
             self.close()
             raise BrokerUnavailable(f"publishing to the broker failed: {exc!r}") from exc
+
+    def _maybe_prune(self) -> None:
+        if self.engine is None or time.monotonic() - self._last_prune < self.prune_every_s:
+            return
+        self._last_prune = time.monotonic()
+        pruned = prune_consumed_messages(self.engine)
+        if pruned:
+            log.info(
+                "pruned %d delivered messages",
+                pruned,
+                extra={"action": "broker_pruned", "messages": pruned},
+            )
 
     def close(self) -> None:
         """Drop the broker connection (the next publish opens a new one)."""

@@ -64,7 +64,7 @@ def relay_command(
         republish_after_s=republish_after or settings.republish_after,
     )
     with connected() as engine:
-        relay = Relay(engine, CeleryPublisher(app), config)
+        relay = Relay(engine, CeleryPublisher(app, engine=engine), config)
 
         def stop(signum: int, _frame: FrameType | None) -> None:
             log.info("stopping after this batch", extra={"action": "relay_stopping"})

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 from celery import Celery
 from kombu import Connection
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 
 from outbox import faults
 from outbox.config import load_settings
+from outbox.db import create_engine
 from outbox.errors import BrokerUnavailable
 from outbox.relay import Relay, RelayConfig
 from outbox.states import State
@@ -218,3 +219,67 @@ def test_a_cancelled_or_sent_row_is_never_published(
         make_operation(engine, state)
     assert make_relay(app).run_once().claimed == 0
     assert _drain(app) == []
+
+
+def test_delivered_messages_are_pruned_from_the_database_broker(
+    engine: Engine, database_url: str
+) -> None:
+    """On the database broker, messages a worker took are deleted by the relay's publisher."""
+    app = _app(database_url, None)
+    publisher = CeleryPublisher(app, engine=engine, prune_every_s=0)
+    relay = Relay(engine, publisher, RelayConfig())
+    try:
+        make_operation(engine)
+        assert relay.run_once().published == 1
+        assert len(_drain(app)) == 1  # a worker took it: kombu hides it, keeps the row
+        with engine.connect() as conn:
+            kept = conn.execute(text("SELECT count(*) FROM outbox_kombu_message")).scalar_one()
+        assert kept == 1
+        make_operation(engine)
+        assert relay.run_once().published == 1
+        with engine.connect() as conn:
+            hidden = conn.execute(
+                text("SELECT count(*) FROM outbox_kombu_message WHERE visible = false")
+            ).scalar_one()
+        assert hidden == 0
+    finally:
+        publisher.close()
+        _drain(app)
+
+
+def test_a_database_outage_is_survived(
+    engine: Engine, database_url: str, make_relay: MakeRelay
+) -> None:
+    """A relay whose database goes away keeps retrying and publishes once it is back."""
+    url = make_url(database_url)
+    if url.host is None:
+        pytest.skip("the embedded PostgreSQL listens on a Unix socket only: no TCP to cut")
+    proxy = TcpProxy(url.port or 5432, upstream_host=url.host or "127.0.0.1").start()
+    proxied = create_engine(
+        url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    )
+    app = _app(database_url, None)
+    _drain(app)
+    relay = Relay(
+        proxied,
+        CeleryPublisher(app),
+        RelayConfig(poll_interval_s=0.2, min_backoff_s=0.1, max_backoff_s=0.5),
+    )
+    runner = threading.Thread(target=relay.run_forever)
+    try:
+        runner.start()
+        proxy.cut()
+        op = make_operation(engine)
+        time.sleep(1.5)
+        assert reload(engine, op.id).published_at is None
+        proxy.restore()
+        deadline = time.monotonic() + 15
+        while reload(engine, op.id).published_at is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert reload(engine, op.id).published_at is not None
+        assert [m["operation_id"] for m in _drain(app)] == [str(op.id)]
+    finally:
+        relay.stop()
+        runner.join(30)
+        proxy.stop()
+        proxied.dispose()
