@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -412,3 +413,144 @@ def lock_holder_pid(executor: Executor, key: int) -> int | None:
         {"hi": unsigned >> 32, "lo": unsigned & 0xFFFFFFFF},
     ).first()
     return int(row.pid) if row is not None else None
+
+
+# --- reconciler ---------------------------------------------------------------------------
+
+_STALE_SENT = text(
+    """
+    SELECT id, attempts,
+           sent_at <= clock_timestamp() - make_interval(secs => :max_age) AS too_old
+    FROM outbox.operations
+    WHERE state = 'sent' AND sent_at <= clock_timestamp() - make_interval(secs => :timeout)
+    ORDER BY sent_at
+    LIMIT :limit
+    """
+)
+
+
+def stale_sent(
+    executor: Executor, *, sent_timeout_s: float, sent_max_age_s: float, limit: int
+) -> list[tuple[UUID, int, bool]]:
+    """`sent` rows older than the timeout: (id, attempt, older than the max age)."""
+    rows = executor.execute(
+        _STALE_SENT, {"timeout": sent_timeout_s, "max_age": sent_max_age_s, "limit": limit}
+    )
+    return [(row.id, row.attempts, bool(row.too_old)) for row in rows]
+
+
+def due_unknown(executor: Executor, *, limit: int) -> list[tuple[UUID, str]]:
+    """`unknown` rows whose next check is due, oldest first: (id, tool)."""
+    rows = executor.execute(
+        text(
+            "SELECT id, tool FROM outbox.operations "
+            "WHERE state = 'unknown' AND next_check_at <= clock_timestamp() "
+            "ORDER BY next_check_at LIMIT :limit"
+        ),
+        {"limit": limit},
+    )
+    return [(row.id, row.tool) for row in rows]
+
+
+_RECONCILE_FACTS = text(
+    """
+    SELECT *,
+           sent_at IS NULL
+             OR sent_at + make_interval(secs => :horizon) <= clock_timestamp() AS horizon_passed,
+           sent_at + make_interval(secs => :horizon) AS horizon_at,
+           first_sent_at + make_interval(secs => :usable_window) AS window_closes_at,
+           first_sent_at IS NOT NULL
+             AND first_sent_at + make_interval(secs => :usable_window) > clock_timestamp()
+             AS window_open,
+           coalesce(next_check_at <= clock_timestamp(), false) AS check_due
+    FROM outbox.operations WHERE id = :id
+    """
+)
+
+
+@dataclass(frozen=True)
+class ReconcileFacts:
+    """An operation and the time facts the decision table needs, judged by the database clock."""
+
+    operation: Operation
+    #: A request sent at ``sent_at`` can no longer land.
+    horizon_passed: bool
+    horizon_at: datetime | None
+    #: ``first_sent_at`` + window - margin is still ahead (always False without a window).
+    window_open: bool
+    window_closes_at: datetime | None
+    #: An `unknown` row's next check is due (``next_check_at`` has passed).
+    check_due: bool = False
+
+
+def reconcile_facts(
+    executor: Executor, operation_id: UUID, *, horizon_s: float, usable_window_s: float | None
+) -> ReconcileFacts | None:
+    """The operation with its horizon and dedup-window facts, or ``None``."""
+    row = (
+        executor.execute(
+            _RECONCILE_FACTS,
+            {
+                "id": operation_id,
+                "horizon": horizon_s,
+                "usable_window": usable_window_s if usable_window_s is not None else -1e9,
+            },
+        )
+        .mappings()
+        .one_or_none()
+    )
+    if row is None:
+        return None
+    has_window = usable_window_s is not None
+    return ReconcileFacts(
+        operation=Operation.from_row(row),
+        horizon_passed=bool(row["horizon_passed"]),
+        horizon_at=row["horizon_at"],
+        window_open=has_window and bool(row["window_open"]),
+        window_closes_at=row["window_closes_at"] if has_window else None,
+        check_due=bool(row["check_due"]),
+    )
+
+
+def schedule_check(
+    executor: Executor,
+    operation_id: UUID,
+    *,
+    attempt: int,
+    delay_s: float | None = None,
+    at_horizon_s: float | None = None,
+    count_check: bool,
+    last_error: str | None = None,
+) -> bool:
+    """Set when the reconciler looks at an `unknown` row next (fenced on state and attempt).
+
+    ``delay_s`` from now, or ``at_horizon_s`` after ``sent_at``; ``count_check`` adds one to
+    ``checks`` (an inconclusive lookup). Not a state change, so no event. Whether it applied.
+    """
+    when = (
+        "sent_at + make_interval(secs => :horizon)"
+        if at_horizon_s is not None
+        else "clock_timestamp() + make_interval(secs => :delay)"
+    )
+    result = executor.execute(
+        text(
+            f"UPDATE outbox.operations SET next_check_at = {when}, "  # noqa: S608 -- constant fragments
+            "checks = checks + :add, last_error = coalesce(:error, last_error), "
+            "updated_at = updated_at "
+            "WHERE id = :id AND state = 'unknown' AND attempts = :attempt"
+        ),
+        {
+            "id": operation_id,
+            "attempt": attempt,
+            "delay": delay_s or 0.0,
+            "horizon": at_horizon_s or 0.0,
+            "add": 1 if count_check else 0,
+            "error": last_error,
+        },
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def unlock(executor: Executor, key: int) -> None:
+    """Release one session-level advisory lock held by this connection."""
+    executor.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})

@@ -30,9 +30,9 @@ from sqlalchemy.exc import DBAPIError
 from outbox import faults, statements
 from outbox.contracts import ToolContract
 from outbox.errors import ReplayDeadlinePassed, StaleTransition
-from outbox.locks import operation_lock_key
 from outbox.models import Operation
 from outbox.states import Actor, Effects, State, transition
+from workers.locking import operation_lock
 from workers.tools import REGISTRY, Tool, ToolCall, run_dispatch
 from workers.tools.registry import ToolRegistry
 from workers.tools.results import Ambiguous, Applied, DispatchResult, NotDelivered, Rejected
@@ -87,26 +87,11 @@ def dispatch(
     """Make at most one attempt of one operation, by the dispatch protocol."""
     op_id = UUID(str(operation_id))
     config = config or DispatchConfig()
-    with engine.connect() as conn:
-        try:
-            if not statements.try_lock(conn, operation_lock_key(op_id)):
-                conn.commit()
-                return DispatchReport(op_id, Outcome.LOCK_BUSY)
-            conn.commit()
-            faults.point("after_lock")
-            return _attempt(engine, conn, op_id, registry, config)
-        finally:
-            _release(conn)
-
-
-def _release(conn: Connection) -> None:
-    """Leave no lock behind on a pooled connection: unlock, or throw the connection away."""
-    try:
-        conn.rollback()
-        statements.unlock_all(conn)
-        conn.commit()
-    except Exception:  # noqa: BLE001 -- whatever broke, the connection must not keep the lock
-        conn.invalidate()
+    with operation_lock(engine, op_id) as conn:
+        if conn is None:
+            return DispatchReport(op_id, Outcome.LOCK_BUSY)
+        faults.point("after_lock")
+        return _attempt(engine, conn, op_id, registry, config)
 
 
 def _attempt(

@@ -18,6 +18,7 @@ from outbox.states import Actor, Effects, State, transition
 from outbox.testing import DeployService
 from outbox.testing.deploy_service import FaultMode
 from tests.factories import age, events_of, make_operation, reload
+from tests.tool_configs import http_registry
 from workers.dispatch import Outcome, dispatch
 from workers.tools import (
     Ambiguous,
@@ -29,7 +30,6 @@ from workers.tools import (
     ToolRegistry,
     tool,
 )
-from workers.tools.http import load_http_tools
 
 TOOL = "deploy.create_release"
 
@@ -420,38 +420,6 @@ def service() -> Iterator[DeployService]:
         yield running
 
 
-def _http_registry(tmp_path: Any, url: str, **overrides: Any) -> ToolRegistry:
-    values = {
-        "timeout_s": 1.0,
-        "send_deadline_s": 1.0,
-        "inflight_horizon_s": 30,
-        "max_attempts": 3,
-        **overrides,
-    }
-    settings = "\n".join(f"{key} = {value!r}" for key, value in values.items())
-    config = tmp_path / "tools.toml"
-    config.write_text(
-        f"""
-[tools."{TOOL}"]
-kind = "http"
-method = "POST"
-url = "{url}/projects/{{target}}/releases"
-idempotency_header = "Idempotency-Key"
-remote_ref = "id"
-rejected_statuses = [400, 422]
-lookup_url = "{url}/projects/{{target}}/releases/by-key/{{operation_id}}"
-lookup_remote_ref = "id"
-lookup_not_applied_statuses = [404]
-{settings}
-""",
-        encoding="utf-8",
-    )
-    registry = ToolRegistry(ContractTable())
-    for http_tool in load_http_tools(config):
-        registry.register(http_tool)
-    return registry
-
-
 @pytest.mark.parametrize(
     ("fault", "outcome", "state", "effects"),
     [
@@ -472,7 +440,7 @@ def test_http_outcomes_are_classified_honestly(
     effects: int,
 ) -> None:
     """Each fault of the reference service ends in the state its evidence allows, no more."""
-    registry = _http_registry(tmp_path, service.url)
+    registry = http_registry(tmp_path, service.url)
     op = make_operation(engine)
     if fault is not None:
         service.faults.arm_key(str(op.id), fault, 1)
@@ -490,7 +458,7 @@ def test_http_connection_refused_then_service_back(engine: Engine, tmp_path: Any
     with DeployService(port=0) as probe:
         port = int(probe.url.rsplit(":", 1)[1])
     url = f"http://127.0.0.1:{port}"
-    registry = _http_registry(tmp_path, url)
+    registry = http_registry(tmp_path, url)
     op = make_operation(engine)
     assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.REPLANNED
     assert reload(engine, op.id).state is State.PLANNED

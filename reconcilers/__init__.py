@@ -1,0 +1,1 @@
+"""The reconciler: sweep, lookups, replays, escalation and webhooks."""

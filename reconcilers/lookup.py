@@ -1,0 +1,303 @@
+"""Lookups: ask the remote whether an `unknown` operation's effect exists, then act on it.
+
+Under the operation's lock (the same one dispatchers take):
+
+* applied (the declared ref resolves) → `confirmed`, the evidence in the event;
+* failed at the remote → `failed`;
+* not applied, after the in-flight horizon → `planned`: a replay with the same key;
+* not applied before the horizon → check again after it (not counted as a check);
+* inconclusive → check again with capped exponential backoff and jitter; after the tool's
+  ``max_checks`` the dedup rule or a human decides (:mod:`reconcilers.decide`).
+
+A lookup that finds the operation already decided (an operator was faster) keeps its
+evidence as an event, with a warning, and confirms it only if it still waits for a verdict.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+from dataclasses import dataclass
+from uuid import UUID
+
+from sqlalchemy import Connection, Engine
+
+from outbox import statements
+from outbox.contracts import ToolContract
+from outbox.errors import StaleTransition
+from outbox.statements import ReconcileFacts
+from outbox.states import Actor, Effects, State, transition
+from reconcilers.decide import Action, decide, usable_window_s
+from reconcilers.route import apply_decision
+from workers.locking import operation_lock
+from workers.tools import REGISTRY, Tool, ToolCall, ToolRegistry, run_lookup
+from workers.tools.results import Applied, FailedRemotely, LookupResult, NotApplied
+
+log = logging.getLogger(__name__)
+
+
+class LookupOutcome(enum.StrEnum):
+    """How one :func:`lookup` ended."""
+
+    LOCK_BUSY = "lock_busy"
+    GONE = "gone"
+    NOT_UNKNOWN = "not_unknown"  #: already decided; nothing asked
+    CONFIRMED = "confirmed"
+    FAILED = "failed"
+    REPLANNED = "replanned"  #: not applied after the horizon: replay with the same key
+    WAITING = "waiting"  #: not applied before the horizon: check again after it
+    RECHECK = "recheck"  #: inconclusive: check again later
+    ROUTED = "routed"  #: lookups exhausted or impossible: the decision table took over
+    LATE = "late"  #: someone decided while we asked; our evidence is an event
+
+
+@dataclass(frozen=True)
+class LookupReport:
+    """What :func:`lookup` did."""
+
+    operation_id: UUID
+    outcome: LookupOutcome
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LookupConfig:
+    """Lookup knobs, each with the reason for its default."""
+
+    #: First wait after an inconclusive answer; doubles per check.
+    base_backoff_s: float = 5.0
+    #: Longest wait between checks, so an operation is never forgotten for long.
+    max_backoff_s: float = 300.0
+
+
+def lookup(
+    operation_id: UUID | str,
+    *,
+    engine: Engine,
+    registry: ToolRegistry = REGISTRY,
+    config: LookupConfig | None = None,
+) -> LookupReport:
+    """Ask the remote about one `unknown` operation and record what it said."""
+    op_id = UUID(str(operation_id))
+    with operation_lock(engine, op_id) as conn:
+        if conn is None:
+            return LookupReport(op_id, LookupOutcome.LOCK_BUSY)
+        return _inspect(conn, op_id, registry, config or LookupConfig())
+
+
+def facts_for(conn: Connection, op_id: UUID, contract: ToolContract) -> ReconcileFacts | None:
+    """The operation's decision facts under ``contract``, read in their own transaction."""
+    facts = statements.reconcile_facts(
+        conn,
+        op_id,
+        horizon_s=contract.inflight_horizon_s,
+        usable_window_s=usable_window_s(contract),
+    )
+    conn.commit()
+    return facts
+
+
+def _inspect(
+    conn: Connection, op_id: UUID, registry: ToolRegistry, config: LookupConfig
+) -> LookupReport:
+    current = statements.get_operation(conn, op_id)
+    conn.commit()
+    if current is None:
+        return LookupReport(op_id, LookupOutcome.GONE)
+    tool = registry.get(current.tool)
+    if current.state is not State.UNKNOWN:
+        return LookupReport(op_id, LookupOutcome.NOT_UNKNOWN, current.state.value)
+    if tool is None:
+        return _unroutable(conn, op_id, current.attempts, current.tool)
+    facts = facts_for(conn, op_id, tool.contract)
+    if facts is None or facts.operation.state is not State.UNKNOWN:
+        return LookupReport(op_id, LookupOutcome.NOT_UNKNOWN)
+    decision = decide(facts, tool.contract, lookups_exhausted=False)
+    if decision.action is not Action.LOOKUP:
+        apply_decision(conn, facts, decision)
+        return LookupReport(op_id, LookupOutcome.ROUTED, decision.reason)
+    result = run_lookup(tool, _call(facts, tool))
+    return _record(conn, facts, tool, result, config)
+
+
+def _call(facts: ReconcileFacts, tool: Tool) -> ToolCall:
+    op = facts.operation
+    return ToolCall(
+        operation_id=str(op.id),
+        intent_key=op.intent_key,
+        tool=op.tool,
+        target=op.target,
+        payload=op.payload,
+        attempt=op.attempts,
+        timeout_s=tool.contract.timeout_s,
+    )
+
+
+def _record(
+    conn: Connection,
+    facts: ReconcileFacts,
+    tool: Tool,
+    result: LookupResult,
+    config: LookupConfig,
+) -> LookupReport:
+    op = facts.operation
+    contract = tool.contract
+    try:
+        if isinstance(result, Applied):
+            _move(
+                conn,
+                facts,
+                State.CONFIRMED,
+                f"lookup: applied at the remote ({result.remote_ref})",
+                Effects(remote_ref=result.remote_ref, result=result.result),
+            )
+            return LookupReport(op.id, LookupOutcome.CONFIRMED, result.remote_ref)
+        if isinstance(result, FailedRemotely):
+            _move(
+                conn,
+                facts,
+                State.FAILED,
+                f"lookup: failed at the remote: {result.reason}",
+                Effects(last_error=result.reason, maybe_applied=False),
+            )
+            return LookupReport(op.id, LookupOutcome.FAILED, result.reason)
+        if isinstance(result, NotApplied):
+            return _not_applied(conn, facts, contract)
+    except StaleTransition:
+        return _late(conn, op.id, op.attempts, result)
+    return _inconclusive(conn, facts, contract, result.reason, config)
+
+
+def _move(
+    conn: Connection, facts: ReconcileFacts, to_state: State, reason: str, effects: Effects
+) -> None:
+    with conn.begin():
+        transition(
+            conn,
+            facts.operation.id,
+            from_state=State.UNKNOWN,
+            to_state=to_state,
+            actor=Actor.RECONCILER,
+            reason=reason,
+            attempt=facts.operation.attempts,
+            effects=effects,
+        )
+    log.info(
+        "%s: %s",
+        facts.operation.id,
+        reason,
+        extra={"action": f"lookup_{to_state.value}", "operation_id": str(facts.operation.id)},
+    )
+
+
+def _not_applied(conn: Connection, facts: ReconcileFacts, contract: ToolContract) -> LookupReport:
+    op = facts.operation
+    if not facts.horizon_passed:
+        with conn.begin():
+            statements.schedule_check(
+                conn,
+                op.id,
+                attempt=op.attempts,
+                at_horizon_s=contract.inflight_horizon_s,
+                count_check=False,
+                last_error="lookup: not applied yet; the last attempt may still be in flight",
+            )
+        return LookupReport(op.id, LookupOutcome.WAITING, str(facts.horizon_at))
+    if op.attempts >= contract.max_attempts:
+        reason = f"lookup: not applied, and max_attempts ({contract.max_attempts}) reached"
+        _move(conn, facts, State.NEEDS_HUMAN, reason, Effects(maybe_applied=False))
+        return LookupReport(op.id, LookupOutcome.ROUTED, reason)
+    reason = "lookup: not applied after the in-flight horizon; replay with the same key"
+    _move(conn, facts, State.PLANNED, reason, Effects(maybe_applied=False))
+    return LookupReport(op.id, LookupOutcome.REPLANNED)
+
+
+def _inconclusive(
+    conn: Connection,
+    facts: ReconcileFacts,
+    contract: ToolContract,
+    why: str,
+    config: LookupConfig,
+) -> LookupReport:
+    op = facts.operation
+    checks = op.checks + 1
+    backoff = min(config.max_backoff_s, config.base_backoff_s * 2 ** (checks - 1))
+    with conn.begin():
+        statements.schedule_check(
+            conn,
+            op.id,
+            attempt=op.attempts,
+            delay_s=backoff * random.uniform(0.8, 1.2),  # noqa: S311 -- jitter only
+            count_check=True,
+            last_error=f"lookup inconclusive: {why}",
+        )
+    if checks < contract.max_checks:
+        return LookupReport(op.id, LookupOutcome.RECHECK, why)
+    refreshed = facts_for(conn, op.id, contract)
+    if refreshed is None or refreshed.operation.state is not State.UNKNOWN:
+        return LookupReport(op.id, LookupOutcome.NOT_UNKNOWN)
+    decision = decide(refreshed, contract, lookups_exhausted=True)
+    apply_decision(conn, refreshed, decision)
+    return LookupReport(op.id, LookupOutcome.ROUTED, decision.reason)
+
+
+def _late(conn: Connection, op_id: UUID, attempt: int, result: LookupResult) -> LookupReport:
+    """Someone decided while we asked: keep the evidence, and let it confirm only a row that
+    still waits for a verdict at the same attempt."""
+    with conn.begin():
+        current = statements.get_operation(conn, op_id)
+        if current is None:
+            return LookupReport(op_id, LookupOutcome.GONE)
+        statements.record_event(
+            conn,
+            op_id,
+            state=current.state,
+            attempt=attempt,
+            actor=Actor.RECONCILER,
+            reason=f"lookup evidence after the operation moved on: {result!r}",
+        )
+    log.warning(
+        "lookup of %s lost the race to another decision; evidence kept: %r",
+        op_id,
+        result,
+        extra={"action": "lookup_late", "operation_id": str(op_id)},
+    )
+    if (
+        isinstance(result, Applied)
+        and current.state is State.NEEDS_HUMAN
+        and current.attempts == attempt
+    ):
+        try:
+            with conn.begin():
+                transition(
+                    conn,
+                    op_id,
+                    from_state=State.NEEDS_HUMAN,
+                    to_state=State.CONFIRMED,
+                    actor=Actor.EVIDENCE,
+                    reason=f"lookup: applied at the remote ({result.remote_ref})",
+                    attempt=attempt,
+                    effects=Effects(remote_ref=result.remote_ref, result=result.result),
+                )
+        except StaleTransition:
+            pass
+    return LookupReport(op_id, LookupOutcome.LATE, repr(result))
+
+
+def _unroutable(conn: Connection, op_id: UUID, attempt: int, tool: str) -> LookupReport:
+    reason = f"tool {tool!r} is not registered in the reconciler"
+    try:
+        with conn.begin():
+            transition(
+                conn,
+                op_id,
+                from_state=State.UNKNOWN,
+                to_state=State.NEEDS_HUMAN,
+                actor=Actor.RECONCILER,
+                reason=reason,
+                attempt=attempt,
+            )
+    except StaleTransition:
+        return LookupReport(op_id, LookupOutcome.NOT_UNKNOWN)
+    return LookupReport(op_id, LookupOutcome.ROUTED, reason)
