@@ -22,6 +22,9 @@ QUEUES = ("dispatch", "lookup", "human", "reconcile")
 
 #: Task names (stable: they are in messages in flight during an upgrade).
 DISPATCH_TASK = "outbox.dispatch"
+LOOKUP_TASK = "outbox.lookup"
+SWEEP_TASK = "outbox.sweep"
+ESCALATE_TASK = "outbox.escalate"
 
 #: The database broker's tables (kombu's SQLAlchemy transport), named so nobody mistakes them.
 BROKER_QUEUE_TABLE = "outbox_kombu_queue"
@@ -67,7 +70,12 @@ def celery_settings(settings: Settings, *, time_limit_s: float | None = None) ->
         "worker_prefetch_multiplier": 1,
         "task_queues": [Queue(name, Exchange(name), routing_key=name) for name in QUEUES],
         "task_default_queue": "dispatch",
-        "task_routes": {DISPATCH_TASK: {"queue": "dispatch", "routing_key": "dispatch"}},
+        "task_routes": {
+            DISPATCH_TASK: {"queue": "dispatch", "routing_key": "dispatch"},
+            LOOKUP_TASK: {"queue": "lookup", "routing_key": "lookup"},
+            SWEEP_TASK: {"queue": "reconcile", "routing_key": "reconcile"},
+            ESCALATE_TASK: {"queue": "human", "routing_key": "human"},
+        },
         "task_time_limit": min(time_limit_s or MAX_TIME_LIMIT_S, MAX_TIME_LIMIT_S),
         "worker_hijack_root_logger": False,
         "worker_send_task_events": True,

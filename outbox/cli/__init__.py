@@ -14,7 +14,7 @@ from outbox.cli import db, dev, ops
 from outbox.cli.demo import demo_command
 from outbox.cli.enqueue import enqueue_command
 from outbox.cli.output import environment_help, fail
-from outbox.cli.services import relay_command, worker_command
+from outbox.cli.services import beat_command, relay_command, worker_command
 from outbox.errors import OutboxError
 
 app = typer.Typer(
@@ -36,6 +36,7 @@ app.command("enqueue", no_args_is_help=True)(enqueue_command)
 app.command("demo")(demo_command)
 app.command("relay")(relay_command)
 app.command("worker")(worker_command)
+app.command("beat")(beat_command)
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 from types import FrameType
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -77,10 +77,41 @@ def relay_command(
     log.info("relay stopped", extra={"action": "relay_stopped"})
 
 
+def _celery_app() -> Any:
+    """The outbox Celery app with every task registered (workers' and reconcilers')."""
+    # Deferred: the CLI sits above the workers and reconcilers layers.
+    from workers.app import app  # noqa: PLC0415
+
+    app.loader.import_default_modules()
+    app.loader.import_module("reconcilers.tasks")
+    return app
+
+
+def beat_command(
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+) -> None:
+    """Run the schedule: a sweep every OUTBOX_SWEEP_INTERVAL seconds, webhook redelivery.
+
+    Run exactly one beat per deployment (a second one only doubles harmless sweeps). Its
+    schedule state lives in OUTBOX_HOME/celerybeat-schedule.
+    """
+    app = _celery_app()
+    logs.configure(log_level.upper())
+    _require_schema()
+    home = get_settings().home
+    home.mkdir(parents=True, exist_ok=True)
+    app.start(["beat", "-l", log_level, "-s", str(home / "celerybeat-schedule")])
+
+
 def worker_command(
     queues: Annotated[
-        str, typer.Option("-Q", "--queues", help="Comma-separated queues to consume.")
-    ] = "dispatch",
+        str,
+        typer.Option(
+            "-Q",
+            "--queues",
+            help="Comma-separated queues to consume: dispatch, lookup, reconcile, human.",
+        ),
+    ] = "dispatch,lookup,reconcile,human",
     concurrency: Annotated[
         int, typer.Option("-c", "--concurrency", min=1, help="Worker processes or threads.")
     ] = 2,
@@ -92,15 +123,14 @@ def worker_command(
     ] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
 ) -> None:
-    """Run a Celery worker on the outbox app: dispatch (and later lookup) tasks.
+    """Run a Celery worker on the outbox app: dispatch, lookups, sweeps, escalations.
 
     Tools come from OUTBOX_TOOLS (Python modules) and OUTBOX_CONFIG (HTTP tools in TOML).
+    By default one worker consumes every queue; split them across workers with -Q.
     """
-    from workers.app import app  # noqa: PLC0415
-
+    app = _celery_app()
     logs.configure(log_level.upper())
     _require_schema()
-    app.loader.import_default_modules()
     argv = ["worker", "-Q", queues, "-c", str(concurrency), "-P", pool, "-l", log_level]
     if name:
         argv += ["-n", name]

@@ -6,12 +6,16 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from outbox.testing import DeployService
+from tests.processes import Services
+from tests.tool_configs import http_tool_toml
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,6 +58,60 @@ def run_outbox(
 
 
 CLI = Callable[..., Result]
+
+
+def _tool_config(path: Path, service_url: str) -> Path:
+    path.write_text(
+        http_tool_toml(service_url, timeout_s=5.0, send_deadline_s=2.0, inflight_horizon_s=60),
+        encoding="utf-8",
+    )
+    return path
+
+
+@pytest.fixture
+def service() -> Iterator[DeployService]:
+    """The reference deploy service (no dedup: a second call would be a second effect);
+    its `slow` fault takes 3 s."""
+    with DeployService(port=0, fault_delay_s=3.0) as running:
+        yield running
+
+
+@pytest.fixture(params=["rabbitmq", "database"])
+def broker(request: pytest.FixtureRequest) -> str | None:
+    """The broker URL: a RabbitMQ vhost, or None for the database broker."""
+    if request.param == "rabbitmq":
+        return str(request.getfixturevalue("rabbitmq_url"))
+    return None
+
+
+@pytest.fixture
+def stack_env(
+    database_url: str, broker: str | None, service: DeployService, tmp_path: Path
+) -> dict[str, str]:
+    """The environment every process of the stack runs with."""
+    env = clean_environment(
+        OUTBOX_DATABASE_URL=database_url,
+        OUTBOX_CONFIG=str(_tool_config(tmp_path / "tools.toml", service.url)),
+        OUTBOX_HOME=str(tmp_path / "home"),
+        OUTBOX_REPUBLISH_AFTER="5",
+    )
+    if broker is not None:
+        env["OUTBOX_BROKER_URL"] = broker
+    return env
+
+
+@pytest.fixture
+def services(
+    stack_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Services]:
+    """The stack's processes; their logs are printed if the test fails."""
+    group = Services(stack_env, tmp_path)
+    yield group
+    group.stop_all()
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        for name, output in group.logs():
+            print(f"----- {name} -----\n{output[-6000:]}")  # noqa: T201
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ a TOML-declared HTTP tool, and the reference service's own ledger as the judge."
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,80 +12,12 @@ from sqlalchemy.orm import Session
 
 from outbox import api
 from outbox.testing import DeployService
-from tests.acceptance.conftest import clean_environment, run_outbox
+from tests.acceptance.conftest import run_outbox
 from tests.processes import Services, wait_until
 from tests.proxy import TcpProxy
-
-TOOL = "deploy.create_release"
+from tests.tool_configs import TOOL
 
 pytestmark = pytest.mark.slow
-
-
-def _tool_config(path: Path, service_url: str) -> Path:
-    path.write_text(
-        f"""
-[tools."{TOOL}"]
-kind = "http"
-method = "POST"
-url = "{service_url}/projects/{{target}}/releases"
-idempotency_header = "Idempotency-Key"
-timeout_s = 5
-send_deadline_s = 2
-remote_ref = "id"
-rejected_statuses = [400, 422]
-lookup_url = "{service_url}/projects/{{target}}/releases/by-key/{{operation_id}}"
-lookup_remote_ref = "id"
-lookup_not_applied_statuses = [404]
-inflight_horizon_s = 60
-""",
-        encoding="utf-8",
-    )
-    return path
-
-
-@pytest.fixture
-def service() -> Iterator[DeployService]:
-    """The reference deploy service (no dedup: a second call would be a second effect)."""
-    with DeployService(port=0) as running:
-        yield running
-
-
-@pytest.fixture(params=["rabbitmq", "database"])
-def broker(request: pytest.FixtureRequest) -> str | None:
-    """The broker URL: a RabbitMQ vhost, or None for the database broker."""
-    if request.param == "rabbitmq":
-        return str(request.getfixturevalue("rabbitmq_url"))
-    return None
-
-
-@pytest.fixture
-def stack_env(
-    database_url: str, broker: str | None, service: DeployService, tmp_path: Path
-) -> dict[str, str]:
-    """The environment every process of the stack runs with."""
-    env = clean_environment(
-        OUTBOX_DATABASE_URL=database_url,
-        OUTBOX_CONFIG=str(_tool_config(tmp_path / "tools.toml", service.url)),
-        OUTBOX_HOME=str(tmp_path / "home"),
-        OUTBOX_REPUBLISH_AFTER="5",
-    )
-    if broker is not None:
-        env["OUTBOX_BROKER_URL"] = broker
-    return env
-
-
-@pytest.fixture
-def services(
-    stack_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
-) -> Iterator[Services]:
-    """The stack's processes; their logs are printed if the test fails."""
-    group = Services(stack_env, tmp_path)
-    yield group
-    group.stop_all()
-    report = getattr(request.node, "rep_call", None)
-    if report is not None and report.failed:
-        for name, output in group.logs():
-            print(f"----- {name} -----\n{output[-6000:]}")  # noqa: T201
 
 
 def _enqueue(engine: Engine, count: int, prefix: str) -> list[str]:

@@ -1,0 +1,59 @@
+"""Thin Celery tasks of the reconciler, and the beat schedule that drives them."""
+
+from __future__ import annotations
+
+import logging
+import random
+from uuid import UUID
+
+from celery import Task
+
+from outbox.config import get_settings
+from reconcilers.lookup import LookupOutcome, lookup
+from reconcilers.sweep import SweepConfig, Sweeper
+from workers import runtime
+from workers.app import LOOKUP_TASK, SWEEP_TASK, app
+
+log = logging.getLogger(__name__)
+
+#: Times a lookup message is put back while another component holds the operation's lock;
+#: after that it is dropped, and the sweep routes the row again when its lease ends.
+LOCK_BUSY_RETRIES = 5
+
+
+@app.task(name=LOOKUP_TASK, bind=True)  # type: ignore[untyped-decorator]
+def lookup_task(self: Task, operation_id: str) -> str:
+    """Ask the remote about one `unknown` operation."""
+    report = lookup(operation_id, engine=runtime.engine())
+    if report.outcome is LookupOutcome.LOCK_BUSY and self.request.retries < LOCK_BUSY_RETRIES:
+        raise self.retry(countdown=0.2 + random.random() * 0.3)  # noqa: S311
+    return report.outcome.value
+
+
+def _request_lookup(operation_id: UUID) -> None:
+    lookup_task.apply_async(kwargs={"operation_id": str(operation_id)}, queue="lookup")
+
+
+@app.task(name=SWEEP_TASK)  # type: ignore[untyped-decorator]
+def sweep_task() -> dict[str, int]:
+    """One sweep: lost dispatchers to `unknown`, due `unknown` rows routed."""
+    result = Sweeper(
+        runtime.engine(),
+        config=SweepConfig.from_settings(),
+        request_lookup=_request_lookup,
+    ).run_once()
+    counts = dict(vars(result))
+    if any(counts.values()):
+        log.info("sweep: %s", counts, extra={"action": "sweep_done", **counts})
+    return counts
+
+
+app.conf.beat_schedule = {
+    **(app.conf.beat_schedule or {}),
+    "outbox-sweep": {
+        "task": SWEEP_TASK,
+        "schedule": get_settings().sweep_interval,
+        "options": {"queue": "reconcile", "expires": get_settings().sweep_interval},
+    },
+}
+
