@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 
 from outbox.cli.output import fail
+from outbox.config import get_settings
+from outbox.db import database_url
 from outbox.testing.deploy_service import (
     DEFAULT_FAULT_DELAY_S,
     DEFAULT_PORT,
@@ -108,3 +110,56 @@ def _announce(line: str) -> None:
     # Flushed at once: whoever started us (a test, a script) waits for this line on a pipe.
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+@app.command("scenario")
+def scenario_command(
+    mode: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--mode", help="lookup, dedup or neither; repeat for several (default: all three)."
+        ),
+    ] = None,
+    intents: Annotated[int, typer.Option(min=1, max=100_000, help="Intents per run.")] = 300,
+    ambiguous_rate: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Share of calls with an ambiguous outcome.")
+    ] = 0.2,
+    timeout: Annotated[float, typer.Option(min=10, help="Seconds allowed per run.")] = 240.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the reports as JSON.")] = False,
+) -> None:
+    """Run intents through a faulty remote until each is decided, and check the promises.
+
+    Starts the reference service with ambiguous faults, a signed-webhook receiver, and a
+    worker, relay and beat; exits 1 if an operation got two effects, stayed undecided, was
+    escalated although a lookup or dedup window existed, or an escalation's webhook did not
+    arrive correctly signed. Uses OUTBOX_DATABASE_URL (or the embedded PostgreSQL) and
+    OUTBOX_BROKER_URL; it empties the outbox tables of that database first.
+    """
+    # Deferred: imports the webhook verifier and the process runner only when used.
+    from outbox.testing.scenario import MODES, report_json, run_scenario  # noqa: PLC0415
+
+    modes = mode or list(MODES)
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        fail(f"unknown --mode {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    settings = get_settings()
+    url = database_url(settings)
+    broker = settings.broker_url.get_secret_value() if settings.broker_url else None
+    reports = []
+    for chosen in modes:
+        reports.append(
+            run_scenario(
+                url,
+                mode=chosen,  # type: ignore[arg-type]
+                intents=intents,
+                ambiguous_rate=ambiguous_rate,
+                broker_url=broker,
+                timeout_s=timeout,
+            )
+        )
+        if not as_json:
+            _announce(reports[-1].render())
+    if as_json:
+        _announce("[" + ",\n".join(report_json(r) for r in reports) + "]")
+    if not all(report.ok for report in reports):
+        raise typer.Exit(1)
