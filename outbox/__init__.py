@@ -12,15 +12,19 @@ from outbox.errors import (
     IntentConflict,
     InvalidIntent,
     NotCancellable,
+    OperationBusy,
     OperationNotFound,
     OutboxError,
+    ResolutionRefused,
     SchemaNotReady,
+    StaleResolution,
     StaleTransition,
     TransitionError,
     TransitionNotAllowed,
     WaitTimeout,
 )
 from outbox.models import Event, Operation
+from outbox.resolve import resolve
 from outbox.states import Actor, State
 
 __all__ = [
@@ -32,9 +36,12 @@ __all__ = [
     "InvalidIntent",
     "NotCancellable",
     "Operation",
+    "OperationBusy",
     "OperationNotFound",
     "OutboxError",
+    "ResolutionRefused",
     "SchemaNotReady",
+    "StaleResolution",
     "StaleTransition",
     "State",
     "TransitionError",
@@ -44,5 +51,6 @@ __all__ = [
     "enqueue",
     "find",
     "get",
+    "resolve",
     "wait",
 ]

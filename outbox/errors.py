@@ -107,3 +107,36 @@ class WaitTimeout(OutboxError):
     """
 
     operation: object
+
+
+class OperationBusy(OutboxError):
+    """Another component is working on this operation right now; try again.
+
+    ``operation_id`` names the operation and ``holder_pid`` the PostgreSQL backend holding
+    its lock, when it could still be seen (``None`` otherwise). Nothing was written.
+    """
+
+    operation_id: object
+    holder_pid: int | None
+
+
+class ResolutionRefused(TransitionError):
+    """The operator's resolution was refused; nothing was written.
+
+    ``operation_id`` names the operation. A refusal about the request itself names the
+    argument in ``field`` (``by``, ``note``, ``remote_ref``, ``replay``, ``payload_hash``,
+    ``force``); otherwise ``field`` is ``None``. A refusal because the in-flight horizon has
+    not passed carries ``retry_after_s``, the seconds until it will have.
+    """
+
+    operation_id: object
+    field: str | None = None
+    retry_after_s: float | None = None
+
+
+class StaleResolution(ResolutionRefused, StaleTransition):
+    """The operation moved on since the operator looked at it; show it again and decide anew.
+
+    Also a :class:`StaleTransition`: ``expected`` is the state and attempt the operator saw
+    (the state as ``None`` when only the attempt was given), ``actual`` what the row holds now.
+    """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from typing import Annotated
+from uuid import UUID
 
 import typer
 from rich.table import Table
@@ -12,8 +13,9 @@ from sqlalchemy import func, select
 from outbox import api, statements
 from outbox.cli.common import transaction
 from outbox.cli.output import age, console, print_json
-from outbox.errors import OperationNotFound
+from outbox.errors import ConfigError, OperationNotFound
 from outbox.models import Event, Operation
+from outbox.resolve import RESOLVABLE_STATES, resolve, waiting_reasons
 from outbox.states import State
 
 app = typer.Typer(help="List, inspect and act on operations.", no_args_is_help=True)
@@ -28,15 +30,25 @@ def list_operations(
     limit: Annotated[int, typer.Option(min=1, max=10_000, help="At most this many.")] = 50,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON array.")] = False,
 ) -> None:
-    """List operations, newest first."""
+    """List operations, newest first.
+
+    With `--state needs_human` (or `unknown`) it lists the queue an operator works through:
+    how long each has waited in that state and why it is there (`reason` in JSON).
+    """
+    queue = state in RESOLVABLE_STATES
     with transaction() as session:
         found = statements.list_operations(session, state=state, tool=tool, limit=limit)
         now = session.execute(select(func.clock_timestamp())).scalar_one()
+        reasons = waiting_reasons(session, [op.id for op in found]) if queue else {}
     if as_json:
-        print_json([op.to_dict() for op in found])
+        extra = [{"reason": reasons.get(op.id)} if queue else {} for op in found]
+        print_json([op.to_dict() | more for op, more in zip(found, extra, strict=True)])
         return
     if not found:
         console.print("no operations" + (f" in state {state.value}" if state else ""))
+        return
+    if queue:
+        console.print(_queue_table(found, reasons, now))
         return
     console.print(_operations_table(found, now))
 
@@ -57,6 +69,8 @@ def show(
         return
     console.print(_details(op), highlight=False, soft_wrap=True)
     console.print(_events_table(history))
+    if op.state in RESOLVABLE_STATES:
+        console.print(_resolve_hint(op), highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -72,6 +86,99 @@ def cancel(
         print_json(op.to_dict())
         return
     console.print(f"{op.id} cancelled", highlight=False)
+
+
+@app.command("resolve")
+def resolve_command(
+    operation_id: Annotated[str, typer.Argument(metavar="ID", help="The operation id.")],
+    *,
+    applied: Annotated[
+        bool, typer.Option("--applied", help="The effect exists at the remote: confirm it.")
+    ] = False,
+    not_applied: Annotated[
+        bool,
+        typer.Option(
+            "--not-applied", help="The effect does not exist at the remote: fail it (or --replay)."
+        ),
+    ] = False,
+    remote_ref: Annotated[
+        str | None,
+        typer.Option(help="With --applied: the remote's id of the effect (required there)."),
+    ] = None,
+    replay: Annotated[
+        bool,
+        typer.Option(
+            "--replay",
+            help="With --not-applied: send it again, same key and payload, instead of failing it.",
+        ),
+    ] = False,
+    by: Annotated[str, typer.Option(help="Who resolves it (your name), for the audit trail.")],
+    note: Annotated[str, typer.Option(help="Why: what you checked and found, for the trail.")],
+    expect_attempts: Annotated[
+        int | None,
+        typer.Option(
+            min=0, help="The attempt number you looked at (`ops show`); refused if it moved on."
+        ),
+    ] = None,
+    payload_hash: Annotated[
+        str | None,
+        typer.Option(help="The payload hash you approved (`ops show`); refused if different."),
+    ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Allow --not-applied/--replay before the tool's in-flight horizon has passed.",
+        ),
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the operation as JSON.")] = False,
+) -> None:
+    """Record your verdict on an operation that waits in `unknown` or `needs_human`.
+
+    `--applied --remote-ref R` confirms it; `--not-applied` fails it; `--not-applied --replay`
+    plans it again: the same payload is sent again under the same idempotency key. Refused,
+    writing nothing, while another component works on it, if it moved on since you looked
+    (`--expect-attempts`), if its payload is not the one you approved (`--payload-hash`),
+    and for --not-applied/--replay until the tool's in-flight horizon has passed since its
+    last send (unless `--force`). Use `ops show ID` first: it prints this command filled in.
+    """
+    if applied == not_applied:
+        raise typer.BadParameter(
+            "pass exactly one of --applied or --not-applied",
+            param_hint="'--applied' / '--not-applied'",
+        )
+    _load_tools()
+    with transaction() as session:
+        op = resolve(
+            session,
+            operation_id,
+            applied=applied,
+            remote_ref=remote_ref,
+            replay=replay,
+            by=by,
+            note=note,
+            expect_attempts=expect_attempts,
+            payload_hash=payload_hash,
+            force=force,
+        )
+    if as_json:
+        print_json(op.to_dict())
+        return
+    console.print(f"{op.id} resolved by {by}: now {op.state.value}", highlight=False)
+    if op.state is State.PLANNED:
+        console.print("it will be sent again: same payload, same idempotency key", highlight=False)
+    console.print(_details(op), highlight=False, soft_wrap=True)
+
+
+def _load_tools() -> None:
+    """Register the tools' contracts, so a resolution knows each tool's in-flight horizon."""
+    # Deferred: the CLI sits above the workers layer and imports it only where needed.
+    from workers.tools import load_tools  # noqa: PLC0415
+
+    try:
+        load_tools()
+    except ConfigError as exc:
+        raise ConfigError(f"cannot load the tools to learn their in-flight horizon: {exc}") from exc
 
 
 def _operations_table(found: list[Operation], now: object) -> Table:
@@ -91,6 +198,40 @@ def _operations_table(found: list[Operation], now: object) -> Table:
             op.last_error or "",
         )
     return table
+
+
+def _queue_table(found: list[Operation], reasons: dict[UUID, str], now: object) -> Table:
+    """The operator's view: how long each has waited in its state, and why it is there."""
+    table = Table()
+    table.add_column("id", no_wrap=True, min_width=36)
+    for header in ("tool", "target", "attempts", "waiting", "reason"):
+        table.add_column(header)
+    for op in found:
+        table.add_row(
+            str(op.id),
+            op.tool,
+            op.target,
+            str(op.attempts),
+            age(op.updated_at, now),  # type: ignore[arg-type]
+            reasons.get(op.id, ""),
+        )
+    return table
+
+
+def _resolve_hint(op: Operation) -> str:
+    """The `ops resolve` commands to copy, fenced on what is shown now."""
+    fence = f"--expect-attempts {op.attempts} --payload-hash {op.payload_hash}"
+    sign = '--by "YOUR NAME" --note "WHAT YOU CHECKED"'
+    base = f"outbox ops resolve {op.id}"
+    return "\n".join(
+        [
+            "",
+            "to resolve it, pick the one that is true and fill in --by and --note:",
+            f"  applied:              {base} --applied --remote-ref REMOTE_ID {sign} {fence}",
+            f"  not applied, failed:  {base} --not-applied {sign} {fence}",
+            f"  not applied, resend:  {base} --not-applied --replay {sign} {fence}",
+        ]
+    )
 
 
 def _details(op: Operation) -> str:

@@ -1,0 +1,310 @@
+"""Operator resolution: a person's verdict on an operation no component can decide.
+
+An operation waits in ``unknown`` or ``needs_human`` when nothing automatic can tell whether
+its effect exists at the remote. An operator who has found out (in the remote's own console,
+by asking its owners) records the answer with :func:`resolve`: it applied (``confirmed``), it
+did not and must not be sent again (``failed``), or it did not and may be sent again with the
+same key and payload (back to ``planned``).
+
+A verdict is written only under four safeguards (DESIGN.md, "Operator resolution"): the
+operation's advisory lock, so no dispatcher, sweep or lookup is deciding at the same moment; a
+compare-and-set on the attempt the operator saw; the payload hash the operator approved; and,
+for "not applied", the tool's in-flight horizon, so a request from the last attempt cannot
+still land after a person said it never would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from uuid import UUID
+
+from sqlalchemy import text
+
+from outbox import statements
+from outbox.api import _as_uuid
+from outbox.contracts import CONTRACTS, ToolContract
+from outbox.errors import (
+    OperationBusy,
+    OperationNotFound,
+    ResolutionRefused,
+    StaleResolution,
+    StaleTransition,
+)
+from outbox.locks import operation_lock_key
+from outbox.models import Executor, Operation
+from outbox.states import Actor, Effects, State, transition
+
+#: The states an operator may resolve (DESIGN.md, "Allowed transitions": operator).
+RESOLVABLE_STATES = frozenset({State.UNKNOWN, State.NEEDS_HUMAN})
+
+# What to tell an operator who tries to resolve an operation in another state.
+_NOT_RESOLVABLE_HINTS = {
+    State.PLANNED: "it is waiting to be sent; cancel it with `outbox ops cancel` if it must not be",
+    State.SENT: "a dispatcher is sending it now; wait for its outcome",
+    State.CONFIRMED: "it is terminal: nothing may move it again",
+    State.FAILED: "it is terminal: nothing may move it again",
+    State.CANCELLED: "it is terminal: nothing may move it again",
+}
+
+
+def resolve(
+    session: Executor,
+    op_id: UUID | str,
+    *,
+    applied: bool,
+    remote_ref: str | None = None,
+    replay: bool = False,
+    by: str,
+    note: str,
+    expect_attempts: int | None = None,
+    payload_hash: str | None = None,
+    force: bool = False,
+) -> Operation:
+    """Record an operator's verdict on an ``unknown`` or ``needs_human`` operation.
+
+    ``applied=True`` with the remote's ``remote_ref`` → ``confirmed``. ``applied=False`` →
+    ``failed`` (``maybe_applied`` cleared, ``note`` kept as ``last_error``); with
+    ``replay=True`` → ``planned`` instead: the dispatcher sends the same payload again under
+    the same operation id (the idempotency key), and ``maybe_applied`` is cleared. ``by``
+    (who) and ``note`` (why) are required and go into the event, with ``force``.
+
+    This function joins the transaction of ``session`` (a SQLAlchemy ``Session`` or
+    ``Connection``) and does not begin, commit or roll back: the verdict exists if and only
+    if the caller commits. It takes the operation's advisory lock as a transaction-scoped
+    lock, held until the caller's transaction ends.
+
+    Raises, writing nothing:
+
+    - :class:`OperationBusy` when a dispatcher, the sweep, a lookup or another operator holds
+      the operation's lock (try again);
+    - :class:`OperationNotFound`;
+    - :class:`StaleResolution` when ``expect_attempts`` is not the row's attempt number (a
+      new attempt started since the operator looked), or the row moved meanwhile;
+    - :class:`ResolutionRefused` when the operation is in another state, ``payload_hash`` is
+      not the stored hash, an argument is missing or contradictory (``field`` names it), or
+      ``applied`` is False and the tool's in-flight horizon has not passed since the last
+      attempt was sent (``retry_after_s`` says how long to wait), unless ``force``.
+    """
+    operation_id = _as_uuid(op_id)
+    _check_request(operation_id, applied=applied, remote_ref=remote_ref, replay=replay)
+    _check_audit(operation_id, by=by, note=note)
+    if not _try_xact_lock(session, operation_lock_key(operation_id)):
+        raise _busy(session, operation_id)
+    current = statements.get_operation(session, operation_id)
+    if current is None:
+        raise OperationNotFound(f"no operation {operation_id}", operation_id=operation_id)
+    _check_resolvable(current)
+    _check_seen(current, expect_attempts, payload_hash)
+    if not applied and not force:
+        _check_horizon(session, current)
+    to_state, effects = _verdict(applied=applied, replay=replay, remote_ref=remote_ref, note=note)
+    try:
+        return transition(
+            session,
+            operation_id,
+            from_state=current.state,
+            to_state=to_state,
+            actor=Actor.OPERATOR,
+            reason=f"resolved by {by}: {note}",
+            attempt=current.attempts,
+            effects=effects,
+            detail={"by": by, "note": note, "forced": force, "applied": applied, "replay": replay},
+        )
+    except StaleTransition as exc:
+        # Under our lock only a writer that takes no lock can get here first; same answer.
+        raise _stale(operation_id, current.attempts, exc.actual) from exc
+
+
+def waiting_reasons(executor: Executor, operation_ids: Iterable[UUID]) -> dict[UUID, str]:
+    """Why each operation is where it is: the reason of the move into its current state.
+
+    Events that changed no state (a late outcome, evidence that lost a race) are passed
+    over, so a ``needs_human`` operation shows why it went to a human. Operations without
+    such an event (none, in practice) are missing from the result.
+    """
+    ids = list(operation_ids)
+    if not ids:
+        return {}
+    rows = executor.execute(_ENTRY_REASONS, {"ids": ids})
+    return {row.operation_id: row.reason for row in rows}
+
+
+# --- SQL -----------------------------------------------------------------------------------
+# These belong in outbox.statements (convention 6) and move there once its concurrent
+# changes have landed; until then they are named here and nowhere else.
+
+
+def _try_xact_lock(executor: Executor, key: int) -> bool:
+    """Take the transaction-scoped advisory lock ``key`` without waiting; whether it was taken.
+
+    Transaction-scoped because ``resolve`` joins the caller's transaction: the lock must last
+    exactly as long as the uncommitted verdict and vanish with its commit or rollback, with
+    nothing for the caller to release. Advisory locks of both scopes share one key space, so
+    a dispatcher's or the sweep's session lock on the same key makes this fail, and the other
+    way round.
+    """
+    row = executor.execute(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": key})
+    return bool(row.scalar_one())
+
+
+# The horizon judged by the database clock (DESIGN.md, "Time"), never this host's: whether it
+# has passed since the last send, and the seconds left if not. A row never sent has nothing in
+# flight, so its horizon counts as passed.
+_HORIZON = text(
+    """
+    SELECT sent_at IS NULL
+           OR sent_at + make_interval(secs => :horizon) <= clock_timestamp() AS passed,
+           coalesce(extract(epoch FROM sent_at + make_interval(secs => :horizon)
+                                       - clock_timestamp()), 0) AS remaining
+    FROM outbox.operations WHERE id = :id
+    """
+)
+
+_ENTRY_REASONS = text(
+    """
+    SELECT DISTINCT ON (e.operation_id) e.operation_id, e.reason
+    FROM outbox.events e JOIN outbox.operations o ON o.id = e.operation_id
+    WHERE e.operation_id = ANY(:ids)
+      AND e.to_state = o.state
+      AND e.from_state IS DISTINCT FROM e.to_state
+    ORDER BY e.operation_id, e.id DESC
+    """
+)
+
+
+def _horizon_passed(executor: Executor, operation_id: UUID, horizon_s: float) -> tuple[bool, float]:
+    """Whether ``horizon_s`` has passed since the row's ``sent_at``, and the seconds left."""
+    row = executor.execute(_HORIZON, {"horizon": horizon_s, "id": operation_id}).one()
+    return bool(row.passed), max(0.0, float(row.remaining))
+
+
+# --- checks --------------------------------------------------------------------------------
+
+
+def _check_request(
+    operation_id: UUID, *, applied: bool, remote_ref: str | None, replay: bool
+) -> None:
+    """Refuse a verdict that contradicts itself, naming the argument."""
+    if applied and not (remote_ref or "").strip():
+        raise ResolutionRefused(
+            f"operation {operation_id}: resolving as applied needs the remote's reference to "
+            "the effect (--remote-ref / remote_ref); nothing was changed",
+            operation_id=operation_id,
+            field="remote_ref",
+        )
+    if applied and replay:
+        raise ResolutionRefused(
+            f"operation {operation_id}: --replay / replay goes only with --not-applied: an "
+            "applied operation is confirmed, never sent again; nothing was changed",
+            operation_id=operation_id,
+            field="replay",
+        )
+    if not applied and remote_ref is not None:
+        raise ResolutionRefused(
+            f"operation {operation_id}: --remote-ref / remote_ref goes only with --applied: an "
+            "operation that did not apply has no effect at the remote; nothing was changed",
+            operation_id=operation_id,
+            field="remote_ref",
+        )
+
+
+def _check_audit(operation_id: UUID, *, by: str, note: str) -> None:
+    """Refuse a verdict nobody signed or explained: the audit trail must say who and why."""
+    for field, value, what in (("by", by, "who resolves it"), ("note", note, "why")):
+        if not isinstance(value, str) or not value.strip():
+            raise ResolutionRefused(
+                f"operation {operation_id}: --{field} / {field} must say {what}, for the audit "
+                "trail; nothing was changed",
+                operation_id=operation_id,
+                field=field,
+            )
+
+
+def _check_resolvable(current: Operation) -> None:
+    if current.state not in RESOLVABLE_STATES:
+        raise ResolutionRefused(
+            f"operation {current.id} is {current.state.value} at attempt {current.attempts}; "
+            f"only unknown or needs_human operations can be resolved "
+            f"({_NOT_RESOLVABLE_HINTS[current.state]}); nothing was changed",
+            operation_id=current.id,
+        )
+
+
+def _check_seen(current: Operation, expect_attempts: int | None, payload_hash: str | None) -> None:
+    """The compare-and-set on what the operator looked at: the attempt, and the payload."""
+    if expect_attempts is not None and expect_attempts != current.attempts:
+        raise _stale(current.id, expect_attempts, (current.state, current.attempts))
+    if payload_hash is not None and payload_hash.strip().lower() != current.payload_hash:
+        raise ResolutionRefused(
+            f"payload hash mismatch: you approved {payload_hash.strip()}, the operation's "
+            f"payload is {current.payload_hash}; nothing was changed",
+            operation_id=current.id,
+            field="payload_hash",
+        )
+
+
+def _check_horizon(executor: Executor, current: Operation) -> None:
+    """Refuse "not applied" while a request from the last attempt could still land."""
+    contract = CONTRACTS.get(current.tool)
+    horizon_s = (contract or ToolContract(name=current.tool)).inflight_horizon_s
+    passed, remaining = _horizon_passed(executor, current.id, horizon_s)
+    if passed:
+        return
+    source = (
+        f"tool {current.tool!r}'s in-flight horizon ({horizon_s:g}s)"
+        if contract is not None
+        else f"the default in-flight horizon ({horizon_s:g}s; tool {current.tool!r} is not "
+        "registered in this process: see OUTBOX_TOOLS and OUTBOX_CONFIG)"
+    )
+    raise ResolutionRefused(
+        f"operation {current.id}: {source} has not passed since attempt {current.attempts} was "
+        f"sent, so that request could still land at the remote; try again in "
+        f"{max(1, round(remaining))}s, or pass --force / force=True if you know it cannot; "
+        "nothing was changed",
+        operation_id=current.id,
+        retry_after_s=remaining,
+    )
+
+
+def _verdict(
+    *, applied: bool, replay: bool, remote_ref: str | None, note: str
+) -> tuple[State, Effects]:
+    if applied:
+        return State.CONFIRMED, Effects(remote_ref=(remote_ref or "").strip())
+    if replay:
+        # Same row, same key, same payload: only the state and bookkeeping move back.
+        return State.PLANNED, Effects(maybe_applied=False)
+    return State.FAILED, Effects(maybe_applied=False, last_error=note)
+
+
+# --- errors --------------------------------------------------------------------------------
+
+
+def _busy(executor: Executor, operation_id: UUID) -> OperationBusy:
+    # Our connection did not get the lock, so it may read who holds it (None if just freed).
+    holder = statements.lock_holder_pid(executor, operation_lock_key(operation_id))
+    by_whom = f" (PostgreSQL backend pid {holder})" if holder is not None else ""
+    return OperationBusy(
+        f"another component{by_whom} is working on operation {operation_id} right now; "
+        "try again; nothing was changed",
+        operation_id=operation_id,
+        holder_pid=holder,
+    )
+
+
+def _stale(operation_id: UUID, seen_attempt: int, actual: tuple[object, int]) -> StaleResolution:
+    state, attempt = actual
+    now = state.value if isinstance(state, State) else str(state)
+    if attempt > seen_attempt:
+        moved = f"moved on to attempt {attempt} since the operator looked at attempt {seen_attempt}"
+    elif attempt < seen_attempt:
+        moved = f"is at attempt {attempt}, not at attempt {seen_attempt} as the operator said"
+    else:
+        moved = f"was moved at attempt {attempt} while the operator was deciding"
+    return StaleResolution(
+        f"operation {operation_id} {moved} (it is now {now}); nothing was changed: show it "
+        f"again with `outbox ops show {operation_id}` and decide on what it says now",
+        operation_id=operation_id,
+        expected=(None, seen_attempt),
+        actual=actual,
+    )
