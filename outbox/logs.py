@@ -42,3 +42,6 @@ def configure(level: int | str = logging.INFO) -> None:
     handler.setFormatter(ActionFormatter())
     root.addHandler(handler)
     root.setLevel(level)
+    # httpx logs every request with its full URL, which may carry a receiver's token.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("httpcore").setLevel(logging.WARNING)

@@ -155,3 +155,43 @@ relays = Table(
     _timestamp("started_at", nullable=False, now=True),
     _timestamp("heartbeat_at", nullable=False, now=True),
 )
+
+#: Escalation webhooks waiting to be delivered, delivered, or given up on (docs/webhooks.md).
+#: A row is written in the same transaction as the move it reports, so no committed move can
+#: lose its webhook; its ``id`` is the ``webhook-id`` header, the same on every retry, so
+#: receivers can deduplicate. ``payload`` is the message body, fixed when the row is written.
+webhook_deliveries = Table(
+    "webhook_deliveries",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=text("outbox.uuid_v7()")),
+    Column(
+        "operation_id",
+        UUID(as_uuid=True),
+        ForeignKey("outbox.operations.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("event", Text, nullable=False),
+    Column("payload", JSONB, nullable=False),
+    Column("status", Text, nullable=False, server_default="pending"),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    _timestamp("next_attempt_at", nullable=False, now=True),
+    Column("last_status", Integer),
+    Column("last_error", Text),
+    _timestamp("created_at", nullable=False, now=True),
+    _timestamp("delivered_at"),
+    CheckConstraint(
+        "event IN ('confirmed', 'failed', 'needs_human', 'resolved')", name="event_known"
+    ),
+    CheckConstraint("status IN ('abandoned', 'delivered', 'pending')", name="status_known"),
+    CheckConstraint("attempts >= 0", name="attempts_not_negative"),
+    CheckConstraint(
+        "(status = 'delivered') = (delivered_at IS NOT NULL)", name="delivered_iff_delivered_at"
+    ),
+    # The deliverer's queue: partial, so delivered and abandoned rows cost nothing.
+    Index(
+        "ix_webhook_deliveries_pending_due",
+        "next_attempt_at",
+        postgresql_where=text("status = 'pending'"),
+    ),
+    Index("ix_webhook_deliveries_operation_id", "operation_id"),
+)

@@ -161,7 +161,7 @@ def transition(
     :class:`OperationNotFound`. In every one of these cases nothing is written.
     """
     # Deferred: statements imports the table definitions, which import this module's enums.
-    from outbox import statements  # noqa: PLC0415
+    from outbox import statements, webhooks  # noqa: PLC0415
 
     check_allowed(from_state, to_state, actor)
     if to_state is State.CONFIRMED and not effects.remote_ref:
@@ -183,6 +183,9 @@ def transition(
         detail=detail,
     )
     if moved is not None:
+        webhooks.record_for_move(
+            executor, moved, from_state=from_state, to_state=to_state, actor=actor, reason=reason
+        )
         return moved
     raise _why_missed(executor, operation_id, from_state, to_state, attempt)
 

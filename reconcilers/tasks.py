@@ -11,14 +11,17 @@ from celery import Task
 from outbox.config import get_settings
 from reconcilers.lookup import LookupOutcome, lookup
 from reconcilers.sweep import SweepConfig, Sweeper
+from reconcilers.webhooks import WebhookDeliverer, deliver_one
 from workers import runtime
-from workers.app import LOOKUP_TASK, SWEEP_TASK, app
+from workers.app import ESCALATE_TASK, LOOKUP_TASK, SWEEP_TASK, app
 
 log = logging.getLogger(__name__)
 
 #: Times a lookup message is put back while another component holds the operation's lock;
 #: after that it is dropped, and the sweep routes the row again when its lease ends.
 LOCK_BUSY_RETRIES = 5
+#: Seconds between webhook delivery runs: an escalation reaches its receiver within this.
+WEBHOOK_INTERVAL_S = 2.0
 
 
 @app.task(name=LOOKUP_TASK, bind=True)  # type: ignore[untyped-decorator]
@@ -55,5 +58,23 @@ app.conf.beat_schedule = {
         "schedule": get_settings().sweep_interval,
         "options": {"queue": "reconcile", "expires": get_settings().sweep_interval},
     },
+    # Escalation webhooks due for (re)delivery: each row is also claimed with a lease, so
+    # overlapping runs deliver nothing twice.
+    "outbox-webhooks": {
+        "task": ESCALATE_TASK,
+        "schedule": WEBHOOK_INTERVAL_S,
+        "options": {"queue": "human", "expires": WEBHOOK_INTERVAL_S},
+    },
 }
 
+
+@app.task(name=ESCALATE_TASK)  # type: ignore[untyped-decorator]
+def escalate_task(delivery_id: str | None = None) -> dict[str, int]:
+    """Deliver due escalation webhooks (one batch), or only ``delivery_id`` when given."""
+    engine = runtime.engine()
+    if delivery_id is not None:
+        result = deliver_one(engine, UUID(delivery_id))
+    else:
+        with WebhookDeliverer(engine) as deliverer:
+            result = deliverer.run_once()
+    return dict(vars(result))

@@ -86,7 +86,12 @@ def _session_engine(database_url: str) -> Iterator[Engine]:
 def engine(_session_engine: Engine) -> Engine:
     """An engine on the migrated test database, emptied before the test."""
     with _session_engine.begin() as conn:
-        conn.execute(text("TRUNCATE outbox.operations, outbox.events, outbox.relays"))
+        conn.execute(
+            text(
+                "TRUNCATE outbox.operations, outbox.events, outbox.relays, "
+                "outbox.webhook_deliveries"
+            )
+        )
     return _session_engine
 
 

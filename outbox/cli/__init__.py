@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from outbox.cli import db, dev, ops
+from outbox.cli import db, dev, ops, webhooks
 from outbox.cli.demo import demo_command
 from outbox.cli.enqueue import enqueue_command
 from outbox.cli.output import environment_help, fail
@@ -32,6 +32,7 @@ app = typer.Typer(
 app.add_typer(db.app, name="db")
 app.add_typer(ops.app, name="ops")
 app.add_typer(dev.app, name="dev")
+app.add_typer(webhooks.app, name="webhooks")
 app.command("enqueue", no_args_is_help=True)(enqueue_command)
 app.command("demo")(demo_command)
 app.command("relay")(relay_command)

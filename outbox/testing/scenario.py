@@ -193,7 +193,7 @@ def run_scenario(
     engine = create_engine(database_url)
     migrate.upgrade(engine)
     with engine.begin() as conn:
-        conn.execute(text("TRUNCATE outbox.operations, outbox.events"))
+        conn.execute(text("TRUNCATE outbox.operations CASCADE"))
     workdir = workdir or Path(tempfile.mkdtemp(prefix=f"outbox-scenario-{mode}-"))
     secret = "whsec_" + b64encode(secrets.token_bytes(24)).decode()
     rates = {fault: share * ambiguous_rate for fault, share in AMBIGUOUS_MIX.items()}

@@ -31,9 +31,7 @@ def test_a_worker_killed_mid_call_is_recovered_by_lookup(
     """SIGKILL a worker while its call is in flight: the sweep and a lookup confirm it, once."""
     env = {"OUTBOX_SENT_TIMEOUT": "6", "OUTBOX_SWEEP_INTERVAL": "1"}
     with Session(engine) as session, session.begin():
-        op_id = str(
-            api.enqueue(session, tool=TOOL, target="web", payload={"version": "2.0.0"}).id
-        )
+        op_id = str(api.enqueue(session, tool=TOOL, target="web", payload={"version": "2.0.0"}).id)
     # The remote takes 3 s to commit and answer: time enough to kill the caller mid-call.
     service.faults.arm_key(op_id, "slow", 1)
     worker = services.start("worker", "worker", "-c", "1", "-P", "prefork", env=env)
