@@ -191,6 +191,36 @@ def run_scenario(
 ) -> ScenarioReport:
     """Run one configuration on an empty ``outbox`` schema in ``database_url``; see module doc."""
     engine = create_engine(database_url)
+    try:
+        return _run(
+            engine,
+            database_url,
+            mode=mode,
+            intents=intents,
+            ambiguous_rate=ambiguous_rate,
+            broker_url=broker_url,
+            timeout_s=timeout_s,
+            seed=seed,
+            workdir=workdir,
+            progress=progress,
+        )
+    finally:
+        engine.dispose()
+
+
+def _run(
+    engine: Engine,
+    database_url: str,
+    *,
+    mode: Mode,
+    intents: int,
+    ambiguous_rate: float,
+    broker_url: str | None,
+    timeout_s: float,
+    seed: int,
+    workdir: Path | None,
+    progress: Callable[[dict[str, int]], None] | None,
+) -> ScenarioReport:
     migrate.upgrade(engine)
     with engine.begin() as conn:
         conn.execute(text("TRUNCATE outbox.operations CASCADE"))
