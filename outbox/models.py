@@ -53,6 +53,7 @@ class Operation:
     next_check_at: datetime | None
     replay_deadline: datetime | None
     resolved_at: datetime | None
+    attempt_budget_base: int
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> Operation:
@@ -60,6 +61,12 @@ class Operation:
         values = {field.name: row[field.name] for field in fields(cls)}
         values["state"] = State(values["state"])
         return cls(**values)
+
+    @property
+    def attempts_in_budget(self) -> int:
+        """Attempts that count against the tool's ``max_attempts`` (an operator's replay
+        starts a fresh budget)."""
+        return self.attempts - self.attempt_budget_base
 
     @property
     def is_terminal(self) -> bool:

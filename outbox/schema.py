@@ -83,6 +83,8 @@ operations = Table(
     _timestamp("next_check_at"),
     _timestamp("replay_deadline"),
     _timestamp("resolved_at"),
+    # Attempts before this count no more against max_attempts: set by an operator's replay.
+    Column("attempt_budget_base", Integer, nullable=False, server_default="0"),
     UniqueConstraint("intent_key"),
     CheckConstraint(f"state IN ({_quoted(frozenset(State))})", name="state_known"),
     CheckConstraint("char_length(intent_key) BETWEEN 1 AND 255", name="intent_key_length"),
@@ -106,6 +108,7 @@ operations = Table(
         name="sent_times_consistent",
     ),
     CheckConstraint("state <> 'cancelled' OR NOT maybe_applied", name="cancelled_never_applied"),
+    CheckConstraint("attempt_budget_base BETWEEN 0 AND attempts", name="budget_within_attempts"),
     # The live queues each component scans: partial, so terminal rows cost nothing.
     Index("ix_operations_planned_due", "available_at", postgresql_where=text("state = 'planned'")),
     Index("ix_operations_sent_since", "sent_at", postgresql_where=text("state = 'sent'")),

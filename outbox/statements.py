@@ -148,7 +148,7 @@ def _replay_deadline(from_state: State, effects: Effects) -> ColumnElement[Any]:
     return null()
 
 
-def _changes(from_state: State, to_state: State, effects: Effects) -> dict[str, Any]:
+def _changes(from_state: State, to_state: State, actor: Actor, effects: Effects) -> dict[str, Any]:
     """The column values a move writes, by the rules of DESIGN.md's bookkeeping columns."""
     o = operations.c
     now = func.statement_timestamp()
@@ -168,6 +168,10 @@ def _changes(from_state: State, to_state: State, effects: Effects) -> dict[str, 
             "checks": 0,
             "replay_deadline": _replay_deadline(from_state, effects),
         }
+        if actor is Actor.OPERATOR:
+            # A person authorised this replay: earlier attempts no longer count against
+            # max_attempts, or the dispatcher would send it straight back to them.
+            values["attempt_budget_base"] = o.attempts
     elif to_state is State.UNKNOWN:
         values |= {"next_check_at": now + _seconds(effects.check_in_s)}
         if from_state is State.SENT:
@@ -219,7 +223,7 @@ def move(
     moved = (
         update(operations)
         .where(*conditions)
-        .values(_changes(from_state, to_state, effects))
+        .values(_changes(from_state, to_state, actor, effects))
         .returning(*operations.c)
         .cte("moved")
     )

@@ -61,7 +61,7 @@ def _without_lookup(facts: ReconcileFacts, contract: ToolContract) -> Decision:
             Action.HUMAN,
             f"{why_no_lookup}, and the dedup window expired at {facts.window_closes_at}",
         )
-    if op.attempts >= contract.max_attempts:
+    if op.attempts_in_budget >= contract.max_attempts:
         return Decision(
             Action.HUMAN, f"{why_no_lookup}, and max_attempts ({contract.max_attempts}) reached"
         )

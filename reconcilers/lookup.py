@@ -204,7 +204,7 @@ def _not_applied(conn: Connection, facts: ReconcileFacts, contract: ToolContract
                 last_error="lookup: not applied yet; the last attempt may still be in flight",
             )
         return LookupReport(op.id, LookupOutcome.WAITING, str(facts.horizon_at))
-    if op.attempts >= contract.max_attempts:
+    if op.attempts_in_budget >= contract.max_attempts:
         reason = f"lookup: not applied, and max_attempts ({contract.max_attempts}) reached"
         _move(conn, facts, State.NEEDS_HUMAN, reason, Effects(maybe_applied=False))
         return LookupReport(op.id, LookupOutcome.ROUTED, reason)

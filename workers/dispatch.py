@@ -154,7 +154,7 @@ def _ready_to_send(  # noqa: PLR0911 -- one return per reason not to send, in or
     tool = registry.get(op.tool)
     if tool is None:
         return _to_human(conn, op, f"tool {op.tool!r} is not registered on this worker")
-    if op.attempts >= tool.contract.max_attempts:
+    if op.attempts_in_budget >= tool.contract.max_attempts:
         return _to_human(conn, op, f"max_attempts ({tool.contract.max_attempts}) reached")
     if not due:
         return DispatchReport(op.id, Outcome.NOT_DUE, op.attempts)

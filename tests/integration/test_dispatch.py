@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
 
+import outbox
 from outbox import faults, statements
 from outbox.contracts import ContractTable
 from outbox.locks import operation_lock_key
@@ -469,3 +471,30 @@ def test_http_connection_refused_then_service_back(engine: Engine, tmp_path: Any
     done = reload(engine, op.id)
     assert done.state is State.CONFIRMED
     assert done.attempts == 2
+
+
+def test_an_operator_replay_grants_a_fresh_attempt_budget(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """After max_attempts, an operator's replay is sent again instead of bouncing back."""
+    remote.answer = lambda call: NotDelivered("connection refused")
+    op = make_operation(engine)
+    for _ in range(3):
+        dispatch(op.id, engine=engine, registry=registry)
+        age(engine, op.id, 3600, "available_at")
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.NEEDS_HUMAN
+    with Session(engine) as session, session.begin():
+        outbox.resolve(
+            session,
+            op.id,
+            applied=False,
+            replay=True,
+            by="ops@example",
+            note="the remote was down; send it again",
+            force=True,
+        )
+    remote.answer = lambda call: Applied("ref-after-replay")
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.CONFIRMED
+    done = reload(engine, op.id)
+    assert (done.attempts, done.attempt_budget_base) == (4, 3)
+    assert len(remote.calls) == 4
