@@ -29,7 +29,7 @@ from outbox.errors import StaleTransition
 from outbox.statements import ReconcileFacts
 from outbox.states import Actor, Effects, State, transition
 from reconcilers.decide import Action, decide, usable_window_s
-from reconcilers.route import apply_decision
+from reconcilers.route import apply_decision, escalate_unroutable
 from workers.locking import operation_lock
 from workers.tools import REGISTRY, Tool, ToolCall, ToolRegistry, run_lookup
 from workers.tools.results import Applied, FailedRemotely, LookupResult, NotApplied
@@ -109,7 +109,9 @@ def _inspect(
     if current.state is not State.UNKNOWN:
         return LookupReport(op_id, LookupOutcome.NOT_UNKNOWN, current.state.value)
     if tool is None:
-        return _unroutable(conn, op_id, current.attempts, current.tool)
+        moved = escalate_unroutable(conn, op_id, current.tool)
+        outcome = LookupOutcome.ROUTED if moved else LookupOutcome.NOT_UNKNOWN
+        return LookupReport(op_id, outcome, "tool not registered")
     facts = facts_for(conn, op_id, tool.contract)
     if facts is None or facts.operation.state is not State.UNKNOWN:
         return LookupReport(op_id, LookupOutcome.NOT_UNKNOWN)
@@ -283,21 +285,3 @@ def _late(conn: Connection, op_id: UUID, attempt: int, result: LookupResult) -> 
         except StaleTransition:
             pass
     return LookupReport(op_id, LookupOutcome.LATE, repr(result))
-
-
-def _unroutable(conn: Connection, op_id: UUID, attempt: int, tool: str) -> LookupReport:
-    reason = f"tool {tool!r} is not registered in the reconciler"
-    try:
-        with conn.begin():
-            transition(
-                conn,
-                op_id,
-                from_state=State.UNKNOWN,
-                to_state=State.NEEDS_HUMAN,
-                actor=Actor.RECONCILER,
-                reason=reason,
-                attempt=attempt,
-            )
-    except StaleTransition:
-        return LookupReport(op_id, LookupOutcome.NOT_UNKNOWN)
-    return LookupReport(op_id, LookupOutcome.ROUTED, reason)

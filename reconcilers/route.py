@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from uuid import UUID
 
 from sqlalchemy import Connection
 
@@ -63,4 +64,29 @@ def apply_decision(conn: Connection, facts: ReconcileFacts, decision: Decision) 
         decision.reason,
         extra={"action": f"reconcile_{decision.action.value}", "operation_id": str(op.id)},
     )
+    return True
+
+
+def escalate_unroutable(conn: Connection, operation_id: UUID, tool: str) -> bool:
+    """An `unknown` operation whose tool this process does not know goes to a human.
+
+    Re-reads the row under the caller's lock; whether it moved.
+    """
+    current = statements.get_operation(conn, operation_id)
+    conn.commit()
+    if current is None or current.state is not State.UNKNOWN:
+        return False
+    try:
+        with conn.begin():
+            transition(
+                conn,
+                operation_id,
+                from_state=State.UNKNOWN,
+                to_state=State.NEEDS_HUMAN,
+                actor=Actor.RECONCILER,
+                reason=f"tool {tool!r} is not registered in the reconciler",
+                attempt=current.attempts,
+            )
+    except StaleTransition:
+        return False
     return True

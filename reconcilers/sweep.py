@@ -30,7 +30,7 @@ from outbox.locks import operation_lock_key
 from outbox.states import Actor, State, transition
 from reconcilers.decide import Action, decide
 from reconcilers.lookup import facts_for
-from reconcilers.route import apply_decision
+from reconcilers.route import apply_decision, escalate_unroutable
 from workers.locking import operation_lock, release
 from workers.tools import REGISTRY, ToolRegistry
 
@@ -192,7 +192,7 @@ class Sweeper:
                 result.busy += 1
                 return False
             if tool is None:
-                self._unroutable(conn, op_id, tool_name, result)
+                result.escalated += int(escalate_unroutable(conn, op_id, tool_name))
                 return False
             facts = facts_for(conn, op_id, tool.contract)
             if facts is None or facts.operation.state is not State.UNKNOWN or not facts.check_due:
@@ -217,24 +217,3 @@ class Sweeper:
                 else:
                     result.escalated += 1
             return False
-
-    @staticmethod
-    def _unroutable(conn: Connection, op_id: UUID, tool_name: str, result: SweepResult) -> None:
-        current = statements.get_operation(conn, op_id)
-        conn.commit()
-        if current is None or current.state is not State.UNKNOWN:
-            return
-        try:
-            with conn.begin():
-                transition(
-                    conn,
-                    op_id,
-                    from_state=State.UNKNOWN,
-                    to_state=State.NEEDS_HUMAN,
-                    actor=Actor.RECONCILER,
-                    reason=f"tool {tool_name!r} is not registered in the reconciler",
-                    attempt=current.attempts,
-                )
-            result.escalated += 1
-        except StaleTransition:
-            pass

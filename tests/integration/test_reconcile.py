@@ -364,3 +364,17 @@ def test_a_lookup_losing_to_an_operator_keeps_its_evidence(engine: Engine) -> No
     assert lookup(op.id, engine=engine, registry=registry).outcome is LookupOutcome.LATE
     assert reload(engine, op.id).state is State.FAILED
     assert "lookup evidence after the operation moved on" in events_of(engine, op.id)[-1].reason
+
+
+def test_an_unknown_tool_is_escalated_by_the_sweep_and_by_a_lookup(
+    engine: Engine, service: DeployService, tmp_path: Path
+) -> None:
+    """An `unknown` operation whose tool the reconciler does not know goes to a human."""
+    registry = http_registry(tmp_path, service.url, inflight_horizon_s=HORIZON)
+    swept = make_operation(engine, State.UNKNOWN, tool="mail.send")
+    looked_up = make_operation(engine, State.UNKNOWN, tool="mail.send")
+    assert lookup(looked_up.id, engine=engine, registry=registry).outcome is LookupOutcome.ROUTED
+    assert _sweeper(engine, registry).run_once().escalated == 1
+    for op in (swept, looked_up):
+        assert reload(engine, op.id).state is State.NEEDS_HUMAN
+        assert "not registered in the reconciler" in events_of(engine, op.id)[-1].reason
