@@ -8,6 +8,8 @@ from contextlib import contextmanager
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from outbox import migrate
+from outbox.cli.output import fail
 from outbox.config import get_settings
 from outbox.db import database_errors, database_url, get_engine
 
@@ -25,3 +27,15 @@ def transaction() -> Iterator[Session]:
     """A session in a transaction that commits when the block succeeds, else rolls back."""
     with connected() as engine, Session(engine) as session, session.begin():
         yield session
+
+
+def require_schema() -> str:
+    """The head revision if the database's schema is at it; else one line and exit 1."""
+    with connected() as engine:
+        status = migrate.status(engine)
+    if not status.up_to_date:
+        fail(
+            f"schema is at {status.current or 'nothing (empty database)'}, "
+            f"head is {status.head}: run `outbox db upgrade`"
+        )
+    return status.head

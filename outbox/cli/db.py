@@ -7,8 +7,8 @@ import sys
 import typer
 
 from outbox import migrate
-from outbox.cli.common import connected
-from outbox.cli.output import console, fail
+from outbox.cli.common import connected, require_schema
+from outbox.cli.output import console
 
 app = typer.Typer(
     help="Manage the outbox schema (tables in the PostgreSQL schema `outbox`).",
@@ -42,11 +42,4 @@ def sql() -> None:
 @app.command()
 def check() -> None:
     """Exit 0 if the schema is at the latest revision, 1 (with the fix) otherwise."""
-    with connected() as engine:
-        status = migrate.status(engine)
-    if not status.up_to_date:
-        fail(
-            f"schema is at {status.current or 'nothing (empty database)'}, "
-            f"head is {status.head}: run `outbox db upgrade`"
-        )
-    console.print(f"schema at head ({status.head})")
+    console.print(f"schema at head ({require_schema()})")

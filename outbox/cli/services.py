@@ -9,22 +9,11 @@ from typing import Annotated, Any
 
 import typer
 
-from outbox import logs, migrate
-from outbox.cli.common import connected
-from outbox.cli.output import fail
+from outbox import logs
+from outbox.cli.common import connected, require_schema
 from outbox.config import get_settings
 
 log = logging.getLogger(__name__)
-
-
-def _require_schema() -> None:
-    with connected() as engine:
-        status = migrate.status(engine)
-    if not status.up_to_date:
-        fail(
-            f"schema is at {status.current or 'nothing (empty database)'}, head is "
-            f"{status.head}: run `outbox db upgrade` first"
-        )
 
 
 def relay_command(
@@ -56,7 +45,7 @@ def relay_command(
     from workers.publish import CeleryPublisher  # noqa: PLC0415
 
     logs.configure(log_level.upper())
-    _require_schema()
+    require_schema()
     settings = get_settings()
     config = RelayConfig(
         batch_size=batch_size,
@@ -97,7 +86,7 @@ def beat_command(
     """
     app = _celery_app()
     logs.configure(log_level.upper())
-    _require_schema()
+    require_schema()
     home = get_settings().home
     home.mkdir(parents=True, exist_ok=True)
     app.start(["beat", "-l", log_level, "-s", str(home / "celerybeat-schedule")])
@@ -130,7 +119,7 @@ def worker_command(
     """
     app = _celery_app()
     logs.configure(log_level.upper())
-    _require_schema()
+    require_schema()
     argv = ["worker", "-Q", queues, "-c", str(concurrency), "-P", pool, "-l", log_level]
     if name:
         argv += ["-n", name]
