@@ -28,6 +28,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from outbox import faults, statements
+from outbox.canonical import canonical_json, payload_hash
 from outbox.contracts import ToolContract
 from outbox.errors import ReplayDeadlinePassed, StaleTransition
 from outbox.models import Operation
@@ -158,6 +159,10 @@ def _ready_to_send(  # noqa: PLR0911 -- one return per reason not to send, in or
         return _to_human(conn, op, f"max_attempts ({tool.contract.max_attempts}) reached")
     if not due:
         return DispatchReport(op.id, Outcome.NOT_DUE, op.attempts)
+    if payload_hash(canonical_json(op.payload)) != op.payload_hash:
+        # The payload never changes after enqueue; if the row says otherwise, someone edited
+        # it by hand, and a replay would send different input under the same key.
+        return _to_human(conn, op, "the stored payload no longer matches its payload hash")
     if replay_expired:
         return _to_human(conn, op, _deadline_reason(op))
     return op, tool

@@ -498,3 +498,18 @@ def test_an_operator_replay_grants_a_fresh_attempt_budget(
     done = reload(engine, op.id)
     assert (done.attempts, done.attempt_budget_base) == (4, 3)
     assert len(remote.calls) == 4
+
+
+def test_a_payload_edited_by_hand_is_never_sent(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """A stored payload that no longer matches its hash goes to a human instead of the remote."""
+    op = make_operation(engine, payload={"version": "1.0.0"})
+    with engine.begin() as conn:
+        conn.execute(
+            text('UPDATE outbox.operations SET payload = \'{"version": "6.6.6"}\' WHERE id = :id'),
+            {"id": op.id},
+        )
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.NEEDS_HUMAN
+    assert remote.calls == []
+    assert "no longer matches its payload hash" in events_of(engine, op.id)[-1].reason
