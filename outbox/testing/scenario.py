@@ -37,10 +37,10 @@ from outbox import api, migrate
 from outbox.db import create_engine
 from outbox.testing.deploy_service import DeployService
 from outbox.testing.stack import Services
+from outbox.testing.tool_config import TOOL, http_tool_toml
 
 Mode = Literal["lookup", "dedup", "neither"]
 MODES: tuple[Mode, ...] = ("lookup", "dedup", "neither")
-TOOL = "deploy.create_release"
 #: The remote's fault mix: together, the share of calls whose outcome the caller cannot see.
 AMBIGUOUS_MIX = {"commit_then_timeout": 0.5, "commit_then_reset": 0.25, "error_503": 0.25}
 #: Short enough that replays happen within a run, long enough to cover the faults' delays.
@@ -105,29 +105,17 @@ def webhook_receiver(secret: str) -> Iterator[tuple[str, WebhookLog]]:
 
 def tool_toml(url: str, mode: Mode) -> str:
     """The HTTP tool of ``mode`` on the reference service at ``url``."""
-    lines = [
-        f'[tools."{TOOL}"]',
-        'kind = "http"',
-        'method = "POST"',
-        f'url = "{url}/projects/{{target}}/releases"',
-        'idempotency_header = "Idempotency-Key"',
-        'remote_ref = "id"',
-        "rejected_statuses = [400, 422]",
-        f"timeout_s = {TIMEOUT_S}",
-        "send_deadline_s = 1.0",
-        f"inflight_horizon_s = {HORIZON_S}",
-        "max_checks = 6",
-        "max_attempts = 8",
-    ]
-    if mode == "lookup":
-        lines += [
-            f'lookup_url = "{url}/projects/{{target}}/releases/by-key/{{operation_id}}"',
-            'lookup_remote_ref = "id"',
-            "lookup_not_applied_statuses = [404]",
-        ]
-    if mode == "dedup":
-        lines += ["dedup_window_s = 3600", "dedup_margin_s = 60"]
-    return "\n".join(lines) + "\n"
+    dedup = {"dedup_window_s": 3600, "dedup_margin_s": 60} if mode == "dedup" else {}
+    return http_tool_toml(
+        url,
+        lookup=mode == "lookup",
+        timeout_s=TIMEOUT_S,
+        send_deadline_s=1.0,
+        inflight_horizon_s=HORIZON_S,
+        max_checks=6,
+        max_attempts=8,
+        **dedup,
+    )
 
 
 @dataclass
