@@ -13,12 +13,15 @@ an optional ``@N`` to fire on the N-th pass only (``after_sent_commit=exit@3``).
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 ENV_VARIABLE = "OUTBOX_FAULTS"
 #: The exit status of a process ended by a fault point (distinct from crashes and signals).
@@ -33,6 +36,11 @@ POINTS: dict[str, str] = {
     "after_sent_commit": "dispatch: `sent` committed, nothing sent to the remote",
     "after_call": "dispatch: the remote answered, the outcome not committed",
     "after_outcome_commit": "dispatch: outcome committed, lock not released",
+    "sweep_after_move": "sweep: `sent` -> `unknown`/`needs_human` committed, lock not released",
+    "lookup_after_call": "lookup: the remote answered, the outcome not committed",
+    "lookup_after_commit": "lookup: outcome committed, lock not released",
+    "webhook_after_claim": "webhooks: deliveries leased (committed), nothing POSTed yet",
+    "webhook_after_send": "webhooks: a delivery POSTed and answered, the outcome not recorded",
 }
 
 
@@ -80,6 +88,8 @@ def point(name: str) -> None:
         raise InjectedFault(name)
     if arming.action is FaultAction.EXIT:
         os._exit(EXIT_STATUS)
+    # Said once, so a test can tell the process is stuck exactly here before it kills it.
+    log.warning("fault point %s: hanging", name, extra={"action": "fault_hang", "point": name})
     while True:  # HANG: a process that is alive but never gets further
         time.sleep(3600)
 

@@ -23,7 +23,7 @@ from uuid import UUID
 
 from sqlalchemy import Connection, Engine
 
-from outbox import statements
+from outbox import faults, statements
 from outbox.contracts import ToolContract
 from outbox.errors import StaleTransition
 from outbox.statements import ReconcileFacts
@@ -120,7 +120,10 @@ def _inspect(
         apply_decision(conn, facts, decision)
         return LookupReport(op_id, LookupOutcome.ROUTED, decision.reason)
     result = run_lookup(tool, _call(facts, tool))
-    return _record(conn, facts, tool, result, config)
+    faults.point("lookup_after_call")
+    report = _record(conn, facts, tool, result, config)
+    faults.point("lookup_after_commit")
+    return report
 
 
 def _call(facts: ReconcileFacts, tool: Tool) -> ToolCall:

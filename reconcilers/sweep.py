@@ -23,7 +23,7 @@ from uuid import UUID
 
 from sqlalchemy import Connection, Engine
 
-from outbox import statements
+from outbox import faults, statements
 from outbox.config import Settings, get_settings
 from outbox.errors import StaleTransition
 from outbox.locks import operation_lock_key
@@ -164,6 +164,7 @@ class Sweeper:
                 reason=reason,
                 attempt=attempt,
             )
+        faults.point("sweep_after_move")
         log.warning(
             "%s attempt %d: %s",
             op_id,

@@ -28,7 +28,7 @@ import httpx
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import webhooks
+from outbox import faults, webhooks
 from outbox.config import Settings, get_settings
 from outbox.webhooks import Claimed, DeliveryStatus, Endpoint
 
@@ -144,6 +144,8 @@ class WebhookDeliverer:
             claimed = webhooks.claim_due(
                 conn, limit=self.config.batch_size, lease_s=self.config.lease_s, only=only
             )
+        if claimed:
+            faults.point("webhook_after_claim")
         outcomes = [self._attempt(self.endpoint, row) for row in claimed]
         return DeliveryResult(
             delivered=outcomes.count(DeliveryStatus.DELIVERED),
@@ -154,6 +156,7 @@ class WebhookDeliverer:
     def _attempt(self, endpoint: Endpoint, row: Claimed) -> DeliveryStatus | None:
         """POST one claimed row and record the outcome; ``None`` if its lease was lost."""
         status, error = self._post(endpoint, row)
+        faults.point("webhook_after_send")
         retry_in = backoff_s(row.attempts + 1, self.config)
         with self.engine.begin() as conn:
             if error is None and status is not None:
