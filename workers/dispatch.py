@@ -32,7 +32,7 @@ from outbox.canonical import canonical_json, payload_hash
 from outbox.contracts import ToolContract
 from outbox.errors import ReplayDeadlinePassed, StaleTransition
 from outbox.models import Operation
-from outbox.states import Actor, Effects, State, transition
+from outbox.states import NO_EFFECTS, Actor, Effects, State, transition
 from workers.locking import operation_lock
 from workers.tools import REGISTRY, Tool, ToolCall, run_dispatch
 from workers.tools.registry import ToolRegistry
@@ -200,21 +200,38 @@ def _deadline_reason(op: Operation) -> str:
     return f"the dedup window closed before the replay left (replay deadline {op.replay_deadline})"
 
 
-def _dispatcher_lost(conn: Connection, op: Operation) -> DispatchReport:
-    """A message found the attempt in `sent` while we hold the lock: its dispatcher is gone."""
+def _move(
+    conn: Connection,
+    op: Operation,
+    from_state: State,
+    to_state: State,
+    reason: str,
+    *,
+    effects: Effects = NO_EFFECTS,
+) -> StaleTransition | None:
+    """One dispatcher move of ``op`` at its attempt, committed; the miss if it missed."""
     try:
         with conn.begin():
             transition(
                 conn,
                 op.id,
-                from_state=State.SENT,
-                to_state=State.UNKNOWN,
+                from_state=from_state,
+                to_state=to_state,
                 actor=Actor.DISPATCHER,
-                reason="dispatcher lost: a message found the attempt in sent with its lock free",
+                reason=reason,
                 attempt=op.attempts,
+                effects=effects,
             )
     except StaleTransition as exc:
-        return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(exc))
+        return exc
+    return None
+
+
+def _dispatcher_lost(conn: Connection, op: Operation) -> DispatchReport:
+    """A message found the attempt in `sent` while we hold the lock: its dispatcher is gone."""
+    reason = "dispatcher lost: a message found the attempt in sent with its lock free"
+    if missed := _move(conn, op, State.SENT, State.UNKNOWN, reason):
+        return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(missed))
     log.warning(
         "attempt %d of %s lost its dispatcher; handed to the reconciler",
         op.attempts,
@@ -225,19 +242,8 @@ def _dispatcher_lost(conn: Connection, op: Operation) -> DispatchReport:
 
 
 def _to_human(conn: Connection, op: Operation, reason: str) -> DispatchReport:
-    try:
-        with conn.begin():
-            transition(
-                conn,
-                op.id,
-                from_state=State.PLANNED,
-                to_state=State.NEEDS_HUMAN,
-                actor=Actor.DISPATCHER,
-                reason=reason,
-                attempt=op.attempts,
-            )
-    except StaleTransition as exc:
-        return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(exc))
+    if missed := _move(conn, op, State.PLANNED, State.NEEDS_HUMAN, reason):
+        return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(missed))
     log.warning(
         "%s needs a human: %s",
         op.id,
@@ -249,20 +255,9 @@ def _to_human(conn: Connection, op: Operation, reason: str) -> DispatchReport:
 
 def _not_sent(conn: Connection, sent: Operation, contract: ToolContract) -> DispatchReport:
     reason = f"not sent: more than send_deadline_s ({contract.send_deadline_s:g}s) since sent"
-    try:
-        with conn.begin():
-            transition(
-                conn,
-                sent.id,
-                from_state=State.SENT,
-                to_state=State.PLANNED,
-                actor=Actor.DISPATCHER,
-                reason=reason,
-                attempt=sent.attempts,
-                effects=Effects(last_error=reason),
-            )
-    except StaleTransition as exc:
-        return DispatchReport(sent.id, Outcome.LATE, sent.attempts, str(exc))
+    effects = Effects(last_error=reason)
+    if missed := _move(conn, sent, State.SENT, State.PLANNED, reason, effects=effects):
+        return DispatchReport(sent.id, Outcome.LATE, sent.attempts, str(missed))
     return DispatchReport(sent.id, Outcome.NOT_SENT, sent.attempts, reason)
 
 
@@ -294,19 +289,7 @@ def _record_outcome(
     conn: Connection, sent: Operation, result: DispatchResult, config: DispatchConfig
 ) -> DispatchReport:
     to_state, outcome, effects, reason = _classify(sent, result, config)
-    try:
-        with conn.begin():
-            transition(
-                conn,
-                sent.id,
-                from_state=State.SENT,
-                to_state=to_state,
-                actor=Actor.DISPATCHER,
-                reason=reason,
-                attempt=sent.attempts,
-                effects=effects,
-            )
-    except StaleTransition:
+    if _move(conn, sent, State.SENT, to_state, reason, effects=effects):
         return _late_outcome(conn, sent, result, reason)
     log.info(
         "attempt %d of %s: %s",

@@ -53,8 +53,15 @@ class WebhookLog:
     """What the receiver saw."""
 
     valid: list[dict[str, Any]] = field(default_factory=list)
+    #: (webhook-id, type, operation id) of every validly signed webhook, in arrival order.
+    hooks: list[tuple[str, str, str]] = field(default_factory=list)
     invalid: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def snapshot(self) -> list[tuple[str, str, str]]:
+        """A copy of the (webhook-id, type, operation id) that arrived so far."""
+        with self.lock:
+            return list(self.hooks)
 
     def operations(self, event: str) -> set[str]:
         """Operation ids of the validly signed messages of type ``operation.<event>``."""
@@ -77,15 +84,18 @@ def webhook_receiver(secret: str) -> Iterator[tuple[str, WebhookLog]]:
     class Receiver(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("content-length", "0")))
+            headers = {k.lower(): v for k, v in self.headers.items()}
             try:
-                message = verifier.verify(body, {k.lower(): v for k, v in self.headers.items()})
+                message = verifier.verify(body, headers)
             except Exception:  # noqa: BLE001 -- any verification failure is an invalid webhook
                 with received.lock:
                     received.invalid += 1
                 self.send_response(400)
             else:
+                hook = (headers["webhook-id"], message["type"], message["data"]["operation_id"])
                 with received.lock:
                     received.valid.append(message)
+                    received.hooks.append(hook)
                 self.send_response(204)
             self.send_header("content-length", "0")
             self.end_headers()

@@ -16,21 +16,19 @@ time pass by moving the row's timestamp into the past, as DESIGN.md's "Time" pre
 from __future__ import annotations
 
 import enum
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
-from standardwebhooks import Webhook
 
 from outbox import api, faults
 from outbox.testing import DeployService
+from outbox.testing.scenario import WebhookLog, webhook_receiver
 from tests.acceptance.conftest import clean_environment
 from tests.processes import Service, Services, wait_until
 from tests.tool_configs import TOOL, http_tool_toml
@@ -103,55 +101,11 @@ def test_every_fault_point_is_in_the_matrix() -> None:
 # --- a webhook receiver that remembers every webhook-id -------------------------------------
 
 
-@dataclass
-class Received:
-    """Validly signed webhooks the receiver got: (webhook-id, type, operation id)."""
-
-    hooks: list[tuple[str, str, str]] = field(default_factory=list)
-    invalid: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def snapshot(self) -> list[tuple[str, str, str]]:
-        """A copy of what arrived so far."""
-        with self.lock:
-            return list(self.hooks)
-
-
 @pytest.fixture
-def receiver() -> Iterator[tuple[str, Received]]:
-    """A local endpoint that verifies Standard Webhooks signatures; yields (url, received)."""
-    verifier = Webhook(SECRET)
-    received = Received()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("content-length", "0")))
-            headers = {k.lower(): v for k, v in self.headers.items()}
-            try:
-                message = verifier.verify(body, headers)
-            except Exception:  # noqa: BLE001 -- any verification failure is an invalid webhook
-                with received.lock:
-                    received.invalid += 1
-                self.send_response(400)
-            else:
-                hook = (headers["webhook-id"], message["type"], message["data"]["operation_id"])
-                with received.lock:
-                    received.hooks.append(hook)
-                self.send_response(204)
-            self.send_header("content-length", "0")
-            self.end_headers()
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/hooks", received
-    finally:
-        server.shutdown()
-        server.server_close()
+def receiver() -> Iterator[tuple[str, WebhookLog]]:
+    """A local endpoint that verifies Standard Webhooks signatures; yields (url, log)."""
+    with webhook_receiver(SECRET) as (url, log):
+        yield url, log
 
 
 # --- the stack ----------------------------------------------------------------------------
@@ -192,7 +146,7 @@ def stack(
     request: pytest.FixtureRequest,
     database_url: str,
     remote: DeployService,
-    receiver: tuple[str, Received],
+    receiver: tuple[str, WebhookLog],
     tmp_path: Path,
 ) -> Iterator[Stack]:
     """The case's environment and process group; logs are printed if the test fails."""
@@ -338,7 +292,7 @@ def _die_at_the_point(stack: Stack, armed: Service) -> None:
 
 @pytest.mark.parametrize("stack", list(_cases()), indirect=True)
 def test_a_process_killed_at_a_fault_point_loses_nothing_and_duplicates_nothing(
-    engine: Engine, remote: DeployService, receiver: tuple[str, Received], stack: Stack
+    engine: Engine, remote: DeployService, receiver: tuple[str, WebhookLog], stack: Stack
 ) -> None:
     """A component that dies at any fault point leaves every operation decided once a clean
     stack restarts: one remote effect per confirmed operation, none for the others."""
@@ -388,7 +342,7 @@ def test_a_process_killed_at_a_fault_point_loses_nothing_and_duplicates_nothing(
     )
 
 
-def _assert_webhooks_delivered(engine: Engine, received: Received) -> None:
+def _assert_webhooks_delivered(engine: Engine, received: WebhookLog) -> None:
     """Every delivery row is delivered, at least once, always under its own webhook-id."""
     wait_until(
         lambda: (
