@@ -11,6 +11,7 @@ import sys
 import typer
 
 from outbox.cli import db, dev, ops, webhooks
+from outbox.cli.chaos import chaos_command
 from outbox.cli.demo import demo_command
 from outbox.cli.enqueue import enqueue_command
 from outbox.cli.output import environment_help, fail
@@ -38,6 +39,7 @@ app.command("demo")(demo_command)
 app.command("relay")(relay_command)
 app.command("worker")(worker_command)
 app.command("beat")(beat_command)
+app.command("chaos")(chaos_command)
 
 
 def main() -> None:

@@ -89,7 +89,9 @@ def beat_command(
     require_schema()
     home = get_settings().home
     home.mkdir(parents=True, exist_ok=True)
-    app.start(["beat", "-l", log_level, "-s", str(home / "celerybeat-schedule")])
+    schedule = str(home / "celerybeat-schedule")
+    scheduler = "workers.beat:RecoveringScheduler"  # reconnects after a broker outage
+    app.start(["beat", "-l", log_level, "-s", schedule, "-S", scheduler])
 
 
 def worker_command(

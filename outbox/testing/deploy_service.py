@@ -58,7 +58,8 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -552,6 +553,10 @@ class _Handler(BaseHTTPRequestHandler):
         if not key:
             service.stats.add("rejected.missing_key")
             raise _HttpError(400, f"missing {service.idempotency_header} header")
+        with service.handling(key):
+            return self._create_keyed(service, target, key, body)
+
+    def _create_keyed(self, service: DeployService, target: str, key: str, body: bytes) -> _Reply:
         try:
             payload = _parse_json(body, "the body")
             fault = service.faults.choose(key, self._requested_fault(payload))
@@ -767,6 +772,8 @@ class DeployService:
         self.faults = Faults(fault_rates or {}, seed, fault_delay_s)
         self.stats = Stats()
         self.stopping = threading.Event()
+        self._in_flight: Counter[str] = Counter()
+        self._in_flight_lock = threading.Lock()
         self._ledger: Ledger | None = None
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -835,6 +842,24 @@ class DeployService:
     def ledger(self) -> list[Effect]:
         """Every effect committed so far, in order (while the service runs)."""
         return self._store().effects()
+
+    def in_flight(self) -> list[str]:
+        """Keys of the create requests being handled right now (a fault may be holding them)."""
+        with self._in_flight_lock:
+            return [key for key, count in self._in_flight.items() if count > 0]
+
+    @contextmanager
+    def handling(self, key: str) -> Iterator[None]:
+        """Count a create request for ``key`` as in flight while the block runs."""
+        with self._in_flight_lock:
+            self._in_flight[key] += 1
+        try:
+            yield
+        finally:
+            with self._in_flight_lock:
+                self._in_flight[key] -= 1
+                if self._in_flight[key] <= 0:
+                    del self._in_flight[key]
 
     def effects_by_key(self) -> dict[str, int]:
         """How many effects each idempotency key produced."""

@@ -1,0 +1,111 @@
+"""``outbox chaos``: the whole stack under random crashes, and a verdict table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from outbox.cli.output import console, fail
+
+
+def chaos_command(
+    *,
+    intents: Annotated[int, typer.Option(min=1, max=1_000_000, help="Intents to enqueue.")] = 500,
+    kills: Annotated[
+        int, typer.Option(min=0, help="SIGKILLs of a random worker or relay (each restarted).")
+    ] = 20,
+    pg_restarts: Annotated[
+        int, typer.Option(min=0, help="PostgreSQL crashes (immediate stop) and restarts.")
+    ] = 1,
+    rabbitmq_restarts: Annotated[
+        int, typer.Option(min=0, help="RabbitMQ stop_app/start_app cycles (RabbitMQ broker).")
+    ] = 1,
+    cuts: Annotated[
+        int,
+        typer.Option(min=0, help="Dispatcher database connections cut while a call is in flight."),
+    ] = 3,
+    duration: Annotated[
+        float,
+        typer.Option(min=5, help="Seconds over which the intents and the faults are spread."),
+    ] = 60.0,
+    settle: Annotated[
+        float, typer.Option(min=10, help="Seconds allowed afterwards for every decision.")
+    ] = 240.0,
+    ambiguous_rate: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Share of calls with a faulted outcome.")
+    ] = 0.2,
+    broker: Annotated[
+        str | None,
+        typer.Option(help="rabbitmq or database (default: RabbitMQ if one answers locally)."),
+    ] = None,
+    rabbitmq_node: Annotated[
+        str | None, typer.Option(help="The node `rabbitmqctl -n` restarts (default: its own).")
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed the faults, to replay a run.")] = None,
+    workdir: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR", help="Keep the cluster, logs and config here (implies --keep)."
+        ),
+    ] = None,
+    keep: Annotated[bool, typer.Option("--keep", help="Keep the working directory.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
+) -> None:
+    """Run the whole stack under random crashes, then judge it by the remote's ledger.
+
+    It makes its **own PostgreSQL cluster** (so crashing it disturbs nothing else) and a
+    throw-away RabbitMQ vhost (or uses the database broker), starts two relays, two workers
+    and beat as real processes and the reference service with ambiguous faults, and enqueues
+    the intents while it SIGKILLs workers and relays at random, crash-restarts PostgreSQL,
+    restarts RabbitMQ (`rabbitmqctl stop_app/start_app`: this one is the machine's broker) and
+    cuts dispatchers' database connections mid-call. Then it waits until every operation is
+    decided and prints the verdict.
+
+    Exits 1 on any duplicate effect, any committed intent left undecided (lost), or any
+    verdict the remote's ledger contradicts. Needs no configuration (OUTBOX_* is ignored).
+    """
+    # Deferred: the chaos machinery (process runner, reference service) loads only here.
+    from outbox.testing.chaos import ChaosConfig, run_chaos  # noqa: PLC0415
+
+    if broker not in {None, "rabbitmq", "database"}:
+        fail(f"unknown --broker {broker!r}; choose rabbitmq or database")
+    config = ChaosConfig(
+        intents=intents,
+        kills=kills,
+        pg_restarts=pg_restarts,
+        rabbitmq_restarts=rabbitmq_restarts,
+        cuts=cuts,
+        chaos_s=duration,
+        settle_s=settle,
+        ambiguous_rate=ambiguous_rate,
+        seed=seed,
+        broker=broker,  # type: ignore[arg-type]
+        rabbitmq_node=rabbitmq_node,
+        workdir=workdir,
+        keep=keep or workdir is not None,
+    )
+    report = run_chaos(config, progress=None if as_json else _say)
+    if as_json:
+        console.print_json(json.dumps({**vars(report), "ok": report.ok}))
+    else:
+        table = Table(title=f"chaos verdict ({report.broker} broker, seed {report.seed})")
+        table.add_column("")
+        table.add_column("", justify="right")
+        for label, value in report.rows():
+            table.add_row(label, value)
+        console.print(table)
+        console.print(f"{report.seconds:.0f}s; replay this run with --seed {report.seed}")
+        for problem in report.problems:
+            console.print(f"[red]FAILED:[/] {problem}", highlight=False)
+        if report.ok:
+            console.print("[green]OK[/]: no duplicate, nothing lost, every verdict matches")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _say(line: str) -> None:
+    console.print(line, highlight=False)
