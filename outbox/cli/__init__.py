@@ -14,6 +14,7 @@ from outbox.cli import db, dev, ops, webhooks
 from outbox.cli.chaos import chaos_command
 from outbox.cli.demo import demo_command
 from outbox.cli.enqueue import enqueue_command
+from outbox.cli.flower import flower_command
 from outbox.cli.output import environment_help, fail
 from outbox.cli.services import beat_command, relay_command, worker_command
 from outbox.errors import OutboxError
@@ -40,6 +41,7 @@ app.command("relay")(relay_command)
 app.command("worker")(worker_command)
 app.command("beat")(beat_command)
 app.command("chaos")(chaos_command)
+app.command("flower")(flower_command)
 
 
 def main() -> None:

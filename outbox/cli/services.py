@@ -66,7 +66,7 @@ def relay_command(
     log.info("relay stopped", extra={"action": "relay_stopped"})
 
 
-def _celery_app() -> Any:
+def celery_app() -> Any:
     """The outbox Celery app with every task registered (workers' and reconcilers')."""
     # Deferred: the CLI sits above the workers and reconcilers layers.
     from workers.app import app  # noqa: PLC0415
@@ -84,7 +84,7 @@ def beat_command(
     Run exactly one beat per deployment (a second one only doubles harmless sweeps). Its
     schedule state lives in OUTBOX_HOME/celerybeat-schedule.
     """
-    app = _celery_app()
+    app = celery_app()
     logs.configure(log_level.upper())
     require_schema()
     home = get_settings().home
@@ -119,7 +119,7 @@ def worker_command(
     Tools come from OUTBOX_TOOLS (Python modules) and OUTBOX_CONFIG (HTTP tools in TOML).
     By default one worker consumes every queue; split them across workers with -Q.
     """
-    app = _celery_app()
+    app = celery_app()
     logs.configure(log_level.upper())
     require_schema()
     argv = ["worker", "-Q", queues, "-c", str(concurrency), "-P", pool, "-l", log_level]

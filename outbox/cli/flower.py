@@ -1,0 +1,71 @@
+"""``outbox flower``: Flower on the outbox's Celery app, local and behind basic auth by default."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Annotated
+
+import typer
+
+from outbox.cli.output import fail
+
+#: ``user:password``, several separated by commas (Flower's own format).
+_CREDENTIALS = re.compile(r"^[^:,\s]+:[^,\s]+(,[^:,\s]+:[^,\s]+)*$")
+
+
+def flower_command(
+    *,
+    address: Annotated[
+        str, typer.Option(help="Address to bind. Keep it local unless a proxy guards it.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 5555,
+    basic_auth: Annotated[
+        str | None,
+        typer.Option(
+            envvar="OUTBOX_FLOWER_BASIC_AUTH",
+            metavar="USER:PASSWORD",
+            help="Credentials Flower asks for (several: comma-separated). Prefer the "
+            "environment variable: a command line is visible to every local user.",
+            show_default=False,
+        ),
+    ] = None,
+    no_auth: Annotated[
+        bool,
+        typer.Option("--no-auth", help="Serve without authentication (a trusted network only)."),
+    ] = False,
+    url_prefix: Annotated[
+        str | None, typer.Option(help="Serve under this path, behind a reverse proxy.")
+    ] = None,
+) -> None:
+    """Run Flower on the outbox's Celery app: workers, queues and tasks, live.
+
+    Dispatch tasks show their operation id, tool and target as arguments. Flower keeps
+    what it saw in memory and forgets it on restart: the outbox table is the truth (`outbox
+    ops list`, `outbox ops show ID`). Task events need RabbitMQ; on the database broker
+    Flower shows workers but not tasks.
+
+    Basic auth is required unless `--no-auth` is given: set OUTBOX_FLOWER_BASIC_AUTH.
+    """
+    if basic_auth and no_auth:
+        fail("--no-auth and basic auth credentials contradict each other; choose one")
+    if not basic_auth and not no_auth:
+        fail(
+            "Flower needs credentials: set OUTBOX_FLOWER_BASIC_AUTH=user:password "
+            "(or --basic-auth), or pass --no-auth on a trusted network"
+        )
+    if basic_auth and not _CREDENTIALS.match(basic_auth):
+        fail("basic auth credentials must look like user:password (comma-separated for several)")
+    # Deferred: the CLI sits above the workers layer and imports Celery only here.
+    from outbox.cli.services import celery_app  # noqa: PLC0415
+
+    app = celery_app()
+    argv = ["flower", f"--address={address}", f"--port={port}"]
+    if url_prefix:
+        argv.append(f"--url_prefix={url_prefix}")
+    if basic_auth:
+        # Through Flower's environment, not its command line, which `ps` shows to everyone.
+        os.environ["FLOWER_BASIC_AUTH"] = basic_auth
+    else:
+        os.environ.pop("FLOWER_BASIC_AUTH", None)
+    app.start(argv)

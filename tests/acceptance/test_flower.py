@@ -1,0 +1,91 @@
+"""`outbox flower`: local by default, basic auth required, dispatch tasks named by operation."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from outbox import api
+from tests.acceptance.conftest import CLI, clean_environment, run_outbox
+from tests.processes import Services, wait_until
+from tests.tool_configs import TOOL
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(url, timeout=1)
+    except httpx.HTTPError:
+        return False
+    return True
+
+
+def test_flower_refuses_to_start_without_credentials(outbox_cli: CLI) -> None:
+    """No credentials and no --no-auth: a clear error, exit 1, nothing served."""
+    result = outbox_cli("flower")
+    assert result.code == 1
+    assert "OUTBOX_FLOWER_BASIC_AUTH" in result.stderr
+    assert "--no-auth" in result.stderr
+
+
+def test_flower_rejects_malformed_credentials(cli_env: dict[str, str]) -> None:
+    """Credentials that are not user:password are refused before anything starts."""
+    result = run_outbox("flower", env={**cli_env, "OUTBOX_FLOWER_BASIC_AUTH": "no-colon"})
+    assert result.code == 1
+    assert "user:password" in result.stderr
+
+
+@pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
+def test_flower_shows_dispatch_tasks_behind_basic_auth(
+    engine: Engine, services: Services, stack_env: dict[str, str]
+) -> None:
+    """401 without credentials; with them, a dispatch task's operation id, tool and target."""
+    port = _free_port()
+    credentials = "op:" + "correct-horse"  # a test's throw-away credentials
+    flower = services.start(
+        "flower", "flower", "--port", str(port), env={"OUTBOX_FLOWER_BASIC_AUTH": credentials}
+    )
+    base = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _answers(base), timeout=30, what="Flower to listen")
+    assert httpx.get(f"{base}/api/tasks", timeout=5).status_code == 401
+    auth = ("op", "correct-horse")
+    assert httpx.get(f"{base}/api/tasks", auth=auth, timeout=5).status_code == 200
+
+    services.start("worker", "worker", "-P", "threads", "-c", "2")
+    services.start("relay", "relay")
+    with Session(engine) as session, session.begin():
+        op = api.enqueue(session, tool=TOOL, target="web", payload={"version": "4.2.0"})
+
+    def dispatch_task_seen() -> bool:
+        tasks = httpx.get(f"{base}/api/tasks", auth=auth, timeout=5).json()
+        return any(str(op.id) in str(task.get("kwargs")) for task in tasks.values())
+
+    wait_until(dispatch_task_seen, timeout=60, what="the dispatch task in Flower")
+    tasks = httpx.get(f"{base}/api/tasks", auth=auth, timeout=5).json()
+    [task] = [t for t in tasks.values() if str(op.id) in str(t.get("kwargs"))]
+    assert task["name"] == "outbox.dispatch"
+    assert TOOL in task["kwargs"]
+    assert "web" in task["kwargs"]
+    # The password is handed over in the environment, never on a command line.
+    with open(f"/proc/{flower.pid}/cmdline", "rb") as cmdline:
+        assert b"correct-horse" not in cmdline.read()
+    assert "correct-horse" not in flower.output()
+
+
+def test_flower_help_says_where_the_truth_is() -> None:
+    """--help explains binding, auth, and that Flower forgets on restart."""
+    result = run_outbox("flower", "--help", env=clean_environment())
+    assert result.code == 0
+    assert "127.0.0.1" in result.stdout
+    assert "forgets" in result.stdout
