@@ -15,6 +15,7 @@ from outbox.cli.chaos import chaos_command
 from outbox.cli.demo import demo_command
 from outbox.cli.enqueue import enqueue_command
 from outbox.cli.flower import flower_command
+from outbox.cli.metrics import metrics_command
 from outbox.cli.output import environment_help, fail
 from outbox.cli.services import beat_command, relay_command, worker_command
 from outbox.errors import OutboxError
@@ -42,6 +43,7 @@ app.command("worker")(worker_command)
 app.command("beat")(beat_command)
 app.command("chaos")(chaos_command)
 app.command("flower")(flower_command)
+app.command("metrics")(metrics_command)
 
 
 def main() -> None:

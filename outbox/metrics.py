@@ -1,0 +1,514 @@
+"""Prometheus metrics read from the outbox's own tables, on each scrape (docs/metrics.md).
+
+:class:`OutboxCollector` is a custom prometheus_client collector, registered on its own
+:class:`~prometheus_client.CollectorRegistry` (never the process-wide one, so importing this
+module exports nothing by itself). Each scrape runs one short read-only transaction with a
+``statement_timeout``; every age is computed from the database's clock, never the host's.
+
+Two kinds of numbers:
+
+* **Gauges read from the tables** on every scrape: operations by state and tool, the oldest
+  wait per live state, webhook deliveries by status. They are right whenever the exporter
+  started, and several exporters agree.
+* **Counters folded from** ``outbox.events``: transitions, escalations, and the dispatch latency
+  histogram. The collector keeps a cursor on ``events.id`` and each scrape folds only the events
+  committed since the last one (at most ``event_batch`` of them, so a scrape stays short after
+  a burst; the rest wait for the next scrape). The cursor starts at the newest event when the
+  exporter starts, so the counters count *since the exporter started*; Prometheus' ``rate()``
+  and ``increase()`` handle the reset a restart causes.
+
+Identity values are handed out when a row is inserted, not when it commits: a transaction
+holding event 10 may commit after event 11 was folded. An id the cursor passed without seeing
+is remembered as a *gap* and looked up again on later scrapes until it appears or
+``gap_grace_s`` passes (an id can stay missing for good: a rolled-back transaction leaves
+one). So a slow transaction's events are counted late, not lost.
+
+If the database cannot be reached the scrape still answers, with ``outbox_database_up 0``
+and the counters folded so far; the exporter never dies of a database error.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import DBAPIError
+
+from outbox.states import ALLOWED, State
+from outbox.webhooks import DeliveryStatus
+
+log = logging.getLogger(__name__)
+
+#: The port ``outbox metrics`` listens on by default (the OpenTelemetry Prometheus exporter's).
+DEFAULT_PORT = 9464
+DEFAULT_HOST = "127.0.0.1"
+
+#: Upper bounds (seconds) of the dispatch latency buckets: a fast remote call up to a
+#: dispatcher held past OUTBOX_SENT_MAX_AGE (an hour by default).
+DISPATCH_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+    1800.0, 3600.0,
+)  # fmt: skip
+
+#: Label value of ``from_state`` for the event recording an enqueue (it has no previous state).
+NO_STATE = "none"
+
+#: The live states whose oldest wait is exported: how long the oldest operation in that state
+#: has waited for whoever moves it on, measured from the column that says since when.
+#:
+#: * ``planned``: ``available_at``, due since (a row backing off is not waiting yet); waits
+#:   for the relay to publish it and a dispatcher to take it. Partial index: one probe.
+#: * ``sent``: ``sent_at``; waits for its dispatcher's outcome (or the sweep, past
+#:   OUTBOX_SENT_TIMEOUT). Partial index: one probe.
+#: * ``unknown``: ``updated_at``, in the state since (a check leaves it alone); waits for the
+#:   reconciler. Read through the partial index on ``next_check_at``: every unknown row.
+#: * ``needs_human``: ``updated_at``, in the queue since; waits for a person. Partial index.
+OLDEST_STATES = (State.PLANNED, State.SENT, State.UNKNOWN, State.NEEDS_HUMAN)
+
+_OPERATIONS = text("SELECT state, tool, count(*) AS n FROM outbox.operations GROUP BY state, tool")
+
+_OLDEST = text(
+    """
+    SELECT clock_timestamp() AS now,
+           (SELECT min(available_at) FROM outbox.operations WHERE state = 'planned') AS planned,
+           (SELECT min(sent_at) FROM outbox.operations WHERE state = 'sent') AS sent,
+           (SELECT min(updated_at) FROM outbox.operations WHERE state = 'unknown') AS unknown,
+           (SELECT min(next_check_at) FROM outbox.operations WHERE state = 'unknown')
+             AS check_due,
+           (SELECT min(updated_at) FROM outbox.operations WHERE state = 'needs_human')
+             AS needs_human
+    """
+)
+
+_WEBHOOKS = text(
+    "SELECT status, count(*) AS n, count(*) FILTER (WHERE attempts > 0) AS tried "
+    "FROM outbox.webhook_deliveries GROUP BY status"
+)
+
+_NEWEST_EVENT = text("SELECT coalesce(max(id), 0) FROM outbox.events")
+
+# The new events after the cursor (a bounded batch) and any remembered gaps that have since
+# committed. For a move out of `sent`, the latency since the same attempt's move into `sent`:
+# the newest such event of that operation, found through ix_events_operation_id_id.
+_NEW_EVENTS = text(
+    """
+    WITH batch AS (
+        (SELECT id, operation_id, from_state, to_state, attempt, actor, at
+         FROM outbox.events WHERE id > :cursor ORDER BY id LIMIT :batch)
+        UNION ALL
+        (SELECT id, operation_id, from_state, to_state, attempt, actor, at
+         FROM outbox.events WHERE id = ANY(CAST(:gaps AS bigint[])))
+    )
+    SELECT b.id, b.from_state, b.to_state, b.actor,
+           extract(epoch FROM b.at - sent.at) AS dispatch_s
+    FROM batch b
+    LEFT JOIN LATERAL (
+        SELECT s.at FROM outbox.events s
+        WHERE b.from_state = 'sent' AND b.to_state <> 'sent'
+          AND s.operation_id = b.operation_id AND s.id < b.id
+          AND s.to_state = 'sent' AND s.from_state IS DISTINCT FROM 'sent'
+          AND s.attempt = b.attempt
+        ORDER BY s.id DESC
+        LIMIT 1
+    ) sent ON true
+    ORDER BY b.id
+    """
+)
+
+
+@dataclass
+class _Histogram:
+    """One label set of a histogram: per-bucket (not cumulative) counts and the sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(DISPATCH_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(DISPATCH_BUCKETS, value)] += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        bounds = [*(repr(bound) for bound in DISPATCH_BUCKETS), "+Inf"]
+        cumulative, running = [], 0
+        for bound, count in zip(bounds, self.counts, strict=True):
+            running += count
+            cumulative.append((bound, float(running)))
+        return cumulative
+
+
+@dataclass
+class _Snapshot:
+    """What one scrape read from the tables (``None``: that part could not be read)."""
+
+    operations: list[tuple[str, str, int]] | None = None
+    oldest: dict[State, float] | None = None
+    check_overdue: float | None = None
+    webhooks: dict[str, tuple[int, int]] | None = None
+    events_behind: int | None = None
+
+
+class OutboxCollector:
+    """Reads the outbox's metrics from the database on each ``collect()`` (one scrape).
+
+    Thread-safe: prometheus_client's HTTP server answers each request in its own thread, so
+    scrapes are serialised by a lock (a scrape is a few index probes and one table scan).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        event_batch: int = 50_000,
+        statement_timeout_s: float = 5.0,
+        gap_grace_s: float = 600.0,
+        max_gaps: int = 10_000,
+    ) -> None:
+        if event_batch < 1 or max_gaps < 0 or statement_timeout_s <= 0 or gap_grace_s < 0:
+            raise ValueError("event_batch must be >= 1, the timeout > 0, the gap limits >= 0")
+        self.engine = engine
+        self.event_batch = event_batch
+        self.statement_timeout_s = statement_timeout_s
+        self.gap_grace_s = gap_grace_s
+        self.max_gaps = max_gaps
+        self._lock = threading.Lock()
+        #: The highest event id folded; ``None`` until the database first answered.
+        self._cursor: int | None = None
+        #: Event ids the cursor passed without seeing, with when they were first missed
+        #: (``time.monotonic()``); insertion order is age order.
+        self._gaps: dict[int, float] = {}
+        self._transitions: Counter[tuple[str, str, str]] = Counter(
+            {(NO_STATE, State.PLANNED.value, "agent"): 0}
+            | {
+                (from_state.value, to_state.value, actor.value): 0
+                for (from_state, to_state), actors in ALLOWED.items()
+                for actor in actors
+            }
+        )
+        self._escalations = 0
+        self._dispatch: dict[tuple[str, str], _Histogram] = {
+            (to_state.value, actor.value): _Histogram()
+            for (from_state, to_state), actors in ALLOWED.items()
+            if from_state is State.SENT
+            for actor in actors
+        }
+
+    # --- the incremental part -----------------------------------------------------------
+
+    def baseline(self) -> bool:
+        """Start counting from the newest committed event, if not started yet.
+
+        Called when the exporter starts; if the database does not answer then, the first
+        scrape that reaches it starts the count instead. Returns whether a cursor is set.
+        """
+        with self._lock:
+            if self._cursor is None:
+                try:
+                    with self.engine.connect() as conn:
+                        self._cursor = int(conn.execute(_NEWEST_EVENT).scalar_one())
+                except Exception as exc:  # noqa: BLE001 -- the exporter outlives any outage
+                    log.warning(
+                        "cannot read the newest event yet: %s",
+                        _first_line(exc),
+                        extra={"action": "metrics_baseline_failed"},
+                    )
+            return self._cursor is not None
+
+    def _fold_new_events(self, conn: Connection) -> int:
+        """Fold the events committed since the last scrape; how many are left for later."""
+        if self._cursor is None:
+            self._cursor = int(conn.execute(_NEWEST_EVENT).scalar_one())
+            return 0
+        cursor = self._cursor
+        rows = conn.execute(
+            _NEW_EVENTS,
+            {"cursor": cursor, "batch": self.event_batch, "gaps": list(self._gaps)},
+        ).all()
+        now = time.monotonic()
+        expected = cursor + 1
+        for row in rows:
+            if row.id <= cursor:
+                self._gaps.pop(row.id, None)
+            else:
+                if row.id > expected:
+                    self._remember_gaps(expected, row.id, now)
+                expected = row.id + 1
+            self._count(row)
+        self._cursor = expected - 1
+        while self._gaps and now - next(iter(self._gaps.values())) > self.gap_grace_s:
+            del self._gaps[next(iter(self._gaps))]
+        newest = int(conn.execute(_NEWEST_EVENT).scalar_one())
+        if newest < self._cursor:
+            # The newest events are gone (the table was emptied or restored from a backup):
+            # count from what is there now, or nothing would be counted until ids caught up.
+            log.warning(
+                "outbox.events ends at id %d, before the exporter's cursor %d: counting from it",
+                newest,
+                self._cursor,
+                extra={"action": "metrics_cursor_reset"},
+            )
+            self._cursor = newest
+            self._gaps.clear()
+        return newest - self._cursor
+
+    def _remember_gaps(self, start: int, stop: int, now: float) -> None:
+        for missing in range(max(start, stop - self.max_gaps), stop):
+            self._gaps[missing] = now
+        while len(self._gaps) > self.max_gaps:
+            del self._gaps[next(iter(self._gaps))]
+
+    def _count(self, row: Any) -> None:
+        if row.from_state == row.to_state:
+            return  # a note that changed no state (a late outcome, evidence that lost a race)
+        from_state = row.from_state if row.from_state is not None else NO_STATE
+        self._transitions[(from_state, row.to_state, row.actor)] += 1
+        if row.to_state == State.NEEDS_HUMAN.value:
+            self._escalations += 1
+        if row.dispatch_s is not None:
+            histogram = self._dispatch.setdefault((row.to_state, row.actor), _Histogram())
+            histogram.observe(max(0.0, float(row.dispatch_s)))
+
+    # --- one scrape -----------------------------------------------------------------------
+
+    def _read(self, conn: Connection, snapshot: _Snapshot) -> None:
+        """Fill ``snapshot`` in one read-only transaction, the cheap reads first."""
+        with conn.begin():
+            conn.execute(text("SET TRANSACTION READ ONLY"))
+            # Short statements the planner would JIT-compile for longer than they run.
+            conn.execute(
+                text(
+                    "SELECT set_config('statement_timeout', :ms, true), "
+                    "set_config('jit', 'off', true)"
+                ),
+                {"ms": str(round(self.statement_timeout_s * 1000))},
+            )
+            snapshot.events_behind = self._fold_new_events(conn)
+            oldest = conn.execute(_OLDEST).mappings().one()
+            snapshot.oldest = {
+                state: _age(oldest["now"], oldest[state.value]) for state in OLDEST_STATES
+            }
+            snapshot.check_overdue = _age(oldest["now"], oldest["check_due"])
+            snapshot.webhooks = {
+                row.status: (int(row.n), int(row.tried)) for row in conn.execute(_WEBHOOKS)
+            }
+            # Last: the only read that scans a whole table, so its timeout loses nothing else.
+            snapshot.operations = [
+                (row.state, row.tool, int(row.n)) for row in conn.execute(_OPERATIONS)
+            ]
+
+    def _scrape(self) -> tuple[_Snapshot, bool]:
+        """Read everything it can; (what was read, whether the database was reachable)."""
+        snapshot = _Snapshot()
+        try:
+            conn = self.engine.connect()
+        except Exception as exc:  # noqa: BLE001 -- an unreachable database is a metric
+            _log_failure(exc)
+            return snapshot, False
+        with conn:
+            try:
+                self._read(conn, snapshot)
+            except DBAPIError as exc:
+                _log_failure(exc)
+                return snapshot, not exc.connection_invalidated
+            except Exception as exc:  # noqa: BLE001 -- a scrape answers whatever fails
+                _log_failure(exc)
+        return snapshot, True
+
+    def collect(self) -> Iterator[Metric]:
+        """One scrape: read the tables, fold new events, yield every family."""
+        with self._lock:
+            started = time.perf_counter()
+            snapshot, reachable = self._scrape()
+            elapsed = time.perf_counter() - started
+            complete = snapshot.operations is not None
+            families = _families()
+            families["database_up"].add_metric([], 1.0 if reachable else 0.0)
+            families["scrape_error"].add_metric([], 0.0 if complete else 1.0)
+            families["scrape_duration"].add_metric([], elapsed)
+            self._add_counters(families)
+            _add_snapshot(families, snapshot)
+        yield from families.values()
+
+    def describe(self) -> Iterable[Metric]:
+        """The families this collector yields, without samples (no database access)."""
+        return list(_families().values())
+
+    def _add_counters(self, families: dict[str, Any]) -> None:
+        for move, count in sorted(self._transitions.items()):
+            families["transitions"].add_metric(list(move), float(count))
+        families["escalations"].add_metric([], float(self._escalations))
+        for outcome in sorted(self._dispatch):
+            histogram = self._dispatch[outcome]
+            families["dispatch"].add_metric(list(outcome), histogram.buckets(), histogram.total)
+
+
+def _families() -> dict[str, Any]:
+    return {
+        "database_up": GaugeMetricFamily(
+            "outbox_database_up", "1 if this scrape reached the database, else 0."
+        ),
+        "scrape_error": GaugeMetricFamily(
+            "outbox_scrape_error",
+            "1 if this scrape could not read every table metric (see the exporter's log).",
+        ),
+        "scrape_duration": GaugeMetricFamily(
+            "outbox_scrape_duration_seconds", "How long this scrape's database reads took."
+        ),
+        "operations": GaugeMetricFamily(
+            "outbox_operations",
+            "Operations in the table, by state and tool (a GROUP BY over the whole table).",
+            labels=["state", "tool"],
+        ),
+        "oldest": GaugeMetricFamily(
+            "outbox_oldest_age_seconds",
+            "How long the oldest operation in a live state has waited in it (planned: "
+            "since it was due; sent: since sent_at; unknown, needs_human: since it entered "
+            "the state); 0 when there is none.",
+            labels=["state"],
+        ),
+        "check_overdue": GaugeMetricFamily(
+            "outbox_check_overdue_seconds",
+            "How late the most overdue reconciler check of an unknown operation is; 0 when "
+            "none is due.",
+        ),
+        "transitions": CounterMetricFamily(
+            "outbox_transitions",
+            "State changes recorded in outbox.events since the exporter started.",
+            labels=["from_state", "to_state", "actor"],
+        ),
+        "escalations": CounterMetricFamily(
+            "outbox_escalations",
+            "Moves into needs_human since the exporter started.",
+        ),
+        "dispatch": HistogramMetricFamily(
+            "outbox_dispatch_seconds",
+            "Time from an attempt's move into sent to the move out of it, by the state it "
+            "moved to and who moved it, for moves since the exporter started.",
+            labels=["to_state", "actor"],
+        ),
+        "webhooks": GaugeMetricFamily(
+            "outbox_webhook_deliveries",
+            "Escalation webhook deliveries in the table, by status.",
+            labels=["status"],
+        ),
+        "webhooks_retrying": GaugeMetricFamily(
+            "outbox_webhook_deliveries_retrying",
+            "Pending webhook deliveries that failed at least once and wait for a retry.",
+        ),
+        "events_behind": GaugeMetricFamily(
+            "outbox_exporter_events_behind",
+            "Events committed but not yet folded into the counters (a burst beyond one batch).",
+        ),
+    }
+
+
+def _add_snapshot(families: dict[str, Any], snapshot: _Snapshot) -> None:
+    if snapshot.events_behind is not None:
+        families["events_behind"].add_metric([], float(snapshot.events_behind))
+    if snapshot.operations is not None:
+        counts = {(state, tool): n for state, tool, n in snapshot.operations}
+        # Every state for every tool present, so a state that empties reads 0, not absent.
+        for tool in sorted({tool for _state, tool in counts}):
+            for state in State:
+                value = float(counts.get((state.value, tool), 0))
+                families["operations"].add_metric([state.value, tool], value)
+    if snapshot.oldest is not None:
+        for state, age in snapshot.oldest.items():
+            families["oldest"].add_metric([state.value], age)
+    if snapshot.check_overdue is not None:
+        families["check_overdue"].add_metric([], snapshot.check_overdue)
+    if snapshot.webhooks is not None:
+        for status in DeliveryStatus:
+            count, _tried = snapshot.webhooks.get(status.value, (0, 0))
+            families["webhooks"].add_metric([status.value], float(count))
+        retrying = snapshot.webhooks.get(DeliveryStatus.PENDING.value, (0, 0))[1]
+        families["webhooks_retrying"].add_metric([], float(retrying))
+
+
+def _age(now: datetime, since: datetime | None) -> float:
+    """Seconds from ``since`` to ``now`` (both the database's clock); 0 if none or ahead."""
+    if since is None:
+        return 0.0
+    return max(0.0, (now - since).total_seconds())
+
+
+def _first_line(exc: BaseException) -> str:
+    text_ = str(getattr(exc, "orig", None) or exc).strip()
+    return text_.splitlines()[0] if text_ else type(exc).__name__
+
+
+def _log_failure(exc: BaseException) -> None:
+    log.warning(
+        "metrics scrape failed: %s",
+        _first_line(exc),
+        extra={"action": "metrics_scrape_failed", "error": type(exc).__name__},
+    )
+
+
+# --- serving ------------------------------------------------------------------------------
+
+
+@dataclass
+class MetricsServer:
+    """A running metrics endpoint (prometheus_client's threaded WSGI server)."""
+
+    collector: OutboxCollector
+    registry: CollectorRegistry
+    server: WSGIServer
+    thread: threading.Thread
+
+    @property
+    def host(self) -> str:
+        """The address it listens on."""
+        return str(self.server.server_address[0])
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (the real one when asked for port 0)."""
+        return int(self.server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """Where Prometheus scrapes it."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def shutdown(self) -> None:
+        """Stop serving, close the socket and wait for the serving thread."""
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def serve_metrics(
+    engine: Engine,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    **collector_options: Any,
+) -> MetricsServer:
+    """Serve the outbox's metrics on ``http://host:port/metrics`` from a background thread.
+
+    Starts counting events now (or at the first scrape that reaches the database). Returns
+    the handle; call ``shutdown()`` to stop. Raises ``OSError`` if the port cannot be bound.
+    """
+    collector = OutboxCollector(engine, **collector_options)
+    collector.baseline()
+    registry = CollectorRegistry()
+    registry.register(collector)
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(collector=collector, registry=registry, server=server, thread=thread)
