@@ -18,6 +18,7 @@ from outbox.cli.flower import flower_command
 from outbox.cli.metrics import metrics_command
 from outbox.cli.output import environment_help, fail
 from outbox.cli.services import beat_command, relay_command, worker_command
+from outbox.cli.up import up_command
 from outbox.errors import OutboxError
 
 app = typer.Typer(
@@ -44,6 +45,7 @@ app.command("beat")(beat_command)
 app.command("chaos")(chaos_command)
 app.command("flower")(flower_command)
 app.command("metrics")(metrics_command)
+app.command("up")(up_command)
 
 
 def main() -> None:
