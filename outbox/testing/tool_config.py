@@ -7,14 +7,15 @@ from typing import Any
 TOOL = "deploy.create_release"
 
 
-def http_tool_toml(url: str, *, lookup: bool = True, **settings: Any) -> str:
-    """One ``[tools."deploy.create_release"]`` table on the reference service at ``url``.
+def http_tool_toml(url: str, name: str = TOOL, /, *, lookup: bool = True, **settings: Any) -> str:
+    """One ``[tools."<name>"]`` table (default ``deploy.create_release``) on the reference
+    service at ``url``.
 
     ``lookup`` adds the lookup-by-key endpoint; ``settings`` are further TOML keys
     (``timeout_s``, ``inflight_horizon_s``, ``dedup_window_s``, …).
     """
     lines = [
-        f'[tools."{TOOL}"]',
+        f'[tools."{name}"]',
         'kind = "http"',
         'method = "POST"',
         f'url = "{url}/projects/{{target}}/releases"',
