@@ -122,6 +122,12 @@ operations = Table(
         "updated_at",
         postgresql_where=text("state = 'needs_human'"),
     ),
+    # Retention (`outbox db prune`): terminal rows by age, so a prune reads only what it deletes.
+    Index(
+        "ix_operations_resolved_at",
+        "resolved_at",
+        postgresql_where=text("resolved_at IS NOT NULL"),
+    ),
 )
 
 events = Table(

@@ -558,3 +558,58 @@ def schedule_check(
 def unlock(executor: Executor, key: int) -> None:
     """Release one session-level advisory lock held by this connection."""
     executor.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+
+
+# --- retention ----------------------------------------------------------------------------
+
+_TERMINAL_VALUES = ", ".join(f"'{state.value}'" for state in sorted(TERMINAL_STATES))
+
+# Terminal rows resolved before the cutoff, judged by the database clock. `resolved_at < …`
+# implies the predicate of ix_operations_resolved_at, so the rows are read from that index,
+# oldest first. The state test restates `ck_operations_terminal_iff_resolved`: a live row
+# (planned, sent, unknown, needs_human) can never qualify. A row whose webhook is still
+# pending is kept until the deliverer delivers or abandons it, so no webhook is lost.
+_PRUNABLE = f"""
+    FROM outbox.operations o
+    WHERE o.resolved_at < now() - make_interval(secs => :older_than)
+      AND o.state IN ({_TERMINAL_VALUES})
+      AND NOT EXISTS (SELECT FROM outbox.webhook_deliveries d
+                      WHERE d.operation_id = o.id AND d.status = 'pending')
+"""
+
+_PRUNE_BATCH = text(
+    f"""
+    WITH doomed AS (
+        SELECT o.id {_PRUNABLE}
+        ORDER BY o.resolved_at
+        LIMIT :limit
+        FOR UPDATE OF o SKIP LOCKED
+    ),
+    deleted AS (
+        DELETE FROM outbox.operations AS gone USING doomed WHERE gone.id = doomed.id
+        RETURNING 1
+    )
+    SELECT count(*) FROM deleted
+    """  # noqa: S608 -- constant fragments
+)
+
+_COUNT_PRUNABLE = text(f"SELECT count(*) {_PRUNABLE}")
+
+
+def prune_terminal(executor: Executor, *, older_than_s: float, limit: int) -> int:
+    """Delete up to ``limit`` terminal operations resolved more than ``older_than_s`` ago,
+    oldest first; returns how many went.
+
+    Their events and webhook deliveries go with them (``ON DELETE CASCADE``). Rows locked by
+    another transaction are skipped (``SKIP LOCKED``), so two prunes never wait on each other.
+    One batch per call, in the caller's transaction (never commits): keep batches small so
+    each transaction, and the locks and WAL it holds, stays short.
+    """
+    row = executor.execute(_PRUNE_BATCH, {"older_than": older_than_s, "limit": limit})
+    return int(row.scalar_one())
+
+
+def count_prunable(executor: Executor, *, older_than_s: float) -> int:
+    """How many operations :func:`prune_terminal` would delete now, batches aside."""
+    row = executor.execute(_COUNT_PRUNABLE, {"older_than": older_than_s})
+    return int(row.scalar_one())

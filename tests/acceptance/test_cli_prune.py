@@ -1,0 +1,124 @@
+"""`outbox db prune`, run as a real subprocess against a real PostgreSQL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, text
+
+from outbox.states import State
+from tests.acceptance.conftest import CLI, clean_environment, run_outbox
+from tests.conftest import Databases
+from tests.factories import age, make_operation
+
+DAY = 86400
+
+
+def _assert_one_line_error(stderr: str, *fragments: str) -> None:
+    assert "Traceback" not in stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: ")
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def _rows(engine: Engine) -> tuple[int, int]:
+    """How many operations and events are committed."""
+    with engine.connect() as conn:
+        return (
+            int(conn.execute(text("SELECT count(*) FROM outbox.operations")).scalar_one()),
+            int(conn.execute(text("SELECT count(*) FROM outbox.events")).scalar_one()),
+        )
+
+
+@pytest.fixture
+def history(engine: Engine) -> dict[str, int]:
+    """Three finished operations resolved 40 days ago, one yesterday, and two waiting ones."""
+    for state in (State.CONFIRMED, State.FAILED, State.CANCELLED):
+        op = make_operation(engine, state)
+        age(engine, op.id, 40 * DAY, "resolved_at")
+    recent = make_operation(engine, State.CONFIRMED)
+    age(engine, recent.id, DAY, "resolved_at")
+    make_operation(engine, State.NEEDS_HUMAN)
+    make_operation(engine, State.PLANNED)
+    operations, events = _rows(engine)
+    return {"operations": operations, "events": events}
+
+
+@pytest.mark.parametrize("value", ["30", "30x", "0d", "1.5h"])
+def test_a_bad_duration_is_refused_naming_it(tmp_path: Path, value: str) -> None:
+    """Not a whole number with s/m/h/d, or zero: exit 1 with one line naming the value, before
+    any connection is attempted (the database here is unreachable)."""
+    env = clean_environment(
+        OUTBOX_DATABASE_URL="postgresql://nobody@127.0.0.1:9/none", OUTBOX_HOME=str(tmp_path)
+    )
+    refused = run_outbox("db", "prune", "--older-than", value, env=env)
+    assert refused.code == 1
+    assert refused.stdout == ""
+    _assert_one_line_error(refused.stderr, "--older-than", repr(value))
+
+
+def test_older_than_is_required(outbox_cli: CLI) -> None:
+    """Without --older-than there is nothing to decide: a usage error, exit 2."""
+    assert outbox_cli("db", "prune").code == 2
+
+
+def test_dry_run_counts_and_deletes_nothing(
+    outbox_cli: CLI, engine: Engine, history: dict[str, int]
+) -> None:
+    """`--dry-run` prints how many would go and leaves every row."""
+    result = outbox_cli("db", "prune", "--older-than", "30d", "--dry-run")
+    assert result.code == 0, result.stderr
+    assert "would prune 3 operations resolved more than 30d ago" in result.stdout
+    assert _rows(engine) == (history["operations"], history["events"])
+
+
+def test_prune_deletes_the_old_finished_operations_in_batches(
+    outbox_cli: CLI, engine: Engine, history: dict[str, int]
+) -> None:
+    """A real prune, one operation per batch: progress after each full batch, then the final
+    line, exit 0; the recent and the waiting operations stay. A second run finds nothing."""
+    result = outbox_cli(
+        "db", "prune", "--older-than", "30d", "--batch-size", "1", "--progress-every", "0"
+    )
+    assert result.code == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "pruned 1 operation so far",
+        "pruned 2 operations so far",
+        "pruned 3 operations so far",
+        "pruned 3 operations resolved more than 30d ago, with their events and webhook deliveries",
+    ]
+    operations, events = _rows(engine)
+    assert operations == history["operations"] - 3
+    assert 0 < events < history["events"]
+    with engine.connect() as conn:
+        states = set(conn.execute(text("SELECT state FROM outbox.operations")).scalars())
+    assert states == {"confirmed", "needs_human", "planned"}
+
+    again = outbox_cli("db", "prune", "--older-than", "30d")
+    assert again.code == 0, again.stderr
+    assert again.stdout.splitlines() == [
+        "pruned 0 operations resolved more than 30d ago, with their events and webhook deliveries"
+    ]
+
+
+def test_prune_on_an_unmigrated_database_says_to_upgrade(
+    databases: Databases, tmp_path: Path
+) -> None:
+    """A database not at the latest revision: one line with the fix, exit 1."""
+    env = clean_environment(OUTBOX_DATABASE_URL=databases.create(), OUTBOX_HOME=str(tmp_path))
+    result = run_outbox("db", "prune", "--older-than", "30d", env=env)
+    assert result.code == 1
+    _assert_one_line_error(result.stderr, "outbox db upgrade")
+
+
+def test_help_says_what_is_kept_and_suggests_cron(tmp_path: Path) -> None:
+    """`db prune --help` names what is never pruned, what goes along, and cron."""
+    env = clean_environment(OUTBOX_HOME=str(tmp_path))
+    result = run_outbox("db", "prune", "--help", env=env)
+    assert result.code == 0, result.stderr
+    text_ = " ".join(result.stdout.split())
+    for fragment in ("needs_human", "planned", "events", "webhook deliveries", "cron"):
+        assert fragment in text_, result.stdout
