@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from outbox.cli.output import fail
+from outbox.cli.output import errors, fail
+from outbox.config import get_settings
 
 #: ``user:password``, several separated by commas (Flower's own format).
 _CREDENTIALS = re.compile(r"^[^:,\s]+:[^,\s]+(,[^:,\s]+:[^,\s]+)*$")
@@ -42,8 +43,8 @@ def flower_command(
 
     Dispatch tasks show their operation id, tool and target as arguments. Flower keeps
     what it saw in memory and forgets it on restart: the outbox table is the truth (`outbox
-    ops list`, `outbox ops show ID`). Task events need RabbitMQ; on the database broker
-    Flower shows workers but not tasks.
+    ops list`, `outbox ops show ID`). Flower needs RabbitMQ: the database broker carries
+    no Celery events or broadcasts, so there it shows neither workers nor tasks.
 
     Basic auth is required unless `--no-auth` is given: set OUTBOX_FLOWER_BASIC_AUTH.
     """
@@ -59,6 +60,11 @@ def flower_command(
     # Deferred: the CLI sits above the workers layer and imports Celery only here.
     from outbox.cli.services import celery_app  # noqa: PLC0415
 
+    if get_settings().broker_url is None:
+        errors.print(
+            "warning: the database broker carries no Celery events: Flower will show no "
+            "workers or tasks (set OUTBOX_BROKER_URL to RabbitMQ)"
+        )
     app = celery_app()
     argv = ["flower", f"--address={address}", f"--port={port}"]
     if url_prefix:

@@ -89,3 +89,12 @@ def test_flower_help_says_where_the_truth_is() -> None:
     assert result.code == 0
     assert "127.0.0.1" in result.stdout
     assert "forgets" in result.stdout
+
+
+@pytest.mark.parametrize("broker", ["database"], indirect=True)
+def test_flower_warns_that_the_database_broker_shows_nothing(services: Services) -> None:
+    """On the database broker Flower starts, and says up front that it will show nothing."""
+    port = _free_port()
+    flower = services.start("flower", "flower", "--no-auth", "--port", str(port))
+    wait_until(lambda: _answers(f"http://127.0.0.1:{port}/"), timeout=30, what="Flower")
+    assert "database broker carries no Celery events" in flower.output()
