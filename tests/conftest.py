@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from outbox import embedded, migrate
 from outbox.db import create_engine
+from workers.app import BROKER_MESSAGE_TABLE
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -84,7 +85,8 @@ def _session_engine(database_url: str) -> Iterator[Engine]:
 
 @pytest.fixture
 def engine(_session_engine: Engine) -> Engine:
-    """An engine on the migrated test database, emptied before the test."""
+    """An engine on the migrated test database, emptied before the test (the database
+    broker's messages too: a stack an earlier test stopped may have left some)."""
     with _session_engine.begin() as conn:
         conn.execute(
             text(
@@ -92,6 +94,8 @@ def engine(_session_engine: Engine) -> Engine:
                 "outbox.webhook_deliveries"
             )
         )
+        if conn.execute(text("SELECT to_regclass(:t)"), {"t": BROKER_MESSAGE_TABLE}).scalar():
+            conn.execute(text(f"DELETE FROM {BROKER_MESSAGE_TABLE}"))
     return _session_engine
 
 
