@@ -553,6 +553,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not key:
             service.stats.add("rejected.missing_key")
             raise _HttpError(400, f"missing {service.idempotency_header} header")
+        service.note_arrival(key)
         with service.handling(key):
             return self._create_keyed(service, target, key, body)
 
@@ -738,6 +739,8 @@ class DeployService:
     ``fault_rates`` maps fault modes to probabilities; ``seed`` makes their draws reproducible;
     ``fault_delay_s`` is how long ``commit_then_timeout`` and ``slow`` wait. ``ledger_path``
     keeps the ledger in an SQLite file that a later service (or process) reopens.
+    ``record_arrivals`` keeps the wall-clock time (``time.time()``) at which the first create
+    request of each key arrived, for :meth:`arrivals` (benchmarks measure latency with it).
     """
 
     def __init__(
@@ -753,6 +756,7 @@ class DeployService:
         seed: int | None = None,
         fault_delay_s: float = DEFAULT_FAULT_DELAY_S,
         log_requests: bool = False,
+        record_arrivals: bool = False,
     ) -> None:
         if not 0 <= port <= 65535:
             raise DeployServiceError(f"port must be in 0..65535, got {port}")
@@ -769,6 +773,8 @@ class DeployService:
         self.ledger_path = ledger_path
         self.idempotency_header = idempotency_header
         self.log_requests = log_requests
+        self.record_arrivals = record_arrivals
+        self._arrivals: dict[str, float] = {}
         self.faults = Faults(fault_rates or {}, seed, fault_delay_s)
         self.stats = Stats()
         self.stopping = threading.Event()
@@ -865,10 +871,24 @@ class DeployService:
         """How many effects each idempotency key produced."""
         return self._store().counts_by_key()
 
+    def note_arrival(self, key: str) -> None:
+        """Remember when the first create request with ``key`` arrived (if recording)."""
+        if self.record_arrivals:
+            now = time.time()
+            with self._in_flight_lock:
+                self._arrivals.setdefault(key, now)
+
+    def arrivals(self) -> dict[str, float]:
+        """Key -> wall-clock time of its first create request (with ``record_arrivals``)."""
+        with self._in_flight_lock:
+            return dict(self._arrivals)
+
     def clear(self) -> None:
-        """Forget every effect and reset the stats (fault settings stay)."""
+        """Forget every effect, arrival and the stats (fault settings stay)."""
         self._store().clear()
         self.stats.clear()
+        with self._in_flight_lock:
+            self._arrivals.clear()
 
     def describe(self) -> str:
         """One line: where it listens and how it behaves."""

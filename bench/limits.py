@@ -1,0 +1,628 @@
+"""This machine's ceilings, measured side by side in one run: what the pipeline could at best do.
+
+PostgreSQL (the raw driver, psycopg, no SQLAlchemy; rows shaped like ``outbox.operations``):
+
+* ``INSERT+COMMIT``, one row per transaction, on 1 and on ``--connections`` connections.
+
+Our own statements, as our code issues them (SQLAlchemy, ``outbox.statements``):
+
+* ``enqueue()+COMMIT`` on ``--connections`` connections (the agent's side);
+* the ``sent`` compare-and-set: ``outbox.states.transition`` planned→sent with
+  ``synchronous_commit=on`` and its COMMIT, as the dispatcher makes it, on 1 and N connections;
+* the advisory lock round trip: ``statements.try_lock`` + ``statements.unlock`` (autocommit);
+* ``workers.locking.operation_lock`` entered and left, as ``dispatch()`` takes it (pool
+  checkout with pre-ping, lock, commit, rollback, unlock_all, commit);
+* ``workers.dispatch.dispatch()`` with a Python tool that does nothing: every statement a
+  worker makes for one operation, without the broker or an HTTP call, on N threads.
+
+RabbitMQ (a throw-away vhost; skipped when there is no RabbitMQ):
+
+* kombu publish of persistent messages without confirms, then with ``confirm_publish``
+  (each publish waits for its ack); and the relay's own publisher (``CeleryPublisher``:
+  Celery's ``send_task``, batches of 200 with the confirms collected per batch).
+
+The reference service (``DeployService`` in a process of its own, in-memory ledger, no
+faults, no dedup: its fast configuration), POSTs with distinct keys from ``--clients``
+keep-alive connections: through httpx (as the HTTP tool calls it), and through raw sockets
+(almost no client cost, so the service's own ceiling), with the service's CPU use.
+
+Usage: python bench/limits.py [--url postgresql://...] [--rounds 3] [--ops 2000] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+from uuid import UUID
+
+import httpx
+
+# The bench directory is not a package: `python bench/limits.py` puts it on sys.path.
+from common import (
+    Case,
+    Results,
+    ServiceProcess,
+    add_common_arguments,
+    print_table,
+    process_cpu_s,
+    rabbitmq_available,
+    run_rounds,
+    throwaway_database,
+    throwaway_vhost,
+    write_json,
+)
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+from outbox import api, statements
+from outbox.contracts import ContractTable
+from outbox.db import create_engine
+from outbox.locks import operation_lock_key
+from outbox.states import Actor, State, transition
+
+Rate = Mapping[str, tuple[float, str]]
+PER_S = "/s"
+
+_RAW_INSERT = (
+    "INSERT INTO bench_raw (id, intent_key, tool, target, payload, payload_hash, state, "
+    "attempts, checks, maybe_applied, metadata, created_at, updated_at, available_at) "
+    "VALUES (gen_random_uuid(), gen_random_uuid()::text, 'bench.tool', 't', '{\"v\": 1}', "
+    "repeat('a', 64), 'planned', 0, 0, false, '{}', clock_timestamp(), clock_timestamp(), "
+    "clock_timestamp())"
+)
+
+
+Setup = Callable[[contextlib.ExitStack], Callable[[int], None]]
+
+
+def _in_threads(threads: int, ops: int, setup: Setup) -> float:
+    """Run ``ops`` operations split over ``threads`` threads; operations per second.
+
+    ``setup(stack)`` runs in each thread before the clock starts and returns ``op(i)``,
+    called for this thread's share of ``i`` in ``range(ops)``; what it pushes on ``stack``
+    (closing its connection) runs after every thread finished.
+    """
+    barrier = threading.Barrier(threads + 1)
+    errors: list[BaseException] = []
+    stack = contextlib.ExitStack()
+
+    def body(t: int) -> None:
+        try:
+            op = setup(stack)
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+            raise
+        barrier.wait()
+        try:
+            for i in range(t, ops, threads):
+                op(i)
+        except BaseException as exc:
+            errors.append(exc)
+            raise
+
+    workers = [threading.Thread(target=body, args=(t,), daemon=True) for t in range(threads)]
+    with stack:
+        for worker in workers:
+            worker.start()
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait()
+        started = time.perf_counter()
+        for worker in workers:
+            worker.join()
+        elapsed = time.perf_counter() - started
+    if errors:
+        raise RuntimeError(f"a benchmark thread failed: {errors[0]!r}") from errors[0]
+    return ops / elapsed
+
+
+class Limits:
+    """The cases, sharing one throw-away database (and vhost, and service)."""
+
+    def __init__(self, engine: Engine, args: argparse.Namespace) -> None:
+        self.engine = engine
+        self.args = args
+        self.ops: int = args.ops
+        self.connections: int = args.connections
+        self._tag = 0
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "CREATE TABLE bench_raw "
+                    "(LIKE outbox.operations INCLUDING DEFAULTS INCLUDING INDEXES)"
+                )
+            )
+
+    # --- PostgreSQL -----------------------------------------------------------------------
+
+    def insert_commit(self, connections: int) -> float:
+        """Raw driver: one operations-shaped row per transaction."""
+
+        def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
+            raw = self.engine.raw_connection()
+            stack.callback(raw.close)
+            conn = raw.driver_connection
+            assert conn is not None  # noqa: S101
+
+            def op(_i: int) -> None:
+                conn.execute(_RAW_INSERT)
+                conn.commit()
+
+            return op
+
+        return _in_threads(connections, self.ops, setup)
+
+    def enqueue_commit(self, connections: int) -> float:
+        """``outbox.enqueue`` + COMMIT, one intent per transaction, a Session per thread."""
+        tag = self._next_tag()
+
+        def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
+            session = Session(self.engine)
+            stack.callback(session.close)
+
+            def op(i: int) -> None:
+                with session.begin():
+                    api.enqueue(
+                        session,
+                        tool="bench.tool",
+                        target="web",
+                        payload={"version": f"1.0.{i}"},
+                        intent_key=f"enqueue-{tag}-{i}",
+                    )
+
+            return op
+
+        return _in_threads(connections, self.ops, setup)
+
+    def _planned_rows(self, tool: str) -> list[UUID]:
+        """``ops`` fresh `planned` rows (not timed)."""
+        tag = self._next_tag()
+        with self.engine.begin() as conn:
+            rows = conn.execute(
+                text(
+                    "INSERT INTO outbox.operations (intent_key, tool, target, payload, "
+                    "payload_hash) SELECT :tag || '-' || g, :tool, 'web', "
+                    "jsonb_build_object('version', g), repeat('a', 64) "
+                    "FROM generate_series(1, :n) g RETURNING id"
+                ),
+                {"tag": f"rows-{tag}", "tool": tool, "n": self.ops},
+            )
+            return [row.id for row in rows]
+
+    def sent_cas(self, connections: int) -> float:
+        """The dispatcher's `planned -> sent` compare-and-set, durably committed."""
+        ids = self._planned_rows("bench.tool")
+
+        def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
+            conn = self.engine.connect()
+            stack.callback(conn.close)
+
+            def op(i: int) -> None:
+                with conn.begin():
+                    statements.require_synchronous_commit(conn)
+                    transition(
+                        conn,
+                        ids[i],
+                        from_state=State.PLANNED,
+                        to_state=State.SENT,
+                        actor=Actor.DISPATCHER,
+                        reason="dispatching attempt 1",
+                        attempt=0,
+                    )
+
+            return op
+
+        return _in_threads(connections, self.ops, setup)
+
+    def lock_round_trip(self) -> float:
+        """``try_lock`` + ``unlock`` of a fresh key, autocommit: two round trips."""
+        keys = [operation_lock_key(uuid.uuid4()) for _ in range(self.ops)]
+
+        def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
+            conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            stack.callback(conn.close)
+
+            def op(i: int) -> None:
+                if not statements.try_lock(conn, keys[i]):
+                    raise RuntimeError("an advisory lock nobody holds was busy")
+                statements.unlock(conn, keys[i])
+
+            return op
+
+        return _in_threads(1, self.ops, setup)
+
+    def operation_lock(self) -> float:
+        """``workers.locking.operation_lock`` entered and left, as dispatch() does it."""
+        from workers.locking import operation_lock  # noqa: PLC0415 -- the workers layer
+
+        ids = [uuid.uuid4() for _ in range(self.ops)]
+
+        def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
+            def op(i: int) -> None:
+                with operation_lock(self.engine, ids[i]) as conn:
+                    if conn is None:
+                        raise RuntimeError("an operation lock nobody holds was busy")
+
+            return op
+
+        return _in_threads(1, self.ops, setup)
+
+    def dispatch_noop(self, threads: int) -> float:
+        """``dispatch()`` with a tool that returns Applied at once: the worker's DB path."""
+        from workers.dispatch import Outcome, dispatch  # noqa: PLC0415
+        from workers.tools.python import tool  # noqa: PLC0415
+        from workers.tools.registry import ToolRegistry  # noqa: PLC0415
+        from workers.tools.results import Applied, DispatchResult  # noqa: PLC0415
+
+        registry = ToolRegistry(contracts=ContractTable())
+
+        @tool("bench.noop", registry=registry)
+        def noop(call: Any) -> DispatchResult:
+            return Applied(remote_ref=f"ref-{call.operation_id}")
+
+        ids = self._planned_rows("bench.noop")
+        with self.engine.begin() as conn:  # the hash dispatch() checks before sending
+            conn.execute(
+                text(
+                    "UPDATE outbox.operations SET payload = '{\"v\": 1}', payload_hash = :h "
+                    "WHERE tool = 'bench.noop' AND state = 'planned'"
+                ),
+                {"h": _payload_hash({"v": 1})},
+            )
+
+        def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
+            def op(i: int) -> None:
+                report = dispatch(ids[i], engine=self.engine, registry=registry)
+                if report.outcome is not Outcome.CONFIRMED:
+                    raise RuntimeError(f"dispatch() ended {report.outcome}: {report.detail}")
+
+            return op
+
+        return _in_threads(threads, self.ops, setup)
+
+    def _next_tag(self) -> int:
+        self._tag += 1
+        return self._tag
+
+
+def _payload_hash(payload: Any) -> str:
+    from outbox.canonical import canonical_json, payload_hash  # noqa: PLC0415
+
+    return payload_hash(canonical_json(payload))
+
+
+# --- RabbitMQ -----------------------------------------------------------------------------
+
+_BODY = [
+    [],
+    {
+        "operation_id": "0190f1a2-0000-7000-8000-000000000000",
+        "tool": "deploy.create_release",
+        "target": "web",
+    },
+    {"callbacks": None, "errbacks": None, "chain": None, "chord": None},
+]
+
+
+def kombu_publish(url: str, messages: int, *, confirm: bool) -> float:
+    """Persistent messages to a durable queue, one after the other; messages per second.
+
+    Without confirms the clock stops after a synchronous round trip on the same channel
+    (a passive queue declare), so every message has reached the broker.
+    """
+    from kombu import Connection, Exchange, Producer, Queue  # noqa: PLC0415
+
+    exchange = Exchange("bench", type="direct", durable=True)
+    queue = Queue("bench", exchange, routing_key="bench", durable=True)
+    options = {"confirm_publish": True} if confirm else {}
+    with Connection(url, transport_options=options) as connection:
+        channel = connection.channel()
+        bound = queue(channel)
+        bound.declare()
+        producer = Producer(channel, exchange, routing_key="bench", serializer="json")
+        producer.publish(_BODY, delivery_mode=2)  # the first publish opens what it needs
+        started = time.perf_counter()
+        for _ in range(messages):
+            producer.publish(_BODY, delivery_mode=2)
+        bound.queue_declare(passive=True)
+        elapsed = time.perf_counter() - started
+        bound.purge()
+    return messages / elapsed
+
+
+def relay_publisher(url: str, messages: int, batch: int = 200) -> float:
+    """The relay's publisher (Celery ``send_task``, confirms in flight per batch)."""
+    from celery import Celery  # noqa: PLC0415
+
+    from outbox.config import load_settings  # noqa: PLC0415
+    from outbox.relay import OutboundMessage  # noqa: PLC0415
+    from workers.app import celery_settings  # noqa: PLC0415
+    from workers.publish import CeleryPublisher  # noqa: PLC0415
+
+    app = Celery("bench-relay")
+    app.conf.update(celery_settings(load_settings(broker_url=url)))
+    publisher = CeleryPublisher(app)
+    try:
+        out = [
+            OutboundMessage(uuid.uuid4(), "deploy.create_release", "web")
+            for _ in range(messages + 1)
+        ]
+        publisher.publish(out[:1])  # connect, declare, confirm mode
+        started = time.perf_counter()
+        for i in range(1, len(out), batch):
+            chunk = out[i : i + batch]
+            confirmed = publisher.publish(chunk)
+            if len(confirmed) != len(chunk):
+                raise RuntimeError(f"{len(chunk) - len(confirmed)} messages not confirmed")
+        elapsed = time.perf_counter() - started
+    finally:
+        publisher.close()
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        for name in ("dispatch", "celeryev"):
+            with contextlib.suppress(Exception):
+                channel.queue_purge(name)
+    return messages / elapsed
+
+
+# --- the reference service ----------------------------------------------------------------
+
+_PATH = "/projects/web/releases"
+_JSON = b'{"version": "1.0.0"}'
+
+
+def _httpx_client(url: str, stack: contextlib.ExitStack) -> Callable[[int], None]:
+    client = stack.enter_context(httpx.Client(base_url=url, timeout=30))
+
+    def op(_i: int) -> None:
+        response = client.post(_PATH, content=_JSON, headers={"Idempotency-Key": uuid.uuid4().hex})
+        if response.status_code != 201:
+            raise RuntimeError(f"the service answered {response.status_code}")
+
+    op(0)  # open the keep-alive connection before the clock starts
+    return op
+
+
+class _RawClient:
+    """HTTP/1.1 over one keep-alive socket, the request prebuilt: next to no client cost."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.head = (
+            f"POST {_PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(_JSON)}\r\nIdempotency-Key: "
+        ).encode()
+        self.buffer = b""
+
+    def post(self, _i: int) -> None:
+        self.sock.sendall(self.head + uuid.uuid4().hex.encode() + b"\r\n\r\n" + _JSON)
+        while b"\r\n\r\n" not in self.buffer:
+            self._read()
+        head, _, rest = self.buffer.partition(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 201"):
+            raise RuntimeError(f"the service answered {head[:40]!r}")
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        while len(rest) < length:
+            rest += self._recv()
+        self.buffer = rest[length:]
+
+    def _read(self) -> None:
+        self.buffer += self._recv()
+
+    def _recv(self) -> bytes:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise RuntimeError("the service closed the connection")
+        return chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def service_ceiling(service: ServiceProcess, clients: int, requests: int, *, raw: bool) -> Rate:
+    """POSTs with distinct keys from ``clients`` keep-alive connections; requests/s and the
+    service's CPU use (% of one core) meanwhile."""
+
+    def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
+        if not raw:
+            return _httpx_client(service.url, stack)
+        client = _RawClient(service.url)
+        stack.callback(client.close)
+        client.post(0)
+        return client.post
+
+    service.clear()
+    cpu_before, wall_before = process_cpu_s(service.pid), time.perf_counter()
+    rate = _in_threads(clients, requests, setup)
+    wall = time.perf_counter() - wall_before
+    cpu = process_cpu_s(service.pid) - cpu_before
+    kind = "raw sockets" if raw else "httpx"
+    service.clear()
+    return {
+        f"service ceiling, {kind}, {clients} connections": (rate, PER_S),
+        f"service CPU meanwhile ({kind})": (100 * cpu / wall, "% core"),
+        # Includes what setup cost it (a request per connection): a slight overestimate.
+        f"service CPU per request ({kind})": (1e6 * cpu / (requests + clients), "us"),
+    }
+
+
+# --- the run ------------------------------------------------------------------------------
+
+
+def _cases(
+    limits: Limits, broker_url: str | None, service: ServiceProcess, args: argparse.Namespace
+) -> list[Case]:
+    n = args.connections
+
+    def one(name: str, measure: Callable[[], float]) -> Callable[[], Rate]:
+        return lambda: {name: (measure(), PER_S)}
+
+    pg, ours, rabbit, http = "PostgreSQL (psycopg)", "our statements", "RabbitMQ", "service"
+    cases = [
+        Case("insert 1", one("INSERT+COMMIT, 1 connection", lambda: limits.insert_commit(1)), pg),
+        Case(
+            "insert n",
+            one(f"INSERT+COMMIT, {n} connections", lambda: limits.insert_commit(n)),
+            pg,
+        ),
+        Case(
+            "enqueue n",
+            one(f"enqueue()+COMMIT, {n} connections", lambda: limits.enqueue_commit(n)),
+            ours,
+        ),
+        Case("cas 1", one("sent CAS+COMMIT, 1 connection", lambda: limits.sent_cas(1)), ours),
+        Case("cas n", one(f"sent CAS+COMMIT, {n} connections", lambda: limits.sent_cas(n)), ours),
+        Case("lock", one("try_lock+unlock, 1 connection", limits.lock_round_trip), ours),
+        Case("oplock", one("operation_lock() in+out, 1 thread", limits.operation_lock), ours),
+        Case(
+            "dispatch",
+            one(f"dispatch(), no-op tool, {n} threads", lambda: limits.dispatch_noop(n)),
+            ours,
+        ),
+    ]
+    if broker_url is not None:
+        messages = args.messages
+        cases += [
+            Case(
+                "publish",
+                one(
+                    "kombu publish, no confirms",
+                    lambda: kombu_publish(broker_url, messages, confirm=False),
+                ),
+                rabbit,
+            ),
+            Case(
+                "publish confirm",
+                one(
+                    "kombu publish, confirm each",
+                    lambda: kombu_publish(broker_url, messages, confirm=True),
+                ),
+                rabbit,
+            ),
+            Case(
+                "relay publisher",
+                one(
+                    "relay publisher, batches of 200, confirms in flight",
+                    lambda: relay_publisher(broker_url, messages),
+                ),
+                rabbit,
+            ),
+        ]
+    requests, clients = args.requests, args.clients
+    cases += [
+        Case(
+            "service httpx",
+            lambda: service_ceiling(service, clients, requests, raw=False),
+            http,
+        ),
+        Case("service raw", lambda: service_ceiling(service, clients, requests, raw=True), http),
+    ]
+    return cases
+
+
+def _ratios(results: Results, n: int, clients: int) -> None:
+    results.ratio(
+        f"INSERT+COMMIT: {n} connections / 1",
+        f"INSERT+COMMIT, {n} connections",
+        "INSERT+COMMIT, 1 connection",
+    )
+    results.ratio(
+        f"enqueue() / raw INSERT ({n} connections)",
+        f"enqueue()+COMMIT, {n} connections",
+        f"INSERT+COMMIT, {n} connections",
+    )
+    results.ratio(
+        "sent CAS / raw INSERT (1 connection)",
+        "sent CAS+COMMIT, 1 connection",
+        "INSERT+COMMIT, 1 connection",
+    )
+    results.ratio(
+        f"sent CAS / raw INSERT ({n} connections)",
+        f"sent CAS+COMMIT, {n} connections",
+        f"INSERT+COMMIT, {n} connections",
+    )
+    results.ratio(
+        f"dispatch() / sent CAS ({n})",
+        f"dispatch(), no-op tool, {n} threads",
+        f"sent CAS+COMMIT, {n} connections",
+    )
+    results.ratio(
+        "publish: confirm each / no confirms",
+        "kombu publish, confirm each",
+        "kombu publish, no confirms",
+    )
+    results.ratio(
+        "publish: relay publisher / kombu no confirms",
+        "relay publisher, batches of 200, confirms in flight",
+        "kombu publish, no confirms",
+    )
+    results.ratio(
+        "service: httpx / raw sockets",
+        f"service ceiling, httpx, {clients} connections",
+        f"service ceiling, raw sockets, {clients} connections",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser)
+    parser.add_argument("--ops", type=int, default=2000, help="operations per database case")
+    parser.add_argument("--connections", type=int, default=8, help="the 'N connections' cases")
+    parser.add_argument("--messages", type=int, default=5000, help="messages per AMQP case")
+    parser.add_argument("--requests", type=int, default=5000, help="requests per service case")
+    parser.add_argument("--clients", type=int, default=16, help="service connections")
+    parser.add_argument("--broker-url", help="an AMQP URL to use as it is (no vhost is made)")
+    args = parser.parse_args(argv)
+    logging.getLogger("amqp").setLevel(logging.ERROR)  # acks arriving while a channel closes
+    if args.smoke:
+        args.rounds, args.ops, args.messages, args.requests = 1, 100, 200, 300
+    use_rabbitmq = bool(args.broker_url) or rabbitmq_available()
+    results = Results(
+        f"limits: {args.rounds} rounds, {args.ops} database operations, {args.messages} "
+        f"messages, {args.requests} requests per case"
+    )
+    with contextlib.ExitStack() as stack:
+        db_url = stack.enter_context(throwaway_database(args.url))
+        engine = create_engine(db_url, pool_size=args.connections + 4, max_overflow=8)
+        stack.callback(engine.dispose)
+        limits = Limits(engine, args)
+        broker_url = stack.enter_context(_maybe_vhost(use_rabbitmq, args.broker_url))
+        service = stack.enter_context(ServiceProcess(port=0))
+        run_rounds(args.rounds, _cases(limits, broker_url, service, args), results)
+    _ratios(results, args.connections, args.clients)
+    if not use_rabbitmq:
+        results.note("RabbitMQ rows skipped: no RabbitMQ on 127.0.0.1:5672 (or no rabbitmqctl)")
+    results.note(
+        "Medians over rounds; ratios are computed within each round, then their median. "
+        "Every client and server shares this machine's cores."
+    )
+    print_table(results)
+    write_json(args.json, [results], vars(args))
+    return 0
+
+
+@contextlib.contextmanager
+def _maybe_vhost(use: bool, configured: str | None) -> Iterator[str | None]:
+    if not use:
+        yield None
+        return
+    with throwaway_vhost(configured) as url:
+        yield url
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,478 @@
+"""Our system end to end: agents enqueue, the relay publishes, workers call the remote.
+
+Per configuration (broker x mode) and per round, on a throw-away database (and RabbitMQ
+vhost), with the reference service in a process of its own (in-memory ledger, no faults, no
+dedup: its fast configuration) recording when each key's first request arrived:
+
+1. starts ``outbox relay`` and ``--workers`` x ``outbox worker -P threads -c C`` as real
+   processes (as ``outbox up`` runs them; no beat: nothing in the happy path needs a sweep),
+   and warms them up with one intent per worker thread, confirmed before the clock starts;
+2. ``--agents`` threads, each with its own connection, enqueue ``--intents`` intents, one per
+   transaction: ``flat`` as fast as they can, ``steady`` at ``--rate`` intents/s in total;
+   each agent notes ``time.time()`` right after its COMMIT returned;
+3. waits until every operation is ``confirmed``, then measures:
+
+   * throughput: intents / (last ``confirmed`` - first commit), ops/s;
+   * enqueue rate: intents / (last commit - first commit), what the agents offered;
+   * commit -> arrival: from the agent's commit to the request reaching the service;
+   * commit -> confirmed: to the ``at`` of the ``confirmed`` event in ``outbox.events``
+     (``clock_timestamp()`` of the outcome statement, just before its COMMIT);
+   * CPU used meanwhile by each component, in % of one core (Linux ``/proc``).
+
+All three clocks (this process, the service's process, PostgreSQL's ``clock_timestamp()``)
+are the same host's wall clock, so the differences are meaningful; use a local ``--url``.
+
+Every round checks that every operation reached ``confirmed`` and that no key has two effects
+at the service; otherwise the script prints the problems and exits 1 (after the table).
+
+Usage: python bench/pipeline.py [--url postgresql://...] [--broker rabbitmq|database|both]
+       [--mode flat|steady|both] [--rate 100] [--intents 2000] [--rounds 3]
+       [--workers 2] [--concurrency 8] [--agents 8] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlalchemy
+
+# The bench directory is not a package: `python bench/pipeline.py` puts it on sys.path.
+from common import (
+    Case,
+    CpuMeter,
+    Results,
+    ServiceProcess,
+    add_common_arguments,
+    percentile,
+    pids_named,
+    print_table,
+    rabbitmq_available,
+    run_rounds,
+    say,
+    throwaway_database,
+    throwaway_vhost,
+    write_json,
+)
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+from outbox import api
+from outbox.db import normalize_url
+from outbox.testing.stack import Services
+from outbox.testing.tool_config import TOOL, http_tool_toml
+
+BROKERS = ("rabbitmq", "database")
+MODES = ("flat", "steady")
+DECIDED = ("confirmed", "failed", "needs_human", "cancelled")
+#: A round fails if no operation is decided for this long.
+STALL_S = 60.0
+PER_S, MS, CORE = "ops/s", "ms", "% core"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration: a broker and a load shape."""
+
+    broker: str
+    mode: str
+    rate: float
+
+    @property
+    def name(self) -> str:
+        """``rabbitmq, flat`` or ``database, steady 100/s``."""
+        load = "flat" if self.mode == "flat" else f"steady {self.rate:g}/s"
+        return f"{self.broker}, {load}"
+
+
+class Agents:
+    """``agents`` threads enqueueing ``intents`` intents, one per transaction.
+
+    ``rate`` None: flat out; else intent ``i`` is due ``i / rate`` seconds after the start
+    (an agent that falls behind goes on at once). Returns {operation id: commit wall time}.
+    """
+
+    def __init__(self, engine: Engine, agents: int, rate: float | None) -> None:
+        self.engine = engine
+        self.agents = agents
+        self.rate = rate
+
+    def run(self, prefix: str, intents: int) -> dict[str, float]:
+        commits: dict[str, float] = {}
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(self.agents)
+        lock = threading.Lock()
+
+        def agent(k: int) -> None:
+            mine: dict[str, float] = {}
+            try:
+                with Session(self.engine) as session:
+                    session.connection()  # the connection is open before the start
+                    session.commit()
+                    barrier.wait()
+                    start = time.monotonic()
+                    for i in range(k, intents, self.agents):
+                        if self.rate is not None:
+                            wait = start + i / self.rate - time.monotonic()
+                            if wait > 0:
+                                time.sleep(wait)
+                        with session.begin():
+                            op = api.enqueue(
+                                session,
+                                tool=TOOL,
+                                target=f"project-{i % 10}",
+                                payload={"version": f"1.{i // 100}.{i % 100}"},
+                                intent_key=f"{prefix}-{i}",
+                            )
+                        mine[str(op.id)] = time.time()
+            except BaseException as exc:
+                errors.append(exc)
+                barrier.abort()
+                raise
+            with lock:
+                commits.update(mine)
+
+        threads = [
+            threading.Thread(target=agent, args=(k,), daemon=True) for k in range(self.agents)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise RuntimeError(f"an agent failed: {errors[0]!r}") from errors[0]
+        return commits
+
+
+class Pipeline:
+    """Runs rounds of one configuration on its own database; the stack per round."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        db_url: str,
+        broker_url: str | None,
+        service: ServiceProcess,
+        args: argparse.Namespace,
+        workdir: Path,
+        cpu: Results,
+    ) -> None:
+        self.config = config
+        self.db_url = db_url
+        self.broker_url = broker_url
+        self.service = service
+        self.args = args
+        self.workdir = workdir
+        self.cpu = cpu
+        self.rounds = 0
+        self.problems: list[str] = []
+        # The agents' engine, as an application makes one (no pre-ping: a connection per agent).
+        self.engine = sqlalchemy.create_engine(
+            normalize_url(db_url), pool_size=args.agents + 2, max_overflow=4
+        )
+        tools = workdir / "tools.toml"
+        tools.write_text(
+            http_tool_toml(service.url, timeout_s=30.0, send_deadline_s=10.0),
+            encoding="utf-8",
+        )
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        self.env |= {
+            "OUTBOX_DATABASE_URL": db_url,
+            "OUTBOX_CONFIG": str(tools),
+            "OUTBOX_HOME": str(workdir / "home"),
+        }
+        if broker_url is not None:
+            self.env["OUTBOX_BROKER_URL"] = broker_url
+
+    def case(self) -> Case:
+        """This configuration as a case of :func:`run_rounds`."""
+        return Case(self.config.name, self.run_round, self.config.name)
+
+    def run_round(self) -> Mapping[str, tuple[float, str]]:
+        self.rounds += 1
+        self._reset()
+        logs = self.workdir / f"round-{self.rounds}"
+        logs.mkdir()
+        stack = Services(self.env, logs)
+        failed = True
+        try:
+            self._start(stack)
+            rows = self._measure(stack)
+            failed = False
+            return rows
+        finally:
+            stack.stop_all()
+            if failed or self.problems:
+                for name, output in stack.logs():
+                    tail = output.strip().splitlines()[-15:]
+                    if tail:
+                        say(f"--- {self.config.name}, round {self.rounds}, {name} ---")
+                        for line in tail:
+                            say(line)
+
+    def _reset(self) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                text(
+                    "TRUNCATE outbox.operations, outbox.events, outbox.relays, "
+                    "outbox.webhook_deliveries"
+                )
+            )
+            conn.execute(text("DROP TABLE IF EXISTS outbox_kombu_message, outbox_kombu_queue"))
+        self.service.clear()
+
+    def _start(self, stack: Services) -> None:
+        level = ("--log-level", self.args.log_level)
+        for i in range(1, self.args.relays + 1):
+            stack.start(f"relay-{i}", "relay", "--batch-size", str(self.args.batch_size), *level)
+        for i in range(1, self.args.workers + 1):
+            stack.start(
+                f"worker-{i}",
+                *("worker", "-P", "threads", "-c", str(self.args.concurrency)),
+                *("-Q", self.args.queues),
+                *("-n", f"bench{i}@%h", *level),
+            )
+        # Warm up: every worker thread, the relay, the HTTP connections; then the clock.
+        warm = self.args.workers * self.args.concurrency
+        Agents(self.engine, min(self.args.agents, warm), None).run(f"warm-{self.rounds}", warm)
+        self._wait_decided(warm, stack, "warming up")
+        self.service.clear()
+
+    def _measure(self, stack: Services) -> dict[str, tuple[float, str]]:
+        args, config = self.args, self.config
+        warm = args.workers * args.concurrency
+        processes = {s.name: s.pid for s in stack.started}
+        groups = {
+            "agents (this process)": lambda: [os.getpid()],
+            "relay": lambda: [p for n, p in processes.items() if n.startswith("relay")],
+            "workers": lambda: [p for n, p in processes.items() if n.startswith("worker")],
+            "service": lambda: [self.service.pid],
+            "postgres (this database, background)": self._postgres_pids,
+        }
+        if config.broker == "rabbitmq":
+            groups["rabbitmq"] = lambda: pids_named("beam.smp")
+        meter = CpuMeter(groups)
+        meter.start()
+        rate = config.rate if config.mode == "steady" else None
+        commits = Agents(self.engine, args.agents, rate).run(f"bench-{self.rounds}", args.intents)
+        self._wait_decided(warm + args.intents, stack, "measuring")
+        usage = meter.stop()
+        for name, percent in usage.items():
+            self.cpu.add(name, percent, unit=CORE, section=config.name)
+        return self._rows(commits)
+
+    def _postgres_pids(self) -> list[int]:
+        """Server processes of this database's connections and the background processes
+        (WAL writer, checkpointer...), not other databases' backends; meaningful only when the
+        server runs on this host."""
+        with self.engine.connect() as conn:
+            return [
+                int(pid)
+                for (pid,) in conn.execute(
+                    text(
+                        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                        "OR backend_type <> 'client backend'"
+                    )
+                )
+            ]
+
+    def _rows(self, commits: dict[str, float]) -> dict[str, tuple[float, str]]:
+        arrivals = self.service.arrivals()
+        with self.engine.connect() as conn:
+            confirmed = {
+                str(op): float(at)
+                for op, at in conn.execute(
+                    text(
+                        "SELECT operation_id, extract(epoch FROM at) FROM outbox.events "
+                        "WHERE to_state = 'confirmed'"
+                    )
+                )
+            }
+            states: dict[str, int] = {
+                str(state): int(count)
+                for state, count in conn.execute(
+                    text("SELECT state, count(*) FROM outbox.operations GROUP BY state")
+                )
+            }
+        self._check(commits, arrivals, confirmed, states)
+        to_arrival = [1000 * (arrivals[op] - t) for op, t in commits.items() if op in arrivals]
+        to_confirmed = [1000 * (confirmed[op] - t) for op, t in commits.items() if op in confirmed]
+        first, last_commit = min(commits.values()), max(commits.values())
+        last_confirmed = max((confirmed[op] for op in commits if op in confirmed), default=first)
+        rows = {
+            "throughput": (len(to_confirmed) / max(last_confirmed - first, 1e-9), PER_S),
+            "enqueue rate (offered)": (len(commits) / max(last_commit - first, 1e-9), PER_S),
+        }
+        for q in (50, 95, 99):
+            rows[f"commit -> arrival p{q}"] = (percentile(to_arrival, q), MS)
+        for q in (50, 95, 99):
+            rows[f"commit -> confirmed p{q}"] = (percentile(to_confirmed, q), MS)
+        return rows
+
+    def _check(
+        self,
+        commits: Mapping[str, float],
+        arrivals: Mapping[str, float],
+        confirmed: Mapping[str, float],
+        states: Mapping[str, int],
+    ) -> None:
+        where = f"{self.config.name}, round {self.rounds}"
+        missing = [op for op in commits if op not in confirmed]
+        if missing:
+            self.problems.append(f"{where}: {len(missing)} operations not confirmed ({states})")
+        unseen = [op for op in commits if op in confirmed and op not in arrivals]
+        if unseen:
+            self.problems.append(f"{where}: {len(unseen)} confirmed without a request arriving")
+        doubles = {key: n for key, n in self.service.effects_by_key().items() if n > 1}
+        if doubles:
+            self.problems.append(f"{where}: {len(doubles)} keys with more than one effect")
+
+    def _wait_decided(self, expected: int, stack: Services, what: str) -> None:
+        """Until ``expected`` operations are decided; a problem if it stalls or a process died."""
+        last, last_change = -1, time.monotonic()
+        while True:
+            with self.engine.connect() as conn:
+                decided = conn.execute(
+                    text("SELECT count(*) FROM outbox.operations WHERE state = ANY(:states)"),
+                    {"states": list(DECIDED)},
+                ).scalar_one()
+            if decided >= expected:
+                return
+            if decided != last:
+                last, last_change = decided, time.monotonic()
+            dead = [s.name for s in stack.started if not s.alive()]
+            stalled = time.monotonic() - last_change > STALL_S
+            if dead or stalled:
+                why = f"{', '.join(dead)} exited" if dead else f"no progress for {STALL_S:g}s"
+                raise RuntimeError(
+                    f"{self.config.name}, round {self.rounds}, {what}: {why} "
+                    f"({decided} of {expected} decided)"
+                )
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def _configs(args: argparse.Namespace, rabbitmq: bool) -> list[Config]:
+    brokers: tuple[str, ...] = BROKERS if args.broker == "both" else (args.broker,)
+    if not rabbitmq:
+        brokers = tuple(b for b in brokers if b != "rabbitmq")
+    modes: tuple[str, ...] = MODES if args.mode == "both" else (args.mode,)
+    return [Config(broker, mode, args.rate) for broker in brokers for mode in modes]
+
+
+def _ratios(results: Results, configs: Sequence[Config]) -> None:
+    by = {(c.broker, c.mode): c.name for c in configs}
+    for mode in MODES:
+        rabbit, database = by.get(("rabbitmq", mode)), by.get(("database", mode))
+        if rabbit is None or database is None:
+            continue
+        if mode == "flat":
+            results.ratio(
+                "throughput, flat: database / rabbitmq",
+                (database, "throughput"),
+                (rabbit, "throughput"),
+            )
+        for metric in ("commit -> arrival p50", "commit -> confirmed p50"):
+            results.ratio(
+                f"{metric}, {mode}: database / rabbitmq", (database, metric), (rabbit, metric)
+            )
+    for broker in BROKERS:
+        flat, steady = by.get((broker, "flat")), by.get((broker, "steady"))
+        if flat is not None and steady is not None:
+            results.ratio(
+                f"commit -> confirmed p50, {broker}: flat / steady",
+                (flat, "commit -> confirmed p50"),
+                (steady, "commit -> confirmed p50"),
+            )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser)
+    parser.add_argument("--broker", choices=[*BROKERS, "both"], default="both")
+    parser.add_argument("--mode", choices=[*MODES, "both"], default="both")
+    parser.add_argument("--rate", type=float, default=100.0, help="steady: intents/s in all")
+    parser.add_argument("--intents", type=int, default=2000, help="per configuration and round")
+    parser.add_argument("--agents", type=int, default=8, help="agent threads (connections)")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes")
+    parser.add_argument("--concurrency", type=int, default=8, help="threads per worker")
+    parser.add_argument("--relays", type=int, default=1, help="relay processes")
+    parser.add_argument(
+        "--queues",
+        default="dispatch,lookup,reconcile,human",
+        help="the workers' -Q (default: every queue, as `outbox worker` and `outbox up`)",
+    )
+    parser.add_argument("--batch-size", type=int, default=200, help="the relay's --batch-size")
+    parser.add_argument("--log-level", default="WARNING", help="the processes' log level")
+    parser.add_argument("--broker-url", help="an AMQP URL to use as it is (no vhost is made)")
+    args = parser.parse_args(argv)
+    rabbitmq = bool(args.broker_url) or rabbitmq_available()
+    if args.smoke:
+        args.rounds, args.intents, args.mode = 1, 200, "flat"
+        args.broker = "rabbitmq" if rabbitmq else "database"
+    if args.broker == "rabbitmq" and not rabbitmq:
+        parser.error("--broker rabbitmq: no RabbitMQ on 127.0.0.1:5672 (or no rabbitmqctl)")
+    configs = _configs(args, rabbitmq)
+    logging.getLogger("amqp").setLevel(logging.ERROR)
+    results = Results(
+        f"pipeline: {args.intents} intents, {args.agents} agents, {args.relays} relay, "
+        f"{args.workers} workers x {args.concurrency} threads, {args.rounds} rounds"
+    )
+    cpu = Results("CPU while measuring, in % of one core (from /proc; rabbitmq: the whole broker)")
+    pipelines: list[Pipeline] = []
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-pipeline-")))
+        service = stack.enter_context(ServiceProcess(port=0, record_arrivals=True))
+        vhost = None
+        if any(c.broker == "rabbitmq" for c in configs):
+            vhost = stack.enter_context(throwaway_vhost(args.broker_url))
+        for i, config in enumerate(configs):
+            db_url = stack.enter_context(throwaway_database(args.url))
+            home = workdir / f"config-{i}"
+            home.mkdir()
+            broker_url = vhost if config.broker == "rabbitmq" else None
+            pipeline = Pipeline(
+                config,
+                db_url=db_url,
+                broker_url=broker_url,
+                service=service,
+                args=args,
+                workdir=home,
+                cpu=cpu,
+            )
+            stack.callback(pipeline.close)
+            pipelines.append(pipeline)
+        try:
+            run_rounds(args.rounds, [p.case() for p in pipelines], results)
+        except RuntimeError as exc:
+            say(f"FAILED: {exc}")
+            return 1
+    _ratios(results, configs)
+    results.note(
+        "Latencies from the agent's commit (time.time() after COMMIT returned) to the request "
+        "reaching the service, and to the `confirmed` event's clock_timestamp(): one host, "
+        "one clock."
+    )
+    print_table(results)
+    print_table(cpu)
+    write_json(args.json, [results, cpu], vars(args))
+    problems = [problem for p in pipelines for problem in p.problems]
+    for problem in problems:
+        say(f"PROBLEM: {problem}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The benchmarks still run: ``bench/pipeline.py --smoke`` and ``bench/limits.py --smoke``.
+
+Each is a real run of a few seconds against the test server (a throw-away ``bench_*``
+database, dropped at the end; RabbitMQ on a throw-away vhost when one is up, else the
+database broker), as a subprocess: exit 0 and its table printed. The pipeline's smoke exits
+non-zero when an operation did not reach `confirmed` or a key has two effects at the service.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def _smoke(script: str, admin_url: str) -> subprocess.CompletedProcess[str]:
+    env = {name: value for name, value in os.environ.items() if not name.startswith("OUTBOX_")}
+    env["COLUMNS"] = "160"
+    argv = [sys.executable, str(REPO / "bench" / script), "--smoke", "--url", admin_url]
+    broker_url = os.environ.get("OUTBOX_TEST_BROKER_URL")
+    if broker_url:
+        argv += ["--broker-url", broker_url]
+    return subprocess.run(
+        argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=100, check=False
+    )
+
+
+@pytest.mark.timeout(110)
+def test_pipeline_smoke(admin_url: str) -> None:
+    result = _smoke("pipeline.py", admin_url)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    for row in ("throughput", "commit -> arrival p50", "commit -> confirmed p99", "workers"):
+        assert row in result.stdout, result.stdout
+
+
+@pytest.mark.timeout(110)
+def test_limits_smoke(admin_url: str) -> None:
+    result = _smoke("limits.py", admin_url)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    for row in ("INSERT+COMMIT, 1 connection", "sent CAS+COMMIT", "try_lock+unlock", "service"):
+        assert row in result.stdout, result.stdout
