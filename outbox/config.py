@@ -59,6 +59,14 @@ class Settings(BaseSettings):
         description="A `sent` row still locked by its dispatcher after this goes to a human.",
     )
     sweep_interval: Seconds = Field(default=15.0, description="Seconds between sweeps.")
+    lookup_lease: Seconds = Field(
+        default=60.0,
+        description=(
+            "An `unknown` row the sweep sent to a lookup is not routed again for this long; "
+            "on the database broker (no redelivery) a lost lookup message delays that "
+            "operation by up to this."
+        ),
+    )
     republish_after: Seconds = Field(
         default=30.0, description="A published `planned` row is published again after this."
     )

@@ -8,8 +8,8 @@
    fenced on the attempt. Held → still in flight, left alone and counted as slow, until
    ``OUTBOX_SENT_MAX_AGE``; then `needs_human`, with the holder's backend pid in the reason;
 2. every `unknown` row whose next check is due, under its lock, by the decision table:
-   a lookup (sent to the ``lookup`` queue, with a lease so it is not routed twice), a dedup
-   replay, a wait for the in-flight horizon, or a human.
+   a lookup (sent to the ``lookup`` queue, with a lease of ``OUTBOX_LOOKUP_LEASE`` so it is
+   not routed twice), a dedup replay, a wait for the in-flight horizon, or a human.
 
 Two sweeps at once are safe: every move is made under the operation's lock and fenced.
 """
@@ -49,14 +49,19 @@ class SweepConfig:
     sent_max_age_s: float = 3600.0
     #: Rows looked at per phase and run: a run stays short; the next one continues.
     batch_size: int = 500
-    #: A row sent to the lookup queue is not routed again for this long (its lookup's lease).
+    #: A row sent to the lookup queue is not routed again for this long (its lookup's lease;
+    #: OUTBOX_LOOKUP_LEASE): a lost lookup message is asked again when it ends.
     lookup_lease_s: float = 60.0
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> SweepConfig:
-        """The config with the ``OUTBOX_SENT_*`` values."""
+        """The config with the ``OUTBOX_SENT_*`` and ``OUTBOX_LOOKUP_LEASE`` values."""
         settings = settings or get_settings()
-        return cls(sent_timeout_s=settings.sent_timeout, sent_max_age_s=settings.sent_max_age)
+        return cls(
+            sent_timeout_s=settings.sent_timeout,
+            sent_max_age_s=settings.sent_max_age,
+            lookup_lease_s=settings.lookup_lease,
+        )
 
 
 @dataclass

@@ -18,7 +18,8 @@ from workers.app import ESCALATE_TASK, LOOKUP_TASK, SWEEP_TASK, app
 log = logging.getLogger(__name__)
 
 #: Times a lookup message is put back while another component holds the operation's lock;
-#: after that it is dropped, and the sweep routes the row again when its lease ends.
+#: after that it is dropped, and the sweep routes the row again when its lease
+#: (OUTBOX_LOOKUP_LEASE) ends.
 LOCK_BUSY_RETRIES = 5
 #: Seconds between webhook delivery runs: an escalation reaches its receiver within this.
 WEBHOOK_INTERVAL_S = 2.0

@@ -9,6 +9,7 @@ import pytest
 
 from outbox.config import WEBHOOK_EVENT_NAMES, load_settings
 from outbox.errors import ConfigError
+from reconcilers.sweep import SweepConfig
 
 
 @pytest.fixture(autouse=True)
@@ -29,6 +30,7 @@ def test_defaults_are_valid_with_no_variable() -> None:
     assert settings.sent_timeout == 60.0
     assert settings.sent_max_age == 3600.0
     assert settings.sent_max_age >= settings.sent_timeout
+    assert settings.lookup_lease == 60.0
     assert settings.webhook_url is None
     assert settings.webhook_events == ["needs_human", "resolved"]
     assert settings.max_payload_bytes == 256 * 1024
@@ -43,6 +45,7 @@ def test_defaults_are_valid_with_no_variable() -> None:
         ("OUTBOX_SENT_MAX_AGE", "-5"),
         ("OUTBOX_SWEEP_INTERVAL", "soon"),
         ("OUTBOX_REPUBLISH_AFTER", "0"),
+        ("OUTBOX_LOOKUP_LEASE", "soon"),
         ("OUTBOX_MAX_PAYLOAD_BYTES", "0"),
         ("OUTBOX_MAX_PAYLOAD_BYTES", "1.5"),
         ("OUTBOX_WEBHOOK_URL", "ftp://x"),
@@ -58,6 +61,27 @@ def test_invalid_value_names_the_variable(
     monkeypatch.setenv(variable, value)
     with pytest.raises(ConfigError, match=f"{variable}:"):
         load_settings()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "-0.5"])
+def test_lookup_lease_must_be_positive(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """OUTBOX_LOOKUP_LEASE of zero or less is refused, naming the variable and the bound."""
+    monkeypatch.setenv("OUTBOX_LOOKUP_LEASE", value)
+    with pytest.raises(ConfigError, match="OUTBOX_LOOKUP_LEASE: Input should be greater than 0"):
+        load_settings()
+
+
+def test_lookup_lease_reaches_the_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OUTBOX_LOOKUP_LEASE (seconds, fractions allowed) is the sweep's lookup lease."""
+    monkeypatch.setenv("OUTBOX_LOOKUP_LEASE", "12.5")
+    config = SweepConfig.from_settings(load_settings())
+    assert config.lookup_lease_s == 12.5
+    assert SweepConfig.from_settings(load_settings(lookup_lease=90)).lookup_lease_s == 90.0
+
+
+def test_the_sweep_defaults_to_the_settings_defaults() -> None:
+    """With nothing configured the sweep's config is SweepConfig's own defaults."""
+    assert SweepConfig.from_settings(load_settings()) == SweepConfig()
 
 
 def test_unknown_webhook_event_is_named() -> None:
