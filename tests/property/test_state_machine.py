@@ -4,12 +4,19 @@ modelled remote, under lost, duplicated and reordered messages, crashes and pass
 Hypothesis drives the real enqueue, relay, dispatch, sweep, lookup, cancel and operator
 resolution code in random orders. The remote is an in-process tool backed by
 :class:`FakeRemote`, the test's model of a remote service: a ledger of every effect per
-operation id, with or without a dedup window and a lookup, answering each call as the step
-says (applied, applied-then-ambiguous, not-applied-ambiguous, refused, not delivered). Time
-passes by moving every timestamp of every row into the past, and the remote's clock forward
-by as much; no clock is faked. After every step the promises are checked against the
-database and the ledger; at the end of each example the system is driven to quiescence and
-every operation must have settled.
+operation id, with or without a dedup window (answering a duplicate key with the stored
+answer, or always refusing it) and a lookup, answering each call as the step says (applied,
+applied-then-ambiguous, not-applied-ambiguous, refused, not delivered). Time passes by moving
+every timestamp of every row into the past, and the remote's clock forward by as much; no
+clock is faked. After every step the promises are checked against the database and the
+ledger (no operation has two effects; `confirmed` names an effect the remote holds; `failed`
+and `cancelled` only where the remote holds none); at the end of each example the system is
+driven to quiescence and every operation must have settled.
+
+The schedules are weighted towards the paths where mistakes hide: every example starts with
+an operation on every remote, an answer lost after the effect is the likeliest answer, and
+one step runs every component once after the in-flight horizon, so an ambiguous attempt,
+its replay and the remote's answer to the replay happen within a few steps.
 """
 
 from __future__ import annotations
@@ -80,12 +87,27 @@ REPUBLISH_S = 30.0
 DRAIN_STEP_S = 75.0
 DRAIN_ROUNDS = 12
 
-#: The four remotes: (deduplicates a key inside its window, has a lookup).
-REMOTES: dict[str, tuple[bool, bool]] = {
-    "remote.plain": (False, False),
-    "remote.dedup": (True, False),
-    "remote.lookup": (False, True),
-    "remote.dedup_lookup": (True, True),
+
+@dataclass(frozen=True)
+class RemoteKind:
+    """What one remote service promises."""
+
+    #: It keeps one effect per key inside its window.
+    dedup: bool = False
+    #: It answers a same-key request inside the window with a refusal ("this key was already
+    #: used"), never with the stored answer, as some remotes do.
+    refuses_duplicates: bool = False
+    #: It can say whether an operation's effect exists.
+    has_lookup: bool = False
+
+
+#: The remotes, one tool each.
+REMOTES: dict[str, RemoteKind] = {
+    "remote.plain": RemoteKind(),
+    "remote.dedup": RemoteKind(dedup=True),
+    "remote.dedup_refuses": RemoteKind(dedup=True, refuses_duplicates=True),
+    "remote.lookup": RemoteKind(has_lookup=True),
+    "remote.dedup_lookup": RemoteKind(dedup=True, has_lookup=True),
 }
 
 DISPATCH_FAULTS = ("after_lock", "after_sent_commit", "after_call", "after_outcome_commit")
@@ -127,7 +149,9 @@ class Behaviour(enum.StrEnum):
     NOT_DELIVERED = "not_delivered"
 
 
-BEHAVIOURS = st.sampled_from(list(Behaviour))
+#: The remote's answers; the effect recorded and its answer lost counts twice: it is the
+#: case the outbox exists for, and the start of every path through replays.
+BEHAVIOURS = st.sampled_from([*Behaviour, Behaviour.APPLY_THEN_AMBIGUOUS])
 
 
 @dataclass(frozen=True)
@@ -156,20 +180,20 @@ class FakeRemote:
     violations: list[str] = field(default_factory=list)
     _refs: itertools.count[int] = field(default_factory=itertools.count)
 
-    def dispatch(self, call: ToolCall, *, dedup: bool) -> DispatchResult:
+    def dispatch(self, call: ToolCall, kind: RemoteKind) -> DispatchResult:
         """Answer one call as :attr:`behaviour` says, recording any effect."""
         if self.behaviour is Behaviour.NOT_DELIVERED:
             return NotDelivered("connection refused")
         self._check_sent_committed(call)
-        answer = self._answer(call, dedup=dedup)
+        answer = self._answer(call, kind)
         if self.during_call is not None:
             self.during_call()
         return answer
 
-    def _answer(self, call: ToolCall, *, dedup: bool) -> DispatchResult:
+    def _answer(self, call: ToolCall, kind: RemoteKind) -> DispatchResult:
         effects = self.ledger.setdefault(call.operation_id, [])
-        if dedup and effects and self.now - effects[0].at < WINDOW_S:
-            return self._deduplicated(effects[0])
+        if kind.dedup and effects and self.now - effects[0].at < WINDOW_S:
+            return self._deduplicated(effects[0], refuses=kind.refuses_duplicates)
         if effects:
             self.violations.append(
                 f"{call.operation_id}: attempt {call.attempt} reached the remote after an "
@@ -185,12 +209,12 @@ class FakeRemote:
             return Rejected("HTTP 422")
         return Ambiguous("HTTP 503")
 
-    def _deduplicated(self, first: Effect) -> DispatchResult:
+    def _deduplicated(self, first: Effect, *, refuses: bool) -> DispatchResult:
         """A same-key request inside the window: no new effect; the stored answer, a refusal
-        of the duplicate (as some remotes answer), or a lost answer."""
-        if self.behaviour is Behaviour.APPLIED:
+        of the duplicate (always, from a remote that ``refuses``), or a lost answer."""
+        if self.behaviour is Behaviour.APPLIED and not refuses:
             return Applied(first.ref)
-        if self.behaviour is Behaviour.REFUSED:
+        if self.behaviour in (Behaviour.APPLIED, Behaviour.REFUSED):
             return Rejected("HTTP 422: this idempotency key was already used")
         return Ambiguous("read timeout")
 
@@ -217,12 +241,12 @@ class FakeRemote:
 
 
 def remote_registry(remote: FakeRemote) -> ToolRegistry:
-    """A private registry of the four remote tools, all backed by ``remote``."""
+    """A private registry of one tool per remote in :data:`REMOTES`, all backed by ``remote``."""
     registry = ToolRegistry(ContractTable())
-    for name, (dedup, has_lookup) in REMOTES.items():
+    for name, kind in REMOTES.items():
 
-        def send(call: ToolCall, *, dedup: bool = dedup) -> DispatchResult:
-            return remote.dispatch(call, dedup=dedup)
+        def send(call: ToolCall, *, kind: RemoteKind = kind) -> DispatchResult:
+            return remote.dispatch(call, kind)
 
         python_tool = tool(
             name,
@@ -231,10 +255,10 @@ def remote_registry(remote: FakeRemote) -> ToolRegistry:
             inflight_horizon=HORIZON_S,
             max_checks=2,
             max_attempts=3,
-            dedup=Dedup(window_s=WINDOW_S, margin_s=MARGIN_S) if dedup else None,
+            dedup=Dedup(window_s=WINDOW_S, margin_s=MARGIN_S) if kind.dedup else None,
             registry=registry,
         )(send)
-        if has_lookup:
+        if kind.has_lookup:
             python_tool.lookup(remote.lookup)
     return registry
 
@@ -293,15 +317,16 @@ class OutboxMachine(RuleBasedStateMachine):
         self.messages: list[UUID] = []
         self.lookup_requests: list[UUID] = []
 
-    @initialize(target=ops, tool_names=st.lists(st.sampled_from(sorted(REMOTES)), max_size=3))
-    def first_intents(self, tool_names: list[str]) -> MultipleResults[UUID]:
-        """A few intents to start with; a message for an id never enqueued finds nothing."""
+    @initialize(target=ops)
+    def first_intents(self) -> MultipleResults[UUID]:
+        """One intent per remote to start with (so every remote's paths are open in every
+        example); a message for an id never enqueued finds nothing."""
         missing = uuid4()
         assert self._dispatch(missing, Behaviour.APPLIED) is Outcome.GONE
         assert lookup(missing, engine=self.engine, registry=self.registry).outcome is (
             LookupOutcome.GONE
         )
-        return multiple(*(self._enqueue(name, 0) for name in tool_names))
+        return multiple(*(self._enqueue(name, 0) for name in sorted(REMOTES)))
 
     # --- the agent -------------------------------------------------------------------------
 
@@ -425,6 +450,32 @@ class OutboxMachine(RuleBasedStateMachine):
                 outbox.resolve(
                     conn, op_id, applied=False, replay=replay, by="op", note="absent", force=True
                 )
+
+    @rule(
+        seconds=st.sampled_from([31, 61, 200]),
+        inconclusive=st.booleans(),
+        answers=st.lists(BEHAVIOURS, min_size=1, max_size=3),
+    )
+    def everything_runs(self, seconds: int, inconclusive: bool, answers: list[Behaviour]) -> None:
+        """Time passes beyond the in-flight horizon, then every component runs once: the sweep,
+        the lookups it asked for, the relay, and a worker for every queued message, the remote
+        answering the calls in turn as ``answers`` says.
+
+        One step for what is otherwise a long, unlikely run of separate steps: an ambiguous
+        attempt reconciled into a replay (a dedup replay, or a lookup after the horizon), and
+        the replay answered (by a refusal of the key the remote already holds, say). The
+        answers are drawn before the step runs: how many messages there are depends on the
+        wall clock too (a backoff may have run out), and what Hypothesis draws must not.
+        """
+        self._age(seconds)
+        self._sweep()
+        while self.lookup_requests:
+            self._lookup(self.lookup_requests.pop(0), inconclusive=inconclusive)
+        self._relay(confirm=True)
+        for answer in itertools.cycle(answers):
+            if not self.messages:
+                break
+            self._dispatch(self.messages.pop(0), answer)
 
     @rule(seconds=st.sampled_from([1, 6, 31, 61, 200, 700]))
     def time_passes(self, seconds: int) -> None:
