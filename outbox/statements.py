@@ -7,6 +7,7 @@ transaction like ``now()``) where one instant must be written to several columns
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,8 +16,12 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import (
+    Boolean,
     ColumnElement,
+    Executable,
+    Integer,
     Text,
+    bindparam,
     cast,
     func,
     insert,
@@ -28,6 +33,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import INTERVAL, JSONB
+from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 
 from outbox.models import Event, Executor, Operation
 from outbox.schema import events, operations
@@ -133,14 +139,14 @@ def list_events(executor: Executor, operation_id: UUID) -> list[Event]:
     return [Event.from_row(row) for row in executor.execute(query).mappings()]
 
 
-def _seconds(value: float) -> ColumnElement[Any]:
-    return literal(timedelta(seconds=value), INTERVAL)
+def _interval(name: str) -> ColumnElement[Any]:
+    return bindparam(name, type_=INTERVAL)
 
 
-def _replay_deadline(from_state: State, effects: Effects) -> ColumnElement[Any]:
+def _replay_deadline(from_state: State, has_replay_window: bool) -> ColumnElement[Any]:
     """The deadline of a move into ``planned``: set by a replay, kept by an undelivered attempt."""
-    if effects.replay_window_s is not None:
-        return operations.c.first_sent_at + _seconds(effects.replay_window_s)
+    if has_replay_window:
+        return operations.c.first_sent_at + _interval("replay_window")
     if from_state is State.SENT:
         # sent->planned means the attempt provably never left: the row is the same replay it
         # was before, and its next attempt must still leave inside the dedup window.
@@ -148,9 +154,26 @@ def _replay_deadline(from_state: State, effects: Effects) -> ColumnElement[Any]:
     return null()
 
 
-def _changes(from_state: State, to_state: State, actor: Actor, effects: Effects) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _MoveShape:
+    """What decides a move statement's SQL; everything else is a bound parameter."""
+
+    from_state: State
+    to_state: State
+    actor: Actor
+    fenced: bool
+    remote_ref: bool
+    result: bool
+    last_error: bool
+    maybe_applied: bool
+    replay_window: bool
+    detail: bool
+
+
+def _changes(shape: _MoveShape) -> dict[str, Any]:
     """The column values a move writes, by the rules of DESIGN.md's bookkeeping columns."""
     o = operations.c
+    from_state, to_state = shape.from_state, shape.to_state
     now = func.statement_timestamp()
     values: dict[str, Any] = {"state": to_state.value, "updated_at": now}
     from_an_attempt = from_state in (State.SENT, State.UNKNOWN)
@@ -163,17 +186,17 @@ def _changes(from_state: State, to_state: State, actor: Actor, effects: Effects)
     elif to_state is State.PLANNED:
         values |= {
             "published_at": null(),
-            "available_at": now + _seconds(effects.available_in_s),
+            "available_at": now + _interval("available_in"),
             "next_check_at": null(),
             "checks": 0,
-            "replay_deadline": _replay_deadline(from_state, effects),
+            "replay_deadline": _replay_deadline(from_state, shape.replay_window),
         }
-        if actor is Actor.OPERATOR:
+        if shape.actor is Actor.OPERATOR:
             # A person authorised this replay: earlier attempts no longer count against
             # max_attempts, or the dispatcher would send it straight back to them.
             values["attempt_budget_base"] = o.attempts
     elif to_state is State.UNKNOWN:
-        values |= {"next_check_at": now + _seconds(effects.check_in_s)}
+        values |= {"next_check_at": now + _interval("check_in")}
         if from_state is State.SENT:
             values["checks"] = 0
     else:
@@ -182,15 +205,56 @@ def _changes(from_state: State, to_state: State, actor: Actor, effects: Effects)
         values["resolved_at"] = now
     if to_state in (State.UNKNOWN, State.NEEDS_HUMAN) and from_an_attempt:
         values["maybe_applied"] = True
-    if effects.maybe_applied is not None:
-        values["maybe_applied"] = effects.maybe_applied
-    if effects.remote_ref is not None:
-        values["remote_ref"] = effects.remote_ref
-    if effects.result is not None:
-        values["result"] = literal(effects.result, JSONB)
-    if effects.last_error is not None:
-        values["last_error"] = effects.last_error
+    if shape.maybe_applied:
+        values["maybe_applied"] = bindparam("maybe_applied", type_=Boolean)
+    if shape.remote_ref:
+        values["remote_ref"] = bindparam("remote_ref", type_=Text)
+    if shape.result:
+        values["result"] = bindparam("result", type_=JSONB)
+    if shape.last_error:
+        values["last_error"] = bindparam("last_error", type_=Text)
     return values
+
+
+@functools.cache
+def _move_statement(shape: _MoveShape) -> Executable:
+    """The one-statement compare-and-set of ``shape``, built once per shape and reused."""
+    o = operations.c
+    conditions: list[ColumnElement[bool]] = [
+        o.id == bindparam("operation_id", type_=PG_UUID(as_uuid=True)),
+        o.state == shape.from_state.value,
+    ]
+    if shape.fenced:
+        conditions.append(o.attempts == bindparam("attempt", type_=Integer))
+    if shape.to_state is State.SENT:
+        conditions.append(
+            or_(o.replay_deadline.is_(None), func.statement_timestamp() < o.replay_deadline)
+        )
+    if shape.to_state is State.CANCELLED:
+        conditions.append(o.maybe_applied.is_(False))
+    moved = (
+        update(operations)
+        .where(*conditions)
+        .values(_changes(shape))
+        .returning(*operations.c)
+        .cte("moved")
+    )
+    logged = insert(events).from_select(
+        ["operation_id", "from_state", "to_state", "attempt", "actor", "reason", "detail"],
+        select(
+            moved.c.id,
+            literal(shape.from_state.value),
+            literal(shape.to_state.value),
+            moved.c.attempts,
+            literal(shape.actor.value),
+            bindparam("reason", type_=Text),
+            bindparam("detail", type_=JSONB) if shape.detail else null(),
+        ),
+    )
+    columns: list[Any] = [moved]
+    if shape.to_state in SETTLED_STATES:
+        columns.append(func.pg_notify(SETTLED_CHANNEL, cast(moved.c.id, Text)))
+    return select(*columns).add_cte(logged.cte("logged"))
 
 
 def move(
@@ -208,42 +272,42 @@ def move(
     """The compare-and-set behind :func:`outbox.states.transition`; ``None`` if it missed.
 
     One statement: the UPDATE, the event INSERT fed by its RETURNING, and (for a move
-    into a settled state) a NOTIFY for :func:`outbox.wait`. Not to be called directly.
+    into a settled state) a NOTIFY for :func:`outbox.wait`. Not to be called directly. The
+    statement is built once per shape (which states, actor, fence and effects are present)
+    and reused with bound values: building it was most of a dispatcher's CPU.
     """
-    o = operations.c
-    conditions: list[ColumnElement[bool]] = [o.id == operation_id, o.state == from_state.value]
+    shape = _MoveShape(
+        from_state=from_state,
+        to_state=to_state,
+        actor=actor,
+        fenced=attempt is not None,
+        remote_ref=effects.remote_ref is not None,
+        result=effects.result is not None,
+        last_error=effects.last_error is not None,
+        maybe_applied=effects.maybe_applied is not None,
+        replay_window=effects.replay_window_s is not None,
+        detail=detail is not None,
+    )
+    params: dict[str, Any] = {"operation_id": operation_id, "reason": reason}
     if attempt is not None:
-        conditions.append(o.attempts == attempt)
-    if to_state is State.SENT:
-        conditions.append(
-            or_(o.replay_deadline.is_(None), func.statement_timestamp() < o.replay_deadline)
-        )
-    if to_state is State.CANCELLED:
-        conditions.append(o.maybe_applied.is_(False))
-    moved = (
-        update(operations)
-        .where(*conditions)
-        .values(_changes(from_state, to_state, actor, effects))
-        .returning(*operations.c)
-        .cte("moved")
-    )
-    logged = insert(events).from_select(
-        ["operation_id", "from_state", "to_state", "attempt", "actor", "reason", "detail"],
-        select(
-            moved.c.id,
-            literal(from_state.value),
-            literal(to_state.value),
-            moved.c.attempts,
-            literal(actor.value),
-            literal(reason),
-            literal(dict(detail), JSONB) if detail is not None else null(),
-        ),
-    )
-    columns: list[Any] = [moved]
-    if to_state in SETTLED_STATES:
-        columns.append(func.pg_notify(SETTLED_CHANNEL, cast(moved.c.id, Text)))
-    query = select(*columns).add_cte(logged.cte("logged"))
-    row = executor.execute(query).mappings().one_or_none()
+        params["attempt"] = attempt
+    if to_state is State.PLANNED:
+        params["available_in"] = timedelta(seconds=effects.available_in_s)
+        if effects.replay_window_s is not None:
+            params["replay_window"] = timedelta(seconds=effects.replay_window_s)
+    if to_state is State.UNKNOWN:
+        params["check_in"] = timedelta(seconds=effects.check_in_s)
+    if effects.maybe_applied is not None:
+        params["maybe_applied"] = effects.maybe_applied
+    if effects.remote_ref is not None:
+        params["remote_ref"] = effects.remote_ref
+    if effects.result is not None:
+        params["result"] = effects.result
+    if effects.last_error is not None:
+        params["last_error"] = effects.last_error
+    if detail is not None:
+        params["detail"] = dict(detail)
+    row = executor.execute(_move_statement(shape), params).mappings().one_or_none()
     return Operation.from_row(row) if row is not None else None
 
 
