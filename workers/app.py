@@ -78,10 +78,8 @@ def celery_settings(settings: Settings, *, time_limit_s: float | None = None) ->
         },
         "task_time_limit": min(time_limit_s or MAX_TIME_LIMIT_S, MAX_TIME_LIMIT_S),
         "worker_hijack_root_logger": False,
-        # Task events cost every task three extra publishes; Flower switches them on in the
-        # workers while it watches (its periodic enable_events), so nobody pays when nobody does.
-        "worker_send_task_events": False,
-        "task_send_sent_event": False,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
     }
     if settings.broker_url is None:
         conf["broker_transport_options"] = {
