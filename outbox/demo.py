@@ -318,12 +318,7 @@ class Demo:
                 ),
                 {"prefix": f"demo-{self.run_id}-%"},
             ).all()
-        wrong = sum(
-            1
-            for row in rows
-            if (row.state == "confirmed" and ledger.get(row.id) != row.remote_ref)
-            or (row.state == "failed" and by_key.get(row.id, 0))
-        )
+        wrong = service.contradicted((row.id, row.state, row.remote_ref) for row in rows)
         waiting = [
             (row.id, row.tool, ledger.get(row.id)) for row in rows if row.state == "needs_human"
         ]

@@ -488,16 +488,10 @@ class _Run:
                 text("SELECT intent_key, id::text, state, remote_ref FROM outbox.operations")
             ).all()
         by_key = service.effects_by_key()
-        ledger = {effect.key: effect.id for effect in service.ledger()}
         keys = {str(row.intent_key) for row in rows}
         decided = {str(row.intent_key) for row in rows if row.state in DECIDED}
         lost = len(agent.committed - keys) + len(agent.committed & keys - decided)
-        wrong = sum(
-            1
-            for row in rows
-            if (row.state == "confirmed" and ledger.get(row.id) != row.remote_ref)
-            or (row.state == "failed" and by_key.get(row.id, 0) > 0)
-        )
+        wrong = service.contradicted((row.id, row.state, row.remote_ref) for row in rows)
         duplicates = sum(1 for count in by_key.values() if count > 1)
         problems = []
         if duplicates:

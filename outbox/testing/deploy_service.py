@@ -871,6 +871,19 @@ class DeployService:
         """How many effects each idempotency key produced."""
         return self._store().counts_by_key()
 
+    def contradicted(self, verdicts: Iterable[tuple[str, str, str | None]]) -> int:
+        """How many of the outbox's verdicts ``(operation id, state, remote_ref)`` the ledger
+        contradicts: `confirmed` naming an effect the ledger does not hold for that key, or
+        `failed` for a key the ledger has an effect for."""
+        by_key = self.effects_by_key()
+        refs = {effect.key: effect.id for effect in self.ledger()}
+        return sum(
+            1
+            for op_id, state, remote_ref in verdicts
+            if (state == "confirmed" and refs.get(op_id) != remote_ref)
+            or (state == "failed" and by_key.get(op_id, 0) > 0)
+        )
+
     def note_arrival(self, key: str) -> None:
         """Remember when the first create request with ``key`` arrived (if recording)."""
         if self.record_arrivals:

@@ -331,11 +331,9 @@ def _report(  # noqa: PLR0917 -- one private call site, every value named there
         rows = conn.execute(
             text("SELECT id::text, remote_ref FROM outbox.operations WHERE state = 'confirmed'")
         ).all()
-    confirmed_refs = {str(op_id): str(ref) for op_id, ref in rows}
-    ledger = {effect.key: effect.id for effect in service.ledger()}
-    wrong = [op for op, ref in confirmed_refs.items() if ledger.get(op) != ref]
+    wrong = service.contradicted((str(op_id), "confirmed", ref) for op_id, ref in rows)
     if wrong:
-        problems.append(f"{len(wrong)} confirmed operations whose remote_ref is not in the ledger")
+        problems.append(f"{wrong} confirmed operations whose remote_ref is not in the ledger")
     return ScenarioReport(
         mode=mode,
         intents=intents,

@@ -76,6 +76,17 @@ def test_create_answers_201_and_commits_one_effect(
     assert ledger == {"effects": [release], "count": 1}
 
 
+def test_the_ledger_judges_the_outbox_verdicts(
+    service: DeployService, client: httpx.Client
+) -> None:
+    """A confirmed ref the ledger lacks, or a failure for a key it holds, is contradicted."""
+    ref = post_release(client, "op-1").json()["id"]
+    assert service.contradicted([("op-1", "confirmed", ref), ("op-2", "failed", None)]) == 0
+    assert service.contradicted([("op-1", "confirmed", "rel-other")]) == 1
+    assert service.contradicted([("op-2", "confirmed", ref)]) == 1
+    assert service.contradicted([("op-1", "failed", None), ("op-1", "needs_human", None)]) == 1
+
+
 def test_missing_key_or_bad_json_is_refused_with_400(
     service: DeployService, client: httpx.Client
 ) -> None:
