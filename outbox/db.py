@@ -43,8 +43,9 @@ def database_url(settings: Settings | None = None) -> str:
 
 
 def create_engine(url: str, **options: object) -> Engine:
-    """An engine on ``url`` with the outbox's defaults (psycopg 3, pre-ping)."""
-    return sqlalchemy.create_engine(normalize_url(url), pool_pre_ping=True, **options)
+    """An engine on ``url`` with the outbox's defaults (psycopg 3, pre-ping unless told)."""
+    options.setdefault("pool_pre_ping", True)
+    return sqlalchemy.create_engine(normalize_url(url), **options)
 
 
 @functools.cache

@@ -407,6 +407,27 @@ def try_lock(executor: Executor, key: int) -> bool:
     return bool(row.scalar_one())
 
 
+def try_lock_durable(executor: Executor, key: int) -> tuple[bool, str]:
+    """:func:`try_lock`, and the session's ``synchronous_commit``, in one round trip."""
+    row = executor.execute(_TRY_LOCK_DURABLE, {"key": key}).one()
+    return bool(row.taken), str(row.synchronous_commit)
+
+
+_TRY_LOCK_DURABLE = text(
+    "SELECT pg_try_advisory_lock(:key) AS taken, "
+    "current_setting('synchronous_commit') AS synchronous_commit"
+)
+
+
+def set_synchronous_commit(executor: Executor) -> None:
+    """Make every later COMMIT of this session wait for the WAL flush (and sync replicas).
+
+    For a connection in autocommit mode, where ``SET LOCAL`` has no transaction to apply to;
+    the setting stays with the pooled connection, which is what the dispatcher wants.
+    """
+    executor.execute(text("SET synchronous_commit = on"))
+
+
 def unlock_all(executor: Executor) -> None:
     """Release every session-level advisory lock this connection holds."""
     executor.execute(text("SELECT pg_advisory_unlock_all()"))

@@ -126,6 +126,19 @@ def message(
     }
 
 
+def subscribed_events(from_state: State, to_state: State) -> list[WebhookEvent]:
+    """The events this move makes that are delivered here (none without a webhook URL).
+
+    A move with any writes its delivery rows in the same transaction, so a caller that
+    commits statements one by one (the dispatcher) wraps such a move in a transaction.
+    """
+    settings = get_settings()
+    if settings.webhook_url is None:
+        return []
+    subscribed = set(settings.webhook_events)
+    return [e for e in events_for_move(from_state, to_state) if e.value in subscribed]
+
+
 def record_for_move(
     executor: Executor,
     operation: Operation,
@@ -141,11 +154,7 @@ def record_for_move(
     Does nothing when ``OUTBOX_WEBHOOK_URL`` is unset or the move makes no subscribed event
     (``OUTBOX_WEBHOOK_EVENTS``), so the common move costs no statement.
     """
-    settings = get_settings()
-    if settings.webhook_url is None:
-        return
-    subscribed = set(settings.webhook_events)
-    events = [e for e in events_for_move(from_state, to_state) if e.value in subscribed]
+    events = subscribed_events(from_state, to_state)
     if not events:
         return
     rows = [

@@ -13,6 +13,12 @@
 
 A message is only a doorbell: every branch here is safe for a lost, duplicated or
 reordered message, and for a ``kill -9`` at any line.
+
+Round trips are the dispatcher's cost, so the lock connection is in autocommit mode: the
+lock, the read, each move (one statement: the compare-and-set, its event and any NOTIFY)
+and the unlock are one round trip each, every move committed durably by its own statement.
+A move that also writes webhook deliveries runs in an explicit transaction instead, so the
+deliveries commit with it or not at all.
 """
 
 from __future__ import annotations
@@ -21,13 +27,15 @@ import enum
 import logging
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from uuid import UUID
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, statements
+from outbox import faults, statements, webhooks
 from outbox.canonical import canonical_json, payload_hash
 from outbox.contracts import ToolContract
 from outbox.errors import ReplayDeadlinePassed, StaleTransition
@@ -88,7 +96,7 @@ def dispatch(
     """Make at most one attempt of one operation, by the dispatch protocol."""
     op_id = UUID(str(operation_id))
     config = config or DispatchConfig()
-    with operation_lock(engine, op_id) as conn:
+    with operation_lock(engine, op_id, autocommit=True) as conn:
         if conn is None:
             return DispatchReport(op_id, Outcome.LOCK_BUSY)
         faults.point("after_lock")
@@ -171,8 +179,9 @@ def _ready_to_send(  # noqa: PLR0911 -- one return per reason not to send, in or
 def _commit_sent(conn: Connection, op: Operation) -> Operation | DispatchReport:
     """Compare-and-set `planned -> sent`, durably committed before anything is sent."""
     try:
-        with conn.begin():
-            statements.require_synchronous_commit(conn)
+        # One statement, committed by itself with synchronous_commit=on (checked with the
+        # lock): when it returns, the row says `sent` on disk.
+        with _atomic(conn, State.PLANNED, State.SENT):
             sent = transition(
                 conn,
                 op.id,
@@ -211,7 +220,7 @@ def _move(
 ) -> StaleTransition | None:
     """One dispatcher move of ``op`` at its attempt, committed; the miss if it missed."""
     try:
-        with conn.begin():
+        with _atomic(conn, from_state, to_state):
             transition(
                 conn,
                 op.id,
@@ -225,6 +234,25 @@ def _move(
     except StaleTransition as exc:
         return exc
     return None
+
+
+@contextmanager
+def _atomic(conn: Connection, from_state: State, to_state: State) -> Iterator[None]:
+    """One move, committed on its own: its single statement on the autocommit connection,
+    or a transaction when it also writes webhook deliveries (or the connection is not in
+    autocommit mode: the late-outcome path's fresh one)."""
+    autocommit = conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
+    if autocommit and webhooks.subscribed_events(from_state, to_state):
+        conn.commit()
+        conn.execution_options(isolation_level=conn.default_isolation_level)
+        try:
+            with conn.begin():
+                yield
+        finally:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+    else:
+        with conn.begin():
+            yield
 
 
 def _dispatcher_lost(conn: Connection, op: Operation) -> DispatchReport:
@@ -321,7 +349,7 @@ def _late_outcome(
     waiting = current.state in (State.UNKNOWN, State.NEEDS_HUMAN)
     if isinstance(result, Applied) and waiting and current.attempts == attempt:
         try:
-            with conn.begin():
+            with _atomic(conn, current.state, State.CONFIRMED):
                 transition(
                     conn,
                     sent.id,

@@ -23,7 +23,7 @@ def dispatch_task(
     self: Task, operation_id: str, tool: str | None = None, target: str | None = None
 ) -> str:
     """Make one attempt of operation ``operation_id``; ``tool``/``target`` are for Flower."""
-    report = dispatch(operation_id, engine=runtime.engine())
+    report = dispatch(operation_id, engine=runtime.dispatch_engine())
     if report.outcome is Outcome.LOCK_BUSY:
         if self.request.retries < LOCK_BUSY_RETRIES:
             raise self.retry(countdown=0.2 + random.random() * 0.3)  # noqa: S311

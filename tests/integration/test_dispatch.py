@@ -513,3 +513,100 @@ def test_a_payload_edited_by_hand_is_never_sent(
     assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.NEEDS_HUMAN
     assert remote.calls == []
     assert "no longer matches its payload hash" in events_of(engine, op.id)[-1].reason
+
+
+# --- the autocommit lock connection ---------------------------------------------------------
+
+
+@pytest.fixture
+def one_connection(database_url: str) -> Iterator[Engine]:
+    """An engine with a single pooled connection whose sessions start with
+    synchronous_commit=off, and no pre-ping (as the worker's dispatch engine)."""
+    from outbox.db import create_engine  # noqa: PLC0415
+
+    engine = create_engine(
+        database_url,
+        pool_size=1,
+        max_overflow=0,
+        pool_pre_ping=False,
+        connect_args={"options": "-c synchronous_commit=off"},
+    )
+    yield engine
+    engine.dispose()
+
+
+def test_the_sent_commit_is_durable_whatever_the_session_default(
+    engine: Engine, one_connection: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """A dispatch connection whose session says synchronous_commit=off is switched to `on`
+    with the lock, before its `sent` commit (the only connection of the pool shows it)."""
+    with one_connection.connect() as conn:
+        assert conn.execute(text("SHOW synchronous_commit")).scalar_one() == "off"
+    op = make_operation(engine)
+    with faults.armed("after_sent_commit", "raise"), pytest.raises(faults.InjectedFault):
+        dispatch(op.id, engine=one_connection, registry=registry)
+    assert reload(engine, op.id).state is State.SENT
+    assert remote.calls == []
+    with one_connection.connect() as conn:
+        assert conn.execute(text("SHOW synchronous_commit")).scalar_one() == "on"
+
+
+def test_a_dead_pooled_connection_is_replaced_at_the_lock(
+    engine: Engine, one_connection: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """Without pre-ping, a pooled connection the server dropped fails at the lock, before
+    anything is written, and the dispatcher takes a fresh one: the attempt goes ahead."""
+    with one_connection.connect() as conn:
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    with engine.connect() as admin:
+        admin.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        admin.commit()
+    op = make_operation(engine)
+    assert dispatch(op.id, engine=one_connection, registry=registry).outcome is Outcome.CONFIRMED
+    assert len(remote.calls) == 1
+
+
+def test_an_escalation_by_the_dispatcher_commits_with_its_webhook_or_not_at_all(
+    engine: Engine, registry: ToolRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the autocommit lock connection, a move that writes webhook deliveries runs in one
+    transaction with them: if the delivery cannot be written, the move is not made either;
+    when it can, both are there."""
+    from outbox.config import get_settings  # noqa: PLC0415
+
+    monkeypatch.setenv("OUTBOX_WEBHOOK_URL", "https://hooks.example.com/outbox")
+    monkeypatch.setenv("OUTBOX_WEBHOOK_SECRET", "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+    get_settings.cache_clear()
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "CREATE FUNCTION pg_temp.refuse() RETURNS trigger LANGUAGE plpgsql AS "
+                    "$$ BEGIN RAISE EXCEPTION 'deliveries table full'; END $$"
+                )
+            )
+            conn.execute(
+                text(
+                    "CREATE TRIGGER refuse_delivery BEFORE INSERT ON outbox.webhook_deliveries "
+                    "FOR EACH ROW EXECUTE FUNCTION pg_temp.refuse()"
+                )
+            )
+        op = make_operation(engine, tool="mail.send")
+        try:
+            with pytest.raises(DBAPIError, match="deliveries table full"):
+                dispatch(op.id, engine=engine, registry=registry)
+        finally:
+            with engine.begin() as conn:
+                conn.execute(text("DROP TRIGGER refuse_delivery ON outbox.webhook_deliveries"))
+        assert reload(engine, op.id).state is State.PLANNED
+        report = dispatch(op.id, engine=engine, registry=registry)
+    finally:
+        monkeypatch.undo()
+        get_settings.cache_clear()
+    assert report.outcome is Outcome.NEEDS_HUMAN
+    with engine.connect() as conn:
+        events = conn.execute(
+            text("SELECT event FROM outbox.webhook_deliveries WHERE operation_id = :id"),
+            {"id": op.id},
+        ).scalars()
+        assert list(events) == ["needs_human"]
