@@ -71,13 +71,14 @@ from outbox.states import Actor, State, transition
 Rate = Mapping[str, tuple[float, str]]
 PER_S = "/s"
 
+#: The row enqueue() writes, as an application would insert it: the same columns and values,
+#: bound as parameters, into a table shaped like ``outbox.operations`` (its indexes too).
 _RAW_INSERT = (
-    "INSERT INTO bench_raw (id, intent_key, tool, target, payload, payload_hash, state, "
-    "attempts, checks, maybe_applied, metadata, created_at, updated_at, available_at) "
-    "VALUES (gen_random_uuid(), gen_random_uuid()::text, 'bench.tool', 't', '{\"v\": 1}', "
-    "repeat('a', 64), 'planned', 0, 0, false, '{}', clock_timestamp(), clock_timestamp(), "
-    "clock_timestamp())"
+    "INSERT INTO bench_raw (id, intent_key, tool, target, payload, payload_hash, metadata) "
+    "VALUES (gen_random_uuid(), %s, %s, %s, %s::jsonb, %s, %s::jsonb)"
 )
+#: Intents per enqueue_many() call in the batch case.
+BATCH = 100
 
 
 Setup = Callable[[contextlib.ExitStack], Callable[[int], None]]
@@ -144,7 +145,8 @@ class Limits:
     # --- PostgreSQL -----------------------------------------------------------------------
 
     def insert_commit(self, connections: int) -> float:
-        """Raw driver: one operations-shaped row per transaction."""
+        """Raw driver: the row enqueue() writes, one per transaction, a connection per thread."""
+        tag = self._next_tag()
 
         def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
             raw = self.engine.raw_connection()
@@ -152,8 +154,12 @@ class Limits:
             conn = raw.driver_connection
             assert conn is not None  # noqa: S101
 
-            def op(_i: int) -> None:
-                conn.execute(_RAW_INSERT)
+            def op(i: int) -> None:
+                payload = f'{{"version":"1.0.{i}"}}'
+                conn.execute(
+                    _RAW_INSERT,
+                    (f"raw-{tag}-{i}", "bench.tool", "web", payload, "a" * 64, "{}"),
+                )
                 conn.commit()
 
             return op
@@ -161,17 +167,18 @@ class Limits:
         return _in_threads(connections, self.ops, setup)
 
     def enqueue_commit(self, connections: int) -> float:
-        """``outbox.enqueue`` + COMMIT, one intent per transaction, a Session per thread."""
+        """``outbox.enqueue`` + COMMIT, one intent per transaction, a connection per thread
+        (as the raw case: a Session that checks a connection out per transaction adds the
+        pool's own cost, whatever runs inside)."""
         tag = self._next_tag()
 
         def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
-            session = Session(self.engine)
-            stack.callback(session.close)
+            conn = stack.enter_context(self.engine.connect())
 
             def op(i: int) -> None:
-                with session.begin():
+                with conn.begin():
                     api.enqueue(
-                        session,
+                        conn,
                         tool="bench.tool",
                         target="web",
                         payload={"version": f"1.0.{i}"},
@@ -181,6 +188,33 @@ class Limits:
             return op
 
         return _in_threads(connections, self.ops, setup)
+
+    def enqueue_many_commit(self, connections: int) -> float:
+        """``outbox.enqueue_many`` of ``BATCH`` intents + COMMIT: intents per second."""
+        tag = self._next_tag()
+        batches = max(1, self.ops // BATCH)
+
+        def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
+            session = stack.enter_context(Session(self.engine))
+
+            def op(b: int) -> None:
+                with session.begin():
+                    api.enqueue_many(
+                        session,
+                        [
+                            api.Intent(
+                                "bench.tool",
+                                "web",
+                                {"version": f"1.0.{b}.{i}"},
+                                intent_key=f"many-{tag}-{b}-{i}",
+                            )
+                            for i in range(BATCH)
+                        ],
+                    )
+
+            return op
+
+        return _in_threads(connections, batches, setup) * BATCH
 
     def _planned_rows(self, tool: str) -> list[UUID]:
         """``ops`` fresh `planned` rows (not timed)."""
@@ -484,6 +518,14 @@ def _cases(
             one(f"enqueue()+COMMIT, {n} connections", lambda: limits.enqueue_commit(n)),
             ours,
         ),
+        Case(
+            "enqueue_many n",
+            one(
+                f"enqueue_many({BATCH})+COMMIT, {n} connections, intents",
+                lambda: limits.enqueue_many_commit(n),
+            ),
+            ours,
+        ),
         Case("cas 1", one("sent CAS+COMMIT, 1 connection", lambda: limits.sent_cas(1)), ours),
         Case("cas n", one(f"sent CAS+COMMIT, {n} connections", lambda: limits.sent_cas(n)), ours),
         Case("lock", one("try_lock+unlock, 1 connection", limits.lock_round_trip), ours),
@@ -543,6 +585,11 @@ def _ratios(results: Results, n: int, clients: int) -> None:
     results.ratio(
         f"enqueue() / raw INSERT ({n} connections)",
         f"enqueue()+COMMIT, {n} connections",
+        f"INSERT+COMMIT, {n} connections",
+    )
+    results.ratio(
+        f"enqueue_many({BATCH}) / raw INSERT ({n} connections), per intent",
+        f"enqueue_many({BATCH})+COMMIT, {n} connections, intents",
         f"INSERT+COMMIT, {n} connections",
     )
     results.ratio(

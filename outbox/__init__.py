@@ -5,7 +5,7 @@ workers deliver it once, with the operation id as idempotency key; ambiguous out
 looked up, replayed only under the remote's dedup contract, or put before a human.
 """
 
-from outbox.api import cancel, enqueue, find, get, wait
+from outbox.api import Intent, cancel, enqueue, enqueue_many, find, get, wait
 from outbox.errors import (
     ConfigError,
     DatabaseUnavailable,
@@ -32,6 +32,7 @@ __all__ = [
     "ConfigError",
     "DatabaseUnavailable",
     "Event",
+    "Intent",
     "IntentConflict",
     "InvalidIntent",
     "NotCancellable",
@@ -49,6 +50,7 @@ __all__ = [
     "WaitTimeout",
     "cancel",
     "enqueue",
+    "enqueue_many",
     "find",
     "get",
     "resolve",

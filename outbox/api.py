@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.orm import Session
 
 from outbox import statements
 from outbox.canonical import NotCanonicalizable, canonical_json, payload_hash
@@ -97,6 +99,141 @@ def enqueue(
         intent_key=intent_key,
         differences=(),
     )
+
+
+@dataclass(frozen=True)
+class Intent:
+    """One intent for :func:`enqueue_many`: the arguments :func:`enqueue` takes."""
+
+    tool: str
+    target: str
+    payload: Any
+    intent_key: str | None = None
+    metadata: Mapping[str, Any] | None = field(default=None, hash=False)
+    requested_by: str | None = None
+
+
+@dataclass(frozen=True)
+class _Checked:
+    intent_key: str | None
+    tool: str
+    target: str
+    canonical_payload: str
+    payload_hash: str
+    metadata: str
+    requested_by: str | None
+
+
+def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation]:
+    """Record many intents in the caller's transaction, in one round trip; in input order.
+
+    The batch form of :func:`enqueue`, with the same rules for each intent, for an agent
+    that plans several actions at once: the operations exist if and only if the caller
+    commits. Every intent is checked before anything is written (:class:`InvalidIntent`
+    names the intent's position and field). A key already recorded with the same tool,
+    target and payload gives back the existing operation (so does a key repeated inside
+    the batch); any difference raises :class:`IntentConflict` and writes nothing: the
+    batch runs under a savepoint that is rolled back.
+    """
+    checked: list[_Checked] = []
+    for position, intent in enumerate(intents):
+        if not isinstance(intent, Intent):
+            raise InvalidIntent(
+                f"intent #{position} is a {type(intent).__name__}, not an outbox.Intent",
+                field="intents",
+            )
+        try:
+            checked.append(_check(intent))
+        except InvalidIntent as exc:
+            raise InvalidIntent(f"intent #{position}: {exc}", field=exc.field) from None
+    if not checked:
+        return []
+    unique = _unique_keys(checked)
+    with _savepoint(session):
+        inserted = statements.insert_intents(
+            session,
+            intent_keys=[c.intent_key for c in unique],
+            tools=[c.tool for c in unique],
+            targets=[c.target for c in unique],
+            canonical_payloads=[c.canonical_payload for c in unique],
+            payload_hashes=[c.payload_hash for c in unique],
+            metadata=[c.metadata for c in unique],
+            requested_by=[c.requested_by for c in unique],
+        )
+        by_key = {op.intent_key: op for op in inserted.values()}
+        taken = [c.intent_key for c in unique if c.intent_key and c.intent_key not in by_key]
+        for existing in statements.find_operations(session, taken) if taken else []:
+            by_key[existing.intent_key] = existing
+        for one in unique:
+            if one.intent_key is None:
+                continue
+            found = by_key.get(one.intent_key)
+            if found is None:
+                raise IntentConflict(
+                    f"intent key {one.intent_key!r} is being used and removed concurrently; "
+                    "try again",
+                    intent_key=one.intent_key,
+                    differences=(),
+                )
+            _check_same_intent(found, tool=one.tool, target=one.target, digest=one.payload_hash)
+    unnamed = {
+        id(one): inserted[position] for position, one in enumerate(unique) if one.intent_key is None
+    }
+    return [
+        by_key[one.intent_key] if one.intent_key is not None else unnamed[id(one)]
+        for one in checked
+    ]
+
+
+def _check(intent: Intent) -> _Checked:
+    _check_tool(intent.tool)
+    _check_target(intent.target)
+    _check_intent_key(intent.intent_key)
+    canonical = _canonical_payload(intent.payload)
+    return _Checked(
+        intent_key=intent.intent_key,
+        tool=intent.tool,
+        target=intent.target,
+        canonical_payload=canonical.decode(),
+        payload_hash=payload_hash(canonical),
+        metadata=json.dumps(_checked_metadata(intent.metadata)),
+        requested_by=intent.requested_by,
+    )
+
+
+def _unique_keys(checked: list[_Checked]) -> list[_Checked]:
+    """The batch with each named key once; the same key for different intents is refused."""
+    seen: dict[str, _Checked] = {}
+    unique: list[_Checked] = []
+    for one in checked:
+        if one.intent_key is None:
+            unique.append(one)
+            continue
+        first = seen.setdefault(one.intent_key, one)
+        if first is one:
+            unique.append(one)
+            continue
+        differences = tuple(
+            name
+            for name in ("tool", "target", "payload_hash")
+            if getattr(first, name) != getattr(one, name)
+        )
+        if differences:
+            names = tuple("payload" if d == "payload_hash" else d for d in differences)
+            raise IntentConflict(
+                f"intent key conflict: {one.intent_key!r} appears twice in the batch with a "
+                f"different {', '.join(names)}; nothing was written",
+                intent_key=one.intent_key,
+                differences=names,
+            )
+    return unique
+
+
+def _savepoint(session: Executor) -> Any:
+    """A SAVEPOINT in the caller's transaction (rolled back if the block raises)."""
+    if isinstance(session, Session | Connection):
+        return session.begin_nested()
+    raise TypeError(f"enqueue_many needs a Session or Connection, not {type(session).__name__}")
 
 
 def get(session: Executor, operation_id: UUID | str) -> Operation | None:

@@ -410,3 +410,97 @@ def test_wait_for_a_missing_operation_raises_not_found(
     """wait for an unknown id or a garbage string raises OperationNotFound at once."""
     with pytest.raises(OperationNotFound):
         api.wait(operation_id, timeout=5, engine=engine)
+
+
+# --- enqueue_many ---------------------------------------------------------------------------
+
+
+def test_enqueue_many_records_every_intent_in_input_order(engine: Engine) -> None:
+    """One call, the caller's transaction: planned operations in input order, each with its
+    first event, exactly as enqueue would have written them."""
+    intents = [
+        api.Intent(TOOL, TARGET, {"version": f"1.0.{i}"}, intent_key=f"batch-{i}") for i in range(5)
+    ]
+    intents.insert(2, api.Intent(TOOL, "project-b", PAYLOAD, metadata={"run": 3}))
+    with Session(engine) as session, session.begin():
+        ops = api.enqueue_many(session, intents)
+    assert [op.target for op in ops] == [i.target for i in intents]
+    assert [op.intent_key for op in ops if op.target == TARGET] == [f"batch-{i}" for i in range(5)]
+    unnamed = ops[2]
+    assert unnamed.intent_key == str(unnamed.id)
+    assert unnamed.metadata == {"run": 3}
+    for op in ops:
+        assert op.state is State.PLANNED
+        assert reload(engine, op.id) == op
+        [event] = events_of(engine, op.id)
+        assert (event.to_state, event.actor, event.reason) == (State.PLANNED, "agent", "enqueued")
+    single = enqueue_committed(engine, intent_key="single", payload={"version": "1.0.0"})
+    assert single.payload_hash == ops[0].payload_hash
+
+
+def test_enqueue_many_returns_existing_operations_for_known_keys(engine: Engine) -> None:
+    """A key already recorded (or repeated in the batch) with the same intent gives back its
+    operation: no second row."""
+    first = enqueue_committed(engine, intent_key="known")
+    with Session(engine) as session, session.begin():
+        ops = api.enqueue_many(
+            session,
+            [
+                api.Intent(TOOL, TARGET, PAYLOAD, intent_key="known"),
+                api.Intent(TOOL, TARGET, {"v": 1}, intent_key="new"),
+                api.Intent(TOOL, TARGET, {"v": 1}, intent_key="new"),
+            ],
+        )
+    assert ops[0] == first
+    assert ops[1] == ops[2]
+    assert operation_count(engine) == 2
+
+
+def test_enqueue_many_conflict_writes_nothing(engine: Engine) -> None:
+    """A known key with another payload raises IntentConflict naming it; the rest of the
+    batch is rolled back to the savepoint and the caller's transaction goes on."""
+    enqueue_committed(engine, intent_key="taken")
+    with Session(engine) as session, session.begin():
+        mine = api.enqueue(session, tool=TOOL, target=TARGET, payload=PAYLOAD, intent_key="mine")
+        with pytest.raises(IntentConflict, match="'taken'") as raised:
+            api.enqueue_many(
+                session,
+                [
+                    api.Intent(TOOL, TARGET, {"v": 1}, intent_key="fresh"),
+                    api.Intent(TOOL, TARGET, {"v": 2}, intent_key="taken"),
+                ],
+            )
+        assert raised.value.differences == ("payload",)
+    assert reload(engine, mine.id).state is State.PLANNED
+    with Session(engine) as session:
+        assert api.find(session, "fresh") is None
+    assert operation_count(engine) == 2
+
+
+def test_enqueue_many_refuses_one_key_for_two_intents_in_a_batch(engine: Engine) -> None:
+    """The same key twice with different targets is refused before anything is written."""
+    with Session(engine) as session, session.begin(), pytest.raises(IntentConflict, match="twice"):
+        api.enqueue_many(
+            session,
+            [
+                api.Intent(TOOL, "a", PAYLOAD, intent_key="k"),
+                api.Intent(TOOL, "b", PAYLOAD, intent_key="k"),
+            ],
+        )
+    assert operation_count(engine) == 0
+
+
+def test_enqueue_many_names_the_bad_intent(engine: Engine) -> None:
+    """A malformed intent is named by its position and field; nothing is written."""
+    with Session(engine) as session, session.begin(), pytest.raises(InvalidIntent) as raised:
+        api.enqueue_many(
+            session,
+            [api.Intent(TOOL, TARGET, PAYLOAD), api.Intent(TOOL, TARGET, ["not", "an", "object"])],
+        )
+    assert raised.value.field == "payload"
+    assert str(raised.value).startswith("intent #1: ")
+    with Session(engine) as session, session.begin(), pytest.raises(InvalidIntent, match="#0"):
+        api.enqueue_many(session, [{"tool": TOOL}])  # type: ignore[list-item]
+    assert operation_count(engine) == 0
+    with Session(engine) as session, session.begin():
+        assert api.enqueue_many(session, []) == []
