@@ -70,6 +70,15 @@ class Settings(BaseSettings):
     republish_after: Seconds = Field(
         default=30.0, description="A published `planned` row is published again after this."
     )
+    ops_per_message: int = Field(
+        default=8,
+        ge=1,
+        le=100,
+        description=(
+            "Operations one dispatch message may name (each still gets its own lock and "
+            "attempt); a batch is still spread over at least 16 messages when it can be."
+        ),
+    )
     max_payload_bytes: int = Field(
         default=256 * 1024, gt=0, description="Largest canonical payload accepted by enqueue."
     )

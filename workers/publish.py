@@ -7,11 +7,18 @@ broken connection leaves the rest unconfirmed (their rows stay unpublished).
 
 On the database broker (kombu's SQLAlchemy transport) a publish is an INSERT that kombu
 commits before returning: there is no confirm to wait for, and no redelivery either.
+
+A message names up to ``ops_per_message`` operations: everything a message costs (the
+publish and its confirm, the consumer's bookkeeping, the ack, the task events Flower reads)
+is paid once for all of them. A batch is spread over at least ``spread`` messages (or one
+per operation, if fewer), so a small batch still reaches that many worker threads at once
+instead of queueing behind one another inside a message.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -39,9 +46,17 @@ class CeleryPublisher:
         confirm_timeout_s: float = 10.0,
         engine: Engine | None = None,
         prune_every_s: float = 60.0,
+        ops_per_message: int = 1,
+        spread: int = 16,
     ) -> None:
+        if ops_per_message < 1 or spread < 1:
+            raise ValueError("ops_per_message and spread must be at least 1")
         self.app = app
         self.confirm_timeout_s = confirm_timeout_s
+        #: At most this many operations per message, and at least ``spread`` messages
+        #: per batch (when it has that many operations).
+        self.ops_per_message = ops_per_message
+        self.spread = spread
         #: On the database broker: where delivered messages are pruned from, and how often.
         self.engine = engine
         self.prune_every_s = prune_every_s
@@ -58,12 +73,13 @@ class CeleryPublisher:
         """Publish ``messages``; return the ids the broker confirmed."""
         try:
             producer = self._ensure_producer()
+            groups = group_messages(messages, self.ops_per_message, self.spread)
             if self.database_broker:
-                for message in messages:
-                    self._send(producer, message)
+                for group in groups:
+                    self._send(producer, group)
                 self._maybe_prune()
                 return {message.operation_id for message in messages}
-            return self._publish_confirmed(producer, messages)
+            return self._publish_confirmed(producer, groups)
         except BrokerUnavailable:
             self.close()
             raise
@@ -109,14 +125,22 @@ class CeleryPublisher:
         self._producer = self.app.amqp.Producer(channel, auto_declare=False)
         return self._producer
 
-    def _send(self, producer: Producer, message: OutboundMessage) -> None:
-        self.app.send_task(
-            DISPATCH_TASK,
-            kwargs={
+    def _send(self, producer: Producer, group: Sequence[OutboundMessage]) -> None:
+        if len(group) == 1:
+            [message] = group
+            kwargs: dict[str, Any] = {
                 "operation_id": str(message.operation_id),
                 "tool": message.tool,
                 "target": message.target,
-            },
+            }
+        else:
+            kwargs = {
+                "operation_ids": [str(message.operation_id) for message in group],
+                "tools": sorted({message.tool for message in group}),
+            }
+        self.app.send_task(
+            DISPATCH_TASK,
+            kwargs=kwargs,
             producer=producer,
             queue="dispatch",
             routing_key="dispatch",
@@ -124,12 +148,12 @@ class CeleryPublisher:
         )
 
     def _publish_confirmed(
-        self, producer: Producer, messages: Sequence[OutboundMessage]
+        self, producer: Producer, groups: Sequence[Sequence[OutboundMessage]]
     ) -> set[UUID]:
-        tags: dict[int, UUID] = {}
-        for message in messages:
-            self._send(producer, message)
-            tags[self._next_tag] = message.operation_id
+        tags: dict[int, Sequence[OutboundMessage]] = {}
+        for group in groups:
+            self._send(producer, group)
+            tags[self._next_tag] = group
             self._next_tag += 1
         deadline = time.monotonic() + self.confirm_timeout_s
         connection = self._connection
@@ -143,7 +167,12 @@ class CeleryPublisher:
                     f"unconfirmed after {self.confirm_timeout_s:g}s"
                 )
             connection.drain_events(timeout=remaining)
-        confirmed = {op_id for tag, op_id in tags.items() if self._confirmed(tag)}
+        confirmed = {
+            message.operation_id
+            for tag, group in tags.items()
+            if self._confirmed(tag)
+            for message in group
+        }
         self._forget(tags)
         return confirmed
 
@@ -174,6 +203,25 @@ class CeleryPublisher:
     def _forget(self, tags: dict[int, Any]) -> None:
         self._acked.difference_update(tags)
         self._nacked.difference_update(tags)
+
+
+def group_messages(
+    messages: Sequence[OutboundMessage], ops_per_message: int, spread: int
+) -> list[Sequence[OutboundMessage]]:
+    """Split a batch, in order, into as few messages of at most ``ops_per_message``
+    operations as keeps at least ``spread`` of them (sizes differ by one at most)."""
+    total = len(messages)
+    if total == 0:
+        return []
+    count = max(math.ceil(total / ops_per_message), min(total, spread))
+    size, extra = divmod(total, count)
+    groups: list[Sequence[OutboundMessage]] = []
+    start = 0
+    for index in range(count):
+        end = start + size + (1 if index < extra else 0)
+        groups.append(messages[start:end])
+        start = end
+    return groups
 
 
 def prune_consumed_messages(engine: Engine) -> int:

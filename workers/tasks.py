@@ -20,16 +20,53 @@ LOCK_BUSY_RETRIES = 5
 
 @app.task(name=DISPATCH_TASK, bind=True)  # type: ignore[untyped-decorator]
 def dispatch_task(
-    self: Task, operation_id: str, tool: str | None = None, target: str | None = None
+    self: Task,
+    operation_id: str | None = None,
+    tool: str | None = None,
+    target: str | None = None,
+    *,
+    operation_ids: list[str] | None = None,
+    tools: list[str] | None = None,
 ) -> str:
-    """Make one attempt of operation ``operation_id``; ``tool``/``target`` are for Flower."""
-    report = dispatch(operation_id, engine=runtime.dispatch_engine())
-    if report.outcome is Outcome.LOCK_BUSY:
+    """Make one attempt of ``operation_id`` (or of each of ``operation_ids``, in turn).
+
+    ``tool``/``target``/``tools`` are only for people watching Flower. Each operation gets
+    its own lock connection and attempt, exactly as if it had a message of its own; one
+    that raises does not stop the others (the first error is raised at the end, so the
+    message shows as failed). Operations whose lock was busy are put back as one message.
+    """
+    del tool, target, tools
+    ids = [operation_id] if operation_id is not None else list(operation_ids or [])
+    outcomes: list[str] = []
+    busy: list[str] = []
+    error: Exception | None = None
+    for one in ids:
+        try:
+            report = dispatch(one, engine=runtime.dispatch_engine())
+        except Exception as exc:  # the others still get their attempt
+            log.exception(
+                "dispatching %s failed",
+                one,
+                extra={"action": "dispatch_error", "operation_id": one},
+            )
+            error = error or exc
+            outcomes.append("error")
+            continue
+        outcomes.append(report.outcome.value)
+        if report.outcome is Outcome.LOCK_BUSY:
+            busy.append(one)
+    if busy:
         if self.request.retries < LOCK_BUSY_RETRIES:
-            raise self.retry(countdown=0.2 + random.random() * 0.3)  # noqa: S311
-        log.info(
-            "dropping a message for %s: its lock stayed busy",
-            operation_id,
-            extra={"action": "dispatch_dropped", "operation_id": operation_id},
-        )
-    return report.outcome.value
+            raise self.retry(
+                kwargs={"operation_ids": busy},
+                countdown=0.2 + random.random() * 0.3,  # noqa: S311
+            )
+        for one in busy:
+            log.info(
+                "dropping a message for %s: its lock stayed busy",
+                one,
+                extra={"action": "dispatch_dropped", "operation_id": one},
+            )
+    if error is not None:
+        raise error
+    return ", ".join(outcomes)

@@ -31,13 +31,23 @@ def relay_command(
             help="Publish a row again after this many seconds (default: OUTBOX_REPUBLISH_AFTER).",
         ),
     ] = None,
+    ops_per_message: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=100,
+            help="Operations one message may name (default: OUTBOX_OPS_PER_MESSAGE, 8).",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
 ) -> None:
     """Publish a dispatch message for every due `planned` operation, until SIGTERM.
 
     Several relays may run at once: each claims its own batches. A broker or database
     outage is retried with backoff; nothing is marked published unless the broker
-    confirmed it. SIGTERM or Ctrl-C finishes the current batch and exits 0.
+    confirmed it. A message names up to --ops-per-message operations, each dispatched
+    with its own lock and attempt; a batch still goes out as at least 16 messages when it
+    has that many operations. SIGTERM or Ctrl-C finishes the current batch and exits 0.
     """
     # Deferred: the CLI sits above the workers layer and imports it only here.
     from outbox.relay import Relay, RelayConfig  # noqa: PLC0415
@@ -53,7 +63,10 @@ def relay_command(
         republish_after_s=republish_after or settings.republish_after,
     )
     with connected() as engine:
-        relay = Relay(engine, CeleryPublisher(app, engine=engine), config)
+        publisher = CeleryPublisher(
+            app, engine=engine, ops_per_message=ops_per_message or settings.ops_per_message
+        )
+        relay = Relay(engine, publisher, config)
 
         def stop(signum: int, _frame: FrameType | None) -> None:
             log.info("stopping after this batch", extra={"action": "relay_stopping"})

@@ -63,8 +63,9 @@ def make_relay(engine: Engine) -> Iterator[MakeRelay]:
     """Build relays whose broker connections are closed after the test."""
     made: list[Relay] = []
 
-    def make(app: Celery, **config: Any) -> Relay:
-        relay = Relay(engine, CeleryPublisher(app), RelayConfig(**config))
+    def make(app: Celery, *, ops_per_message: int = 1, spread: int = 16, **config: Any) -> Relay:
+        publisher = CeleryPublisher(app, ops_per_message=ops_per_message, spread=spread)
+        relay = Relay(engine, publisher, RelayConfig(**config))
         made.append(relay)
         return relay
 
@@ -89,6 +90,28 @@ def test_due_rows_are_published_once_with_tool_and_target(
         assert by_id[str(op.id)]["tool"] == op.tool
         assert by_id[str(op.id)]["target"] == op.target
         assert reload(engine, op.id).published_at is not None
+
+
+def test_a_message_names_several_operations_when_told(
+    engine: Engine, app: Celery, make_relay: MakeRelay
+) -> None:
+    """With ops_per_message=8 and spread=1, 20 due rows go out as 3 messages (6, 7, 7)
+    naming every row once, all confirmed and marked published; with spread=16 a batch of
+    20 goes out as 16 messages instead."""
+    ops = [make_operation(engine, target=f"p{i}") for i in range(20)]
+    relay = make_relay(app, ops_per_message=8, spread=1)
+    assert relay.run_once().published == 20
+    messages = _drain(app)
+    assert sorted(len(m["operation_ids"]) for m in messages) == [6, 7, 7]
+    assert sorted(i for m in messages for i in m["operation_ids"]) == sorted(str(o.id) for o in ops)
+    assert all(m["tools"] == [ops[0].tool] for m in messages)
+    assert all(reload(engine, op.id).published_at is not None for op in ops)
+    more = [make_operation(engine, target=f"q{i}") for i in range(20)]
+    spread = make_relay(app, ops_per_message=8, spread=16)
+    assert spread.run_once().published == 20
+    sizes = sorted(len(m.get("operation_ids", [m.get("operation_id")])) for m in _drain(app))
+    assert sizes == [1] * 12 + [2] * 4
+    assert len(more) == 20
 
 
 def test_rows_not_due_wait_and_lost_messages_are_republished(

@@ -171,3 +171,21 @@ def test_settings_are_frozen() -> None:
     settings = load_settings()
     with pytest.raises(ValueError, match="frozen"):
         settings.sent_timeout = 5.0
+
+
+def test_a_batch_is_grouped_in_order_into_bounded_messages() -> None:
+    """group_messages keeps the order, caps a message at ops_per_message, spreads a batch
+    over at least `spread` messages, and makes sizes that differ by one at most."""
+    import uuid  # noqa: PLC0415
+
+    from outbox.relay import OutboundMessage  # noqa: PLC0415
+    from workers.publish import group_messages  # noqa: PLC0415
+
+    batch = [OutboundMessage(uuid.uuid4(), "t", str(i)) for i in range(200)]
+    groups = group_messages(batch, 8, 16)
+    assert [m for g in groups for m in g] == batch
+    assert {len(g) for g in groups} == {8}
+    assert [len(g) for g in group_messages(batch[:20], 8, 16)] == [2] * 4 + [1] * 12
+    assert [len(g) for g in group_messages(batch[:5], 8, 16)] == [1] * 5
+    assert [len(g) for g in group_messages(batch[:17], 8, 1)] == [6, 6, 5]
+    assert group_messages([], 8, 16) == []
