@@ -174,7 +174,12 @@ class Relay:
             return
         try:
             with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                conn.execute(text(f"LISTEN {statements.PLANNED_CHANNEL}"))
+                # The idle flag is advice (a lost one costs a poll interval or a needless
+                # NOTIFY), so its commits need not wait for the disk: waking up to a bell
+                # should not pay a WAL flush before the claim.
+                conn.execute(
+                    text(f"SET synchronous_commit = off; LISTEN {statements.PLANNED_CHANNEL}")
+                )
                 self._announce(conn, idle=True)
                 try:
                     # Rows committed between our last claim and the idle flag rang no bell.
@@ -182,7 +187,7 @@ class Relay:
                         self._wait_for_bell(conn)
                 finally:
                     self._announce(conn, idle=False)
-                    conn.execute(text("UNLISTEN *"))
+                    conn.execute(text("UNLISTEN *; RESET synchronous_commit"))
         except DBAPIError as exc:
             log.warning("relay cannot listen: %s", exc, extra={"action": "relay_error"})
             self._stop.wait(self.config.poll_interval_s)
