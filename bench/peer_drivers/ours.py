@@ -1,0 +1,128 @@
+"""Ours: bench/pipeline.py's own ``Pipeline`` (and so its ``Agents``), one per load.
+
+Nothing is re-implemented here, so the numbers in the peers' table come from the same code as
+``bench/pipeline.py``'s: per case, a ``Pipeline`` for (broker, flat | steady) runs one round
+(``Pipeline.run_round``): it empties the outbox tables, starts ``outbox relay`` and ``W x outbox
+worker -P threads -c C -Q dispatch,lookup,reconcile,human`` as real processes, warms them up
+with ``W x C`` intents, has the agents ``api.enqueue`` one intent per transaction, waits until
+every operation is ``confirmed``, checks and stops the processes. Configured as pipeline.py's
+defaults: 1 relay with ``--batch-size 200``, the workers on every queue; the broker is
+RabbitMQ on a throw-away vhost (the database broker only when no RabbitMQ is reachable, and the
+section then says so).
+
+Its rows map onto the peers' names: ``throughput`` -> ``flat: throughput`` (confirmed count /
+(last ``confirmed`` - first commit)), ``commit -> arrival pN`` -> ``steady: commit -> arrival
+pN``, ``commit -> confirmed pN`` -> ``steady: commit -> result pN``. On top of pipeline.py's own
+checks (every operation ``confirmed``, no key with two effects), every operation of the case
+must have reached the service exactly once and no other key may have.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from common import Results
+from pipeline import Config, Pipeline
+from sqlalchemy import text
+
+from peer_drivers import base
+
+#: bench/pipeline.py's defaults for what peers.py does not ask.
+RELAYS = 1
+BATCH_SIZE = 200
+QUEUES = "dispatch,lookup,reconcile,human"
+
+_ROWS = {
+    "flat": {
+        "throughput": "flat: throughput",
+        "enqueue rate (offered)": "flat: enqueue rate (offered)",
+    },
+    "steady": {
+        "throughput": "steady: throughput",
+        "commit -> arrival p50": "steady: commit -> arrival p50",
+        "commit -> arrival p95": "steady: commit -> arrival p95",
+        "commit -> arrival p99": "steady: commit -> arrival p99",
+        "commit -> confirmed p50": "steady: commit -> result p50",
+        "commit -> confirmed p99": "steady: commit -> result p99",
+    },
+}
+
+
+class Ours(base.System):
+    """Our pipeline on ``database_url`` (migrated) and ``broker_url`` (None: the database)."""
+
+    key = "ours"
+
+    def __init__(
+        self, settings: base.Settings, *, database_url: str, broker_url: str | None
+    ) -> None:
+        super().__init__()
+        self.settings = settings
+        self.database_url = database_url
+        self.broker_url = broker_url
+        self.broker = "rabbitmq" if broker_url else "database"
+        self.label = "ours" if broker_url else "ours (database broker)"
+        self.args = argparse.Namespace(
+            intents=settings.intents,
+            agents=settings.agents,
+            workers=settings.workers,
+            concurrency=settings.concurrency,
+            relays=RELAYS,
+            queues=QUEUES,
+            batch_size=BATCH_SIZE,
+            log_level=settings.log_level,
+        )
+        self.pipelines: dict[str, tuple[Pipeline, Results]] = {}
+        self.cases = 0
+
+    def _pipeline(self, load: base.Load) -> tuple[Pipeline, Results]:
+        if load.kind not in self.pipelines:
+            workdir = Path(self.settings.workdir) / f"ours-{load.kind}"
+            workdir.mkdir(parents=True)
+            cpu = Results("pipeline's CPU")
+            pipeline = Pipeline(
+                Config(self.broker, load.kind, load.rate or 0.0),
+                db_url=self.database_url,
+                broker_url=self.broker_url,
+                service=self.settings.service,
+                args=self.args,
+                workdir=workdir,
+                cpu=cpu,
+            )
+            self.pipelines[load.kind] = (pipeline, cpu)
+        return self.pipelines[load.kind]
+
+    def run(self, load: base.Load) -> base.Rows:
+        self.cases += 1
+        pipeline, cpu = self._pipeline(load)
+        known = len(pipeline.problems)
+        measured = pipeline.run_round()
+        where = f"{self.label}, {load.label}, case {self.cases}"
+        self.problems += [f"{where}: {p}" for p in pipeline.problems[known:]]
+        with pipeline.engine.connect() as conn:
+            keys = [
+                str(op)
+                for (op,) in conn.execute(
+                    text("SELECT id FROM outbox.operations WHERE intent_key LIKE 'bench-%'")
+                )
+            ]
+        if len(keys) != self.settings.intents:
+            self.problems.append(f"{where}: {len(keys)} operations, not {self.settings.intents}")
+        self.problems += base.check_exactly_once(
+            where, keys, self.settings.service.effects_by_key()
+        )
+        for (section, name), row in cpu.rows.items():
+            if section == pipeline.config.name and row.values:
+                self.settings.cpu.add(
+                    name, row.values[-1], unit=row.unit, section=f"{self.label}, {load.label}"
+                )
+        return {
+            ours: measured[theirs]
+            for theirs, ours in _ROWS[load.kind].items()
+            if theirs in measured
+        }
+
+    def close(self) -> None:
+        for pipeline, _ in self.pipelines.values():
+            pipeline.close()

@@ -1,0 +1,286 @@
+"""Peers side by side: the same job on naive Celery, Procrastinate, DBOS and ours, in one run.
+
+The job, identical for every system: ``--intents`` operations, each "record the intent
+durably, POST once to the reference service with a stable idempotency key, record the result
+in the database" (:mod:`peer_drivers.job`). The reference service runs in a process of its own
+in its fast configuration (in-memory ledger, no faults, no dedup), as for bench/pipeline.py:
+it notes when each key's first request arrived and counts effects per key.
+
+The systems (``--systems``, default all; one module each in ``bench/peer_drivers/``, whose
+docstrings say exactly how each is driven and configured):
+
+* ``ours``: bench/pipeline.py's ``Pipeline`` itself (relay + workers, RabbitMQ);
+* ``celery``: naive Celery, no outbox: COMMIT the intent, then ``task.delay(id)``;
+* ``procrastinate``: the job deferred in the intent's own transaction (PostgreSQL queue);
+* ``dbos``: a DBOS workflow (transaction, step, transaction) enqueued on a DBOS queue.
+
+Every system gets the same worker budget: ``--workers`` processes (default 2, one per core
+here) of ``--concurrency`` jobs in flight each (default 8), as real subprocesses, warmed up
+before the clock starts; its own throw-away database(s) (and RabbitMQ vhost where it uses one).
+
+Per system, load and round (a *case*: one system's workers started, warmed, measured,
+stopped; :mod:`peer_drivers.base`), ``--agents`` threads make the intents:
+
+* flat: as fast as they can; throughput = results / (last result recorded - first intent
+  commit), ops/s;
+* steady at ``--rate`` intents/s in total: latency from the intent's commit (``time.time()``
+  right after the agent's COMMIT returned) to the request arriving at the service (its clock,
+  the same host's), p50 / p95 / p99; and to the result being recorded (``clock_timestamp()``
+  in the result's transaction). A system whose capacity is below ``--rate`` cannot keep up:
+  its steady latencies then measure a backlog that grows with ``--intents``; its ``steady:
+  throughput`` row shows it and a note under the table says so.
+
+The cases run **interleaved**: every case once per round, the starting case rotating from
+round to round (``common.run_rounds``), so a noisy machine disturbs all systems alike. The
+ratio rows divide ours by each peer **round by round** and then take the median (above 1:
+ours has more throughput; below 1: ours has the lower latency).
+
+Every case checks that each intent reached the service exactly once (``effects_by_key``) and
+has its result recorded; otherwise the problems are printed and the script exits 1 (after the
+table). A system whose package is not installed is skipped with a line saying so (install the
+peers with ``pip install -e '.[bench]'``). Databases, vhosts and processes are removed at the
+end, also on a failure, Ctrl-C or SIGTERM.
+
+Usage: python bench/peers.py [--url postgresql://...] [--rounds 3] [--intents 3000]
+       [--rate 100] [--agents 8] [--workers 2] [--concurrency 8]
+       [--systems ours,celery,procrastinate,dbos] [--broker-url amqp://...] [--dbos-poll 0.1]
+       [--smoke] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import logging
+import signal
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import FrameType
+
+# The bench directory is not a package: `python bench/peers.py` puts it on sys.path.
+from common import (
+    Results,
+    ServiceProcess,
+    add_common_arguments,
+    print_table,
+    rabbitmq_available,
+    run_rounds,
+    throwaway_database,
+    throwaway_vhost,
+    write_json,
+)
+from peer_drivers.base import Load, Settings, System, stop_stray_children, tell
+from rich.markup import escape
+
+SYSTEMS = ("ours", "celery", "procrastinate", "dbos")
+#: The package each peer needs (ours and naive Celery need only our own dependencies).
+PACKAGES = {"celery": "celery", "procrastinate": "procrastinate", "dbos": "dbos"}
+INSTALL = "pip install -e '.[bench]'"
+
+
+def _systems(value: str) -> list[str]:
+    chosen = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in SYSTEMS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(
+            f"unknown system(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(SYSTEMS)}"
+        )
+    return list(dict.fromkeys(chosen))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    add_common_arguments(parser)
+    parser.add_argument("--intents", type=int, default=3000, help="per system, load and round")
+    parser.add_argument("--rate", type=float, default=100.0, help="steady: intents/s in all")
+    parser.add_argument("--agents", type=int, default=8, help="agent threads (connections)")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes per system")
+    parser.add_argument("--concurrency", type=int, default=8, help="jobs in flight per worker")
+    parser.add_argument(
+        "--systems",
+        type=_systems,
+        default=list(SYSTEMS),
+        help=f"comma-separated, from {','.join(SYSTEMS)} (default: all)",
+    )
+    parser.add_argument("--broker-url", help="an AMQP URL to use as it is (no vhost is made)")
+    parser.add_argument(
+        "--dbos-poll",
+        type=float,
+        default=0.1,
+        help="DBOS queue polling interval, s (default %(default)s; DBOS's own default is 1)",
+    )
+    parser.add_argument("--log-level", default="WARNING", help="the workers' log level")
+    return parser
+
+
+def _available(names: Sequence[str], rabbitmq: bool, results: Results) -> list[str]:
+    """``names`` less the systems that cannot run here, each skipped with a line saying why."""
+    kept = []
+    for name in names:
+        package = PACKAGES.get(name)
+        if package is not None and importlib.util.find_spec(package) is None:
+            line = f"{name}: skipped, {package} is not installed ({INSTALL})"
+        elif name == "celery" and not rabbitmq:
+            line = f"{name}: skipped, no RabbitMQ on 127.0.0.1:5672 (or no rabbitmqctl)"
+        else:
+            kept.append(name)
+            continue
+        tell(line)
+        results.note(escape(line))  # the table prints notes as rich markup
+    return kept
+
+
+def _build(
+    name: str, settings: Settings, args: argparse.Namespace, stack: contextlib.ExitStack
+) -> System:
+    """The system ``name`` on throw-away databases (and vhost), removed by ``stack``."""
+    system: System
+    if name == "ours":
+        from peer_drivers.ours import Ours  # noqa: PLC0415 -- only what is chosen is imported
+
+        rabbitmq = bool(args.broker_url) or rabbitmq_available()
+        broker = stack.enter_context(throwaway_vhost(args.broker_url)) if rabbitmq else None
+        system = Ours(
+            settings,
+            database_url=stack.enter_context(throwaway_database(args.url)),
+            broker_url=broker,
+        )
+    elif name == "celery":
+        from peer_drivers.naive_celery import NaiveCelery  # noqa: PLC0415
+
+        system = NaiveCelery(
+            settings,
+            database_url=stack.enter_context(throwaway_database(args.url, migrated=False)),
+            broker_url=stack.enter_context(throwaway_vhost(args.broker_url)),
+        )
+    elif name == "procrastinate":
+        from peer_drivers.procrastinate_peer import Procrastinate  # noqa: PLC0415
+
+        system = Procrastinate(
+            settings, database_url=stack.enter_context(throwaway_database(args.url, migrated=False))
+        )
+    else:
+        from peer_drivers.dbos_peer import Dbos  # noqa: PLC0415
+
+        system = Dbos(
+            settings,
+            system_url=stack.enter_context(throwaway_database(args.url, migrated=False)),
+            app_url=stack.enter_context(throwaway_database(args.url, migrated=False)),
+            poll_s=args.dbos_poll,
+        )
+    stack.callback(system.close)
+    return system
+
+
+def _ratios(results: Results, systems: Sequence[System]) -> None:
+    """Ours / each peer, round by round: flat throughput, and steady commit -> arrival p50
+    and p99."""
+    ours = next((s for s in systems if s.key == "ours"), None)
+    if ours is None:
+        return
+    for peer in systems:
+        if peer is ours:
+            continue
+        results.ratio(
+            f"flat throughput: ours / {peer.label}",
+            (ours.label, "flat: throughput"),
+            (peer.label, "flat: throughput"),
+        )
+    for q in (50, 99):
+        for peer in systems:
+            if peer is ours:
+                continue
+            row = f"steady: commit -> arrival p{q}"
+            results.ratio(
+                f"steady arrival p{q}: ours / {peer.label}", (ours.label, row), (peer.label, row)
+            )
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM as Ctrl-C: unwind, so every ``finally`` and context manager cleans up."""
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.smoke:
+        args.rounds, args.intents, args.rate = 1, 100, 100.0
+    logging.getLogger("amqp").setLevel(logging.ERROR)
+    rabbitmq = bool(args.broker_url) or rabbitmq_available()
+    loads = [Load(None), Load(args.rate)]
+    results = Results(
+        f"peers: {args.intents} intents per case, {args.agents} agents, {args.workers} workers "
+        f"x {args.concurrency} per system, steady at {args.rate:g}/s, {args.rounds} rounds"
+    )
+    cpu = Results("CPU while measuring, in % of one core (from /proc; rabbitmq: the whole broker)")
+    names = _available(args.systems, rabbitmq, results)
+    if not names:
+        tell("nothing to run")
+        return 2
+    previous: Callable[..., object] | int | None = signal.signal(signal.SIGTERM, _on_sigterm)
+    systems: list[System] = []
+    failed = False
+    try:
+        with contextlib.ExitStack() as stack:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-peers-")))
+            service = stack.enter_context(ServiceProcess(port=0, record_arrivals=True))
+            settings = Settings(
+                intents=args.intents,
+                agents=args.agents,
+                workers=args.workers,
+                concurrency=args.concurrency,
+                service=service,
+                workdir=workdir,
+                cpu=cpu,
+                log_level=args.log_level,
+            )
+            for name in names:
+                tell(f"setting up {name}")
+                systems.append(_build(name, settings, args, stack))
+            cases = [system.case(load) for system in systems for load in loads]
+            try:
+                run_rounds(args.rounds, cases, results)
+            except RuntimeError as exc:
+                tell(f"FAILED: {exc}")
+                failed = True
+            tell("cleaning up")
+    except KeyboardInterrupt:
+        tell("interrupted: workers stopped, databases and vhosts removed")
+        return 130
+    finally:
+        strays = stop_stray_children()
+        if strays:
+            tell(f"stopped {len(strays)} stray worker process(es): {strays}")
+        signal.signal(signal.SIGTERM, previous)
+    if any(s.label == "ours (database broker)" for s in systems):
+        results.note("ours ran on the database broker: no RabbitMQ was reachable")
+    _ratios(results, systems)
+    for system in systems:
+        steady = results.find((system.label, "steady: throughput"))
+        if steady is not None and steady.values and min(steady.values) < 0.95 * args.rate:
+            results.note(
+                f"{system.label} did not keep up with {args.rate:g}/s in some round: its steady "
+                "latencies include a backlog that grows with --intents (compare at a lower --rate)"
+            )
+    results.note(
+        "Latency: from the agent's commit (time.time() after COMMIT returned) to the request "
+        "reaching the service; result: to the result's clock_timestamp(). One host, one clock."
+    )
+    results.note(
+        "Ratios, ours / peer, per round then the median: throughput above 1 and latency below "
+        "1 mean ours is better."
+    )
+    print_table(results)
+    print_table(cpu)
+    write_json(args.json, [results, cpu], vars(args))
+    problems = [problem for system in systems for problem in system.problems]
+    for problem in problems:
+        tell(f"PROBLEM: {problem}")
+    return 1 if failed or problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
