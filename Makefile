@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test lint format demo clean
+.PHONY: install test lint format demo bench bench-quick clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,19 @@ format: $(INSTALLED)
 
 demo: $(INSTALLED)  ## The main job on one machine: embedded PostgreSQL, a scripted agent, a result.
 	$(BIN)/outbox demo
+
+bench: $(INSTALLED)  ## The full benchmark suite (docs/performance.md): about an hour, quiet machine.
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
+	$(BIN)/python bench/limits.py
+	$(BIN)/python bench/pipeline.py --broker both --mode both
+	$(BIN)/python bench/peers.py --rounds 3
+	$(BIN)/python bench/scale.py
+
+bench-quick: $(INSTALLED)  ## Every benchmark in its few-second smoke form: do they still run.
+	$(BIN)/python bench/limits.py --smoke
+	$(BIN)/python bench/pipeline.py --smoke
+	$(BIN)/python bench/peers.py --smoke --systems ours,celery
+	$(BIN)/python bench/scale.py --smoke
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

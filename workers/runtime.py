@@ -13,17 +13,12 @@ from outbox.db import create_engine, database_url
 
 @functools.cache
 def engine() -> Engine:
-    """This process's engine (each attempt checks out its own connection from it)."""
-    return create_engine(database_url(get_settings()), pool_size=10, max_overflow=20)
+    """This process's engine (each attempt checks out its own connection from it).
 
-
-@functools.cache
-def dispatch_engine() -> Engine:
-    """The dispatcher's engine: its lock connections skip the pool's pre-ping round trip.
-
-    :func:`workers.locking.operation_lock` replaces a connection found dead at the lock
-    (nothing is written before it), which is all the pre-ping would have done, for one
-    round trip fewer per attempt.
+    Without the pool's pre-ping, one round trip fewer per checkout: the lock step
+    (:func:`workers.locking.operation_lock`) replaces a connection found dead there, before
+    anything is written, and any other statement that meets a dead connection fails its
+    task once while SQLAlchemy renews the whole pool; the sweep runs again on its beat.
     """
     return create_engine(
         database_url(get_settings()), pool_size=10, max_overflow=20, pool_pre_ping=False
@@ -34,4 +29,3 @@ def dispatch_engine() -> Engine:
 def _forget_parent_engine(**_: object) -> None:
     # A forked child must never reuse its parent's pooled connections.
     engine.cache_clear()
-    dispatch_engine.cache_clear()

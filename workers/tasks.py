@@ -42,7 +42,7 @@ def dispatch_task(
     error: Exception | None = None
     for one in ids:
         try:
-            report = dispatch(one, engine=runtime.dispatch_engine())
+            report = dispatch(one, engine=runtime.engine())
         except Exception as exc:  # the others still get their attempt
             log.exception(
                 "dispatching %s failed",
