@@ -125,8 +125,15 @@ def test_two_relays_lose_nothing(
 @pytest.mark.parametrize("broker", ["database"], indirect=True)
 def test_relay_stops_cleanly_on_sigterm(services: Services) -> None:
     """SIGTERM makes the relay finish its batch and exit 0."""
+    # Ready first: a SIGTERM that lands while Python is still importing kills the process
+    # before the relay has a handler (what is tested here is a running relay's stop).
     relay = services.start("relay", "relay", "--poll-interval", "30")
-    time.sleep(3)
+    wait_until(
+        lambda: "relay_started" in relay.output() or not relay.alive(),
+        timeout=60,
+        what="the relay to start",
+    )
+    time.sleep(1)
     assert relay.alive(), relay.output()
     assert relay.stop() == 0, relay.output()
     assert "relay stopped" in relay.output() or "relay_stopped" in relay.output()
