@@ -966,7 +966,8 @@ _BACKLOG = text(
     "AND published_at IS NOT NULL) AS published"
 )
 _VACUUMING = text(
-    "SELECT string_agg(c.relname || ': ' || p.phase, ', ') FROM pg_stat_progress_vacuum p "
+    "SELECT string_agg(left(c.relname, 3) || ': ' || p.phase, ', ') "
+    "FROM pg_stat_progress_vacuum p "
     "JOIN pg_class c ON c.oid = p.relid WHERE p.datname = current_database()"
 )
 _INDEX_KB = text("SELECT pg_relation_size('outbox.ix_operations_planned_due') / 1024")
@@ -1358,15 +1359,17 @@ def autovacuum_runs(log: Path, since: str) -> list[AutovacuumRun]:
 def print_autovacuum(runs: Sequence[AutovacuumRun], out: Console) -> None:
     """The autovacuum reports as a table."""
     table = Table(title="autovacuum of the outbox tables during the soak (the server's log)")
-    for column in ("at", "what", "table", "index pass", "dead tuples removed", "elapsed"):
+    for column in ("at", "what", "table", "index pass", "dead items", "pages scanned", "elapsed"):
         table.add_column(column)
     for run in runs:
+        vacuumed = run.kind == "vacuum"
         table.add_row(
             run.at[11:],
             run.kind,
             run.table,
-            run.index_pass if run.kind == "vacuum" else "",
-            run.field(r"tuples: (\d+) removed"),
+            run.index_pass if vacuumed else "",
+            run.field(r"(\d+) dead item identifiers") if vacuumed else "",
+            run.field(r"(\d+) scanned") if vacuumed else "",
             run.field(r"elapsed: ([\d.]+ s)"),
         )
     out.print(table)
@@ -1497,7 +1500,10 @@ def _soak_table(args: argparse.Namespace) -> Table:
         "vacuum now",
     ]
     for column in columns:
-        table.add_column(column, justify="left" if column == "vacuum now" else "right")
+        if column == "vacuum now":
+            table.add_column(column, no_wrap=True)
+        else:
+            table.add_column(column, justify="right")
     return table
 
 

@@ -416,13 +416,16 @@ def move(
 #: NOTIFY channel the relay listens on; rung by enqueue only while some relay is idle.
 PLANNED_CHANNEL = "outbox_planned"
 
+# The queue scans bound time with statement_timestamp(), not clock_timestamp(): a volatile
+# function cannot be an index condition, so the partial index would only order the scan and
+# every not-yet-due row of the queue would be read and filtered (bench/scale.py --not-due).
 _CLAIM_DUE = text(
     """
     SELECT id, tool, target FROM outbox.operations
     WHERE state = 'planned'
-      AND available_at <= clock_timestamp()
+      AND available_at <= statement_timestamp()
       AND (published_at IS NULL
-           OR published_at <= clock_timestamp() - make_interval(secs => :republish_after))
+           OR published_at <= statement_timestamp() - make_interval(secs => :republish_after))
     ORDER BY available_at
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
@@ -475,7 +478,7 @@ def any_due_unpublished(executor: Executor) -> bool:
     row = executor.execute(
         text(
             "SELECT EXISTS (SELECT FROM outbox.operations WHERE state = 'planned' "
-            "AND available_at <= clock_timestamp() AND published_at IS NULL)"
+            "AND available_at <= statement_timestamp() AND published_at IS NULL)"
         )
     )
     return bool(row.scalar_one())
@@ -611,7 +614,7 @@ _STALE_SENT = text(
     SELECT id, attempts,
            sent_at <= clock_timestamp() - make_interval(secs => :max_age) AS too_old
     FROM outbox.operations
-    WHERE state = 'sent' AND sent_at <= clock_timestamp() - make_interval(secs => :timeout)
+    WHERE state = 'sent' AND sent_at <= statement_timestamp() - make_interval(secs => :timeout)
     ORDER BY sent_at
     LIMIT :limit
     """
@@ -633,7 +636,7 @@ def due_unknown(executor: Executor, *, limit: int) -> list[tuple[UUID, str]]:
     rows = executor.execute(
         text(
             "SELECT id, tool FROM outbox.operations "
-            "WHERE state = 'unknown' AND next_check_at <= clock_timestamp() "
+            "WHERE state = 'unknown' AND next_check_at <= statement_timestamp() "
             "ORDER BY next_check_at LIMIT :limit"
         ),
         {"limit": limit},
