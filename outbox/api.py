@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import Connection, Engine, text
-from sqlalchemy.orm import Session
+from sqlalchemy import Engine, text
 
 from outbox import statements
 from outbox.canonical import NotCanonicalizable, canonical_json, payload_hash
@@ -70,29 +69,24 @@ def enqueue(
     and it never changes afterwards. Malformed input raises :class:`InvalidIntent` naming
     the field.
     """
-    _check_tool(tool)
-    _check_target(target)
-    _check_intent_key(intent_key)
-    canonical = _canonical_payload(payload)
-    digest = payload_hash(canonical)
-    meta = _checked_metadata(metadata)
+    one = _check(Intent(tool, target, payload, intent_key, metadata, requested_by))
     for _ in range(_INSERT_TRIES):
         created = statements.insert_intent(
             session,
-            intent_key=intent_key,
-            tool=tool,
-            target=target,
-            canonical_payload=canonical.decode(),
-            payload_hash=digest,
-            metadata=meta,
-            requested_by=requested_by,
+            intent_key=one.intent_key,
+            tool=one.tool,
+            target=one.target,
+            canonical_payload=one.canonical_payload,
+            payload_hash=one.payload_hash,
+            metadata=one.metadata,
+            requested_by=one.requested_by,
         )
         if created is not None:
             return created
         # A generated key is the new operation's id and cannot collide, so intent_key is set.
         existing = statements.find_operation(session, str(intent_key))
         if existing is not None:
-            _check_same_intent(existing, tool=tool, target=target, digest=digest)
+            _check_same_intent(existing, tool=tool, target=target, digest=one.payload_hash)
             return existing
     raise IntentConflict(
         f"intent key {intent_key!r} is being used and removed concurrently; try again",
@@ -120,7 +114,7 @@ class _Checked:
     target: str
     canonical_payload: str
     payload_hash: str
-    metadata: str
+    metadata: dict[str, Any]
     requested_by: str | None
 
 
@@ -149,7 +143,7 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
     if not checked:
         return []
     unique = _unique_keys(checked)
-    with _savepoint(session):
+    with session.begin_nested():  # a conflict found below rolls the batch back, nothing else
         inserted = statements.insert_intents(
             session,
             intent_keys=[c.intent_key for c in unique],
@@ -157,7 +151,7 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
             targets=[c.target for c in unique],
             canonical_payloads=[c.canonical_payload for c in unique],
             payload_hashes=[c.payload_hash for c in unique],
-            metadata=[c.metadata for c in unique],
+            metadata=[json.dumps(c.metadata) for c in unique],
             requested_by=[c.requested_by for c in unique],
         )
         by_key = {op.intent_key: op for op in inserted.values()}
@@ -196,7 +190,7 @@ def _check(intent: Intent) -> _Checked:
         target=intent.target,
         canonical_payload=canonical.decode(),
         payload_hash=payload_hash(canonical),
-        metadata=json.dumps(_checked_metadata(intent.metadata)),
+        metadata=_checked_metadata(intent.metadata),
         requested_by=intent.requested_by,
     )
 
@@ -227,13 +221,6 @@ def _unique_keys(checked: list[_Checked]) -> list[_Checked]:
                 differences=names,
             )
     return unique
-
-
-def _savepoint(session: Executor) -> Any:
-    """A SAVEPOINT in the caller's transaction (rolled back if the block raises)."""
-    if isinstance(session, Session | Connection):
-        return session.begin_nested()
-    raise TypeError(f"enqueue_many needs a Session or Connection, not {type(session).__name__}")
 
 
 def get(session: Executor, operation_id: UUID | str) -> Operation | None:
