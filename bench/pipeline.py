@@ -17,6 +17,10 @@ dedup: its fast configuration) recording when each key's first request arrived:
    * commit -> arrival: from the agent's commit to the request reaching the service;
    * commit -> confirmed: to the ``at`` of the ``confirmed`` event in ``outbox.events``
      (``clock_timestamp()`` of the outcome statement, just before its COMMIT);
+   * where the time goes (p50, p99): commit -> published (the relay recorded the broker's
+     confirm: wake-up, claim, publish) and commit -> sent (the worker's ``sent`` event: the
+     message's delivery, the lock, the read); sent -> arrival is the ``sent`` commit's WAL
+     flush and the HTTP request;
    * CPU used meanwhile by each component, in % of one core (Linux ``/proc``).
 
 All three clocks (this process, the service's process, PostgreSQL's ``clock_timestamp()``)
@@ -298,6 +302,19 @@ class Pipeline:
                     )
                 )
             }
+            # Where the time goes: the relay's record of the broker's confirm, and the
+            # worker's `sent` commit (both database clock, like the `confirmed` event).
+            stages = {
+                str(op): (float(published), float(sent))
+                for op, published, sent in conn.execute(
+                    text(
+                        "SELECT o.id, extract(epoch FROM o.published_at), "
+                        "extract(epoch FROM e.at) FROM outbox.operations o "
+                        "JOIN outbox.events e ON e.operation_id = o.id AND e.to_state = 'sent' "
+                        "WHERE o.published_at IS NOT NULL"
+                    )
+                )
+            }
             states: dict[str, int] = {
                 str(state): int(count)
                 for state, count in conn.execute(
@@ -317,6 +334,16 @@ class Pipeline:
             rows[f"commit -> arrival p{q}"] = (percentile(to_arrival, q), MS)
         for q in (50, 95, 99):
             rows[f"commit -> confirmed p{q}"] = (percentile(to_confirmed, q), MS)
+        timed = [(t, *stages[op]) for op, t in commits.items() if op in stages]
+        for q in (50, 99) if timed else ():
+            rows[f"stage p{q}: commit -> published"] = (
+                percentile([1000 * (published - t) for t, published, _ in timed], q),
+                MS,
+            )
+            rows[f"stage p{q}: commit -> sent"] = (
+                percentile([1000 * (sent - t) for t, _, sent in timed], q),
+                MS,
+            )
         return rows
 
     def _check(

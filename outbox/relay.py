@@ -21,11 +21,12 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 from uuid import UUID
 
+import psycopg
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
@@ -33,6 +34,8 @@ from outbox import faults, statements
 from outbox.errors import BrokerUnavailable
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: How often a sleeping relay checks whether it was asked to stop.
 _STOP_CHECK_S = 0.25
@@ -80,6 +83,12 @@ class RelayConfig:
     max_backoff_s: float = 30.0
     #: Relay rows without a heartbeat for this long belong to dead relays and are removed.
     silent_after_s: float = 120.0
+    #: A running relay refreshes its heartbeat this often (well inside ``silent_after_s``).
+    heartbeat_s: float = 10.0
+    #: Batches found in a row without waiting for the bell that make a backlog: the relay
+    #: then stops the bell (enqueue's NOTIFY costs every agent's commit a cluster-wide lock)
+    #: and claims back to back until a batch comes back empty.
+    busy_after_batches: int = 4
 
 
 @dataclass(frozen=True)
@@ -114,7 +123,11 @@ class Relay:
 
     def run_once(self) -> RelayResult:
         """Claim one batch of due rows, publish them, record the confirmed ones."""
-        with self.engine.begin() as conn:
+        with self.engine.connect() as conn:
+            return self._run_once(conn)
+
+    def _run_once(self, conn: Connection) -> RelayResult:
+        with conn.begin():
             claimed = statements.claim_due(
                 conn,
                 limit=self.config.batch_size,
@@ -137,15 +150,49 @@ class Relay:
         self._stop.set()
 
     def run_forever(self) -> None:
-        """Publish until :meth:`stop`; survive broker and database outages with backoff."""
+        """Publish until :meth:`stop`; survive broker and database outages with backoff.
+
+        Between batches the relay waits on its bell (``LISTEN``, one connection kept for
+        its life), so a new intent is claimed as soon as its commit rings. It clears its
+        idle flag only while it works through a backlog (a full batch, or several batches
+        in a row found without waiting), when the bell would be pointless: enqueue then
+        stops ringing, and the relay claims batch after batch until one comes back empty.
+        """
         backoff = self.config.min_backoff_s
         self._register()
+        bell = _Bell(self.engine, self.name, self._stop)
+        in_a_row = 0
         try:
             while not self._stop.is_set():
                 try:
-                    result = self.run_once()
+                    bell.heartbeat(self.config.heartbeat_s)
+                    result = bell.in_transaction(self._run_once)
                     backoff = self.config.min_backoff_s
-                except (DBAPIError, BrokerUnavailable, OSError) as exc:
+                    self._log(result)
+                    if result.unconfirmed:
+                        # Broker trouble: retry after the poll interval, not on every bell.
+                        in_a_row = 0
+                        self._stop.wait(self.config.poll_interval_s)
+                        continue
+                    in_a_row = in_a_row + 1 if result.claimed else 0
+                    backlog = (
+                        result.claimed >= self.config.batch_size
+                        or in_a_row >= self.config.busy_after_batches
+                    )
+                    if backlog:
+                        bell.announce(idle=False)
+                        continue
+                    if not bell.idle:
+                        bell.announce(idle=True)
+                        # Rows committed while the flag was down rang no bell: look again.
+                        if bell.any_due_unpublished():
+                            continue
+                    if bell.wait(self.config.poll_interval_s):
+                        in_a_row = 0  # it slept: whatever comes next is not a backlog
+                except (DBAPIError, psycopg.Error, BrokerUnavailable, OSError) as exc:
+                    # psycopg.Error: the bell's wait reads the driver connection directly.
+                    bell.close()
+                    in_a_row = 0
                     log.warning(
                         "relay batch failed, retrying in %.1fs: %s",
                         backoff,
@@ -154,64 +201,20 @@ class Relay:
                     )
                     self._stop.wait(backoff * random.uniform(0.8, 1.2))  # noqa: S311
                     backoff = min(backoff * 2, self.config.max_backoff_s)
-                    continue
-                if result.claimed:
-                    log.info(
-                        "relay published %d of %d",
-                        result.published,
-                        result.claimed,
-                        extra={"action": "relay_published", **result.__dict__},
-                    )
-                if result.claimed < self.config.batch_size or result.unconfirmed:
-                    self._sleep()
         finally:
+            bell.close()
             self._unregister()
             self.publisher.close()
 
-    def _sleep(self) -> None:
-        """Wait for the bell (or the poll interval), saying we are idle while we do."""
-        if self._stop.is_set():
-            return
-        try:
-            with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                # The idle flag is advice (a lost one costs a poll interval or a needless
-                # NOTIFY), so its commits need not wait for the disk: waking up to a bell
-                # should not pay a WAL flush before the claim.
-                conn.execute(
-                    text(f"SET synchronous_commit = off; LISTEN {statements.PLANNED_CHANNEL}")
-                )
-                self._announce(conn, idle=True)
-                try:
-                    # Rows committed between our last claim and the idle flag rang no bell.
-                    if not statements.any_due_unpublished(conn):
-                        self._wait_for_bell(conn)
-                finally:
-                    self._announce(conn, idle=False)
-                    conn.execute(text("UNLISTEN *; RESET synchronous_commit"))
-        except DBAPIError as exc:
-            log.warning("relay cannot listen: %s", exc, extra={"action": "relay_error"})
-            self._stop.wait(self.config.poll_interval_s)
-
-    def _wait_for_bell(self, conn: Connection) -> None:
-        """Block until a NOTIFY, the poll interval, or stop(); in short slices for stop()."""
-        listener = conn.connection.driver_connection
-        deadline = time.monotonic() + self.config.poll_interval_s
-        while not self._stop.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            rang = False
-            for _ in listener.notifies(  # type: ignore[union-attr]
-                timeout=min(remaining, _STOP_CHECK_S), stop_after=1
-            ):
-                rang = True
-            if rang:
-                return
-
-    def _announce(self, conn: Connection, *, idle: bool) -> None:
-        statements.announce_relay(
-            conn, self.name, pid=os.getpid(), host=socket.gethostname(), idle=idle
-        )
+    @staticmethod
+    def _log(result: RelayResult) -> None:
+        if result.claimed:
+            log.info(
+                "relay published %d of %d",
+                result.published,
+                result.claimed,
+                extra={"action": "relay_published", **result.__dict__},
+            )
 
     def _register(self) -> None:
         # Best effort: a relay that starts during a database outage still runs (its first
@@ -219,7 +222,7 @@ class Relay:
         try:
             with self.engine.begin() as conn:
                 statements.forget_silent_relays(conn, older_than_s=self.config.silent_after_s)
-                self._announce(conn, idle=False)
+                _announce(conn, self.name, idle=False)
         except DBAPIError as exc:
             log.warning("relay could not register: %s", exc, extra={"action": "relay_error"})
 
@@ -229,3 +232,105 @@ class Relay:
                 statements.forget_relay(conn, self.name)
         except DBAPIError as exc:
             log.warning("relay could not unregister: %s", exc, extra={"action": "relay_error"})
+
+
+def _announce(conn: Connection, name: str, *, idle: bool) -> None:
+    statements.announce_relay(conn, name, pid=os.getpid(), host=socket.gethostname(), idle=idle)
+
+
+class _Bell:
+    """The relay's doorbell: one autocommit connection that LISTENs for its whole life and
+    writes the relay's idle flag (opened on first use, reopened after a failure)."""
+
+    def __init__(self, engine: Engine, name: str, stop: threading.Event) -> None:
+        self.engine = engine
+        self.name = name
+        self._stop = stop
+        self._conn: Connection | None = None
+        #: The flag as last written on this connection (None: not written yet).
+        self.idle: bool | None = None
+        self._announced_at = 0.0
+
+    def _connection(self) -> Connection:
+        if self._conn is None:
+            conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            try:
+                # The idle flag is advice (a lost one costs a poll interval or a needless
+                # NOTIFY), so its commits need not wait for the disk.
+                conn.execute(
+                    text(f"SET synchronous_commit = off; LISTEN {statements.PLANNED_CHANNEL}")
+                )
+            except BaseException:
+                conn.invalidate()
+                conn.close()
+                raise
+            self._conn, self.idle = conn, None
+        return self._conn
+
+    def announce(self, *, idle: bool) -> None:
+        """Write the idle flag (and the heartbeat), if it changed."""
+        if self.idle is idle:
+            return
+        _announce(self._connection(), self.name, idle=idle)
+        self.idle, self._announced_at = idle, time.monotonic()
+
+    def heartbeat(self, every_s: float) -> None:
+        """Refresh the heartbeat if the last one is ``every_s`` old (peers forget silent
+        relays, whose flag would keep the bell ringing)."""
+        if self.idle is not None and time.monotonic() - self._announced_at >= every_s:
+            _announce(self._connection(), self.name, idle=self.idle)
+            self._announced_at = time.monotonic()
+
+    def in_transaction(self, work: Callable[[Connection], _T]) -> _T:
+        """``work(connection)`` in a transaction on this connection (no checkout, no ping;
+        its commit, like the flag's, does not wait for the disk: ``published_at`` is advice
+        too, a lost one only publishes a row again and the dispatcher ignores duplicates)."""
+        conn = self._connection()
+        conn.commit()  # ends SQLAlchemy's autobegun (autocommit) transaction: nothing to send
+        conn.execution_options(isolation_level=conn.default_isolation_level)
+        try:
+            return work(conn)
+        finally:
+            if not conn.invalidated and not conn.in_transaction():
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+
+    def any_due_unpublished(self) -> bool:
+        """Whether some due row was never published (checked after raising the flag)."""
+        return statements.any_due_unpublished(self._connection())
+
+    def wait(self, timeout_s: float) -> bool:
+        """Until a bell (those already rung return at once), ``timeout_s`` or stop; in short
+        slices for stop. Rings are drained: one wake-up covers every commit before it.
+        True if it had to wait."""
+        listener = self._connection().connection.driver_connection
+        if _drained(listener, 0.0):
+            return False
+        deadline = time.monotonic() + timeout_s
+        while not self._stop.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or _drained(listener, min(remaining, _STOP_CHECK_S)):
+                break
+        return True
+
+    def close(self) -> None:
+        """Stop listening and give the connection back (discard it if that fails)."""
+        conn, self._conn, self.idle = self._conn, None, None
+        if conn is None:
+            return
+        try:
+            conn.execute(text("UNLISTEN *; RESET synchronous_commit"))
+        except (DBAPIError, psycopg.Error):
+            conn.invalidate()
+        finally:
+            conn.close()
+
+
+def _drained(listener: Any, timeout_s: float) -> bool:
+    """Whether a bell rang within ``timeout_s`` (then every ring received is consumed)."""
+    rang = False
+    for _ in listener.notifies(timeout=timeout_s, stop_after=1):
+        rang = True
+    if rang:
+        for _ in listener.notifies(timeout=0.0):
+            pass
+    return rang

@@ -13,6 +13,7 @@ from kombu import Connection
 from sqlalchemy import Engine, make_url, text
 
 from outbox import faults
+from outbox import statements as outbox_statements
 from outbox.config import load_settings
 from outbox.db import create_engine
 from outbox.errors import BrokerUnavailable
@@ -225,6 +226,73 @@ def test_the_relay_sleeps_on_notify_and_wakes_for_a_new_intent(
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM outbox.relays")).scalar_one() == 0
     assert [m["operation_id"] for m in _drain(app)] == [str(op.id)]
+
+
+def test_a_backlog_silences_the_bell_and_the_relay_rings_it_again_when_drained(
+    engine: Engine, app: Celery, make_relay: MakeRelay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through a backlog the relay claims batch after batch with its flag down (no bell: no
+    poll interval is waited); drained, it raises the flag and the next intent wakes it."""
+    backlog = [make_operation(engine) for _ in range(12)]
+    flags: list[bool] = []
+    relay = make_relay(app, poll_interval_s=30, batch_size=2, busy_after_batches=2)
+    announce = outbox_statements.announce_relay
+
+    def spy(executor: Any, name: str, **kwargs: Any) -> None:
+        flags.append(kwargs["idle"])
+        announce(executor, name, **kwargs)
+
+    monkeypatch.setattr(outbox_statements, "announce_relay", spy)
+    runner = threading.Thread(target=relay.run_forever)
+    try:
+        runner.start()
+        deadline = time.monotonic() + 10
+        while not _relay_idle(engine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(reload(engine, op.id).published_at is not None for op in backlog)
+        assert _relay_idle(engine)
+        # registered busy, the flag down through the backlog, then up once drained
+        assert flags[0] is False
+        assert flags[-1] is True
+        assert flags.count(True) == 1
+        started = time.monotonic()
+        late = make_operation(engine)
+        while reload(engine, late.id).published_at is None and time.monotonic() - started < 10:
+            time.sleep(0.02)
+        assert reload(engine, late.id).published_at is not None
+        assert time.monotonic() - started < 5, "the bell did not ring after the backlog"
+    finally:
+        relay.stop()
+        runner.join(40)
+    assert not runner.is_alive()
+    assert sorted(m["operation_id"] for m in _drain(app)) == sorted(
+        str(op.id) for op in [*backlog, late]
+    )
+
+
+def test_an_idle_relay_keeps_its_heartbeat(
+    engine: Engine, app: Celery, make_relay: MakeRelay
+) -> None:
+    """A relay waiting on its bell still refreshes its heartbeat (peers remove silent ones)."""
+    relay = make_relay(app, poll_interval_s=0.1, heartbeat_s=0.2)
+    runner = threading.Thread(target=relay.run_forever)
+    try:
+        runner.start()
+        deadline = time.monotonic() + 10
+        while not _relay_idle(engine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = _heartbeat(engine)
+        time.sleep(1.0)
+        assert _heartbeat(engine) > first
+    finally:
+        relay.stop()
+        runner.join(40)
+    assert not runner.is_alive()
+
+
+def _heartbeat(engine: Engine) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT max(heartbeat_at) FROM outbox.relays")).scalar_one()
 
 
 def _relay_idle(engine: Engine) -> bool:
