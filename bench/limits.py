@@ -6,7 +6,8 @@ PostgreSQL (the raw driver, psycopg, no SQLAlchemy; rows shaped like ``outbox.op
 
 Our own statements, as our code issues them (SQLAlchemy, ``outbox.statements``):
 
-* ``enqueue()+COMMIT`` on ``--connections`` connections (the agent's side);
+* ``enqueue()+COMMIT`` on ``--connections`` connections (the agent's side), with no relay
+  waiting on its bell and with one (then every enqueue NOTIFYs: what the doorbell costs);
 * the ``sent`` compare-and-set: ``outbox.states.transition`` planned→sent with
   ``synchronous_commit=on`` and its COMMIT, as the dispatcher makes it, on 1 and N connections;
 * the advisory lock round trip: ``statements.try_lock`` + ``statements.unlock`` (autocommit);
@@ -166,11 +167,17 @@ class Limits:
 
         return _in_threads(connections, self.ops, setup)
 
-    def enqueue_commit(self, connections: int) -> float:
+    def enqueue_commit(self, connections: int, *, bell: bool = False) -> float:
         """``outbox.enqueue`` + COMMIT, one intent per transaction, a connection per thread
         (as the raw case: a Session that checks a connection out per transaction adds the
-        pool's own cost, whatever runs inside)."""
+        pool's own cost, whatever runs inside). ``bell``: a relay says it waits on its bell,
+        so every enqueue NOTIFYs (a relay keeping up); else none does (a relay in a backlog,
+        or none running)."""
         tag = self._next_tag()
+        with self.engine.begin() as conn:
+            conn.execute(text("DELETE FROM outbox.relays"))
+            if bell:
+                statements.announce_relay(conn, "bench", pid=0, host="bench", idle=True)
 
         def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
             conn = stack.enter_context(self.engine.connect())
@@ -519,6 +526,14 @@ def _cases(
             ours,
         ),
         Case(
+            "enqueue bell n",
+            one(
+                f"enqueue()+COMMIT, bell ringing, {n} connections",
+                lambda: limits.enqueue_commit(n, bell=True),
+            ),
+            ours,
+        ),
+        Case(
             "enqueue_many n",
             one(
                 f"enqueue_many({BATCH})+COMMIT, {n} connections, intents",
@@ -586,6 +601,11 @@ def _ratios(results: Results, n: int, clients: int) -> None:
         f"enqueue() / raw INSERT ({n} connections)",
         f"enqueue()+COMMIT, {n} connections",
         f"INSERT+COMMIT, {n} connections",
+    )
+    results.ratio(
+        f"enqueue(), bell ringing / not ({n} connections)",
+        f"enqueue()+COMMIT, bell ringing, {n} connections",
+        f"enqueue()+COMMIT, {n} connections",
     )
     results.ratio(
         f"enqueue_many({BATCH}) / raw INSERT ({n} connections), per intent",
