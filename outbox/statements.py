@@ -590,6 +590,40 @@ def get_for_dispatch(executor: Executor, operation_id: UUID) -> tuple[Operation,
     return Operation.from_row(row), bool(row["due"]), bool(row["replay_expired"])
 
 
+_LOCK_AND_READ = text(
+    """
+    WITH lk AS MATERIALIZED (
+        SELECT pg_try_advisory_lock(:key) AS taken,
+               current_setting('synchronous_commit') AS synchronous_commit
+    )
+    SELECT lk.taken, lk.synchronous_commit, op.*,
+           op.available_at <= clock_timestamp() AS due,
+           op.replay_deadline IS NOT NULL AND op.replay_deadline <= clock_timestamp()
+             AS replay_expired
+    -- The row comes from a function fed with the lock's result: its query runs after the
+    -- lock was granted, with a snapshot of its own (migration 0007).
+    FROM lk LEFT JOIN LATERAL outbox.operation_if_locked(:id, lk.taken) AS op ON true
+    """
+)
+
+
+def try_lock_and_read(
+    executor: Executor, key: int, operation_id: UUID
+) -> tuple[bool, str, tuple[Operation, bool, bool] | None]:
+    """:func:`try_lock_durable` and, if the lock was taken, :func:`get_for_dispatch`, in one
+    round trip: (taken, the session's ``synchronous_commit``, the operation or ``None``).
+
+    The row is read after the lock was granted, so it shows every move committed by the
+    lock's previous holder, exactly as a read in a statement of its own would.
+    """
+    row = executor.execute(_LOCK_AND_READ, {"key": key, "id": operation_id}).mappings().one()
+    taken, synchronous_commit = bool(row["taken"]), str(row["synchronous_commit"])
+    if not taken or row["id"] is None:
+        return taken, synchronous_commit, None
+    found = Operation.from_row(row), bool(row["due"]), bool(row["replay_expired"])
+    return taken, synchronous_commit, found
+
+
 def lock_holder_pid(executor: Executor, key: int) -> int | None:
     """The backend pid holding session advisory lock ``key`` in this database, or ``None``.
 

@@ -15,8 +15,9 @@ A message is only a doorbell: every branch here is safe for a lost, duplicated o
 reordered message, and for a ``kill -9`` at any line.
 
 Round trips are the dispatcher's cost, so the lock connection is in autocommit mode: the
-lock, the read, each move (one statement: the compare-and-set, its event and any NOTIFY)
-and the unlock are one round trip each, every move committed durably by its own statement.
+lock with the read (the row read after the lock was granted, in the same statement), each
+move (one statement: the compare-and-set, its event and any NOTIFY) and the unlock are one
+round trip each, every move committed durably by its own statement.
 A move that also writes webhook deliveries runs in an explicit transaction instead, so the
 deliveries commit with it or not at all.
 """
@@ -41,7 +42,7 @@ from outbox.contracts import ToolContract
 from outbox.errors import ReplayDeadlinePassed, StaleTransition
 from outbox.models import Operation
 from outbox.states import NO_EFFECTS, Actor, Effects, State, transition
-from workers.locking import operation_lock
+from workers.locking import Found, dispatch_lock
 from workers.tools import REGISTRY, Tool, ToolCall, run_dispatch
 from workers.tools.registry import ToolRegistry
 from workers.tools.results import Ambiguous, Applied, DispatchResult, NotDelivered, Rejected
@@ -96,22 +97,23 @@ def dispatch(
     """Make at most one attempt of one operation, by the dispatch protocol."""
     op_id = UUID(str(operation_id))
     config = config or DispatchConfig()
-    with operation_lock(engine, op_id, autocommit=True) as conn:
-        if conn is None:
+    with dispatch_lock(engine, op_id) as locked:
+        if locked is None:
             return DispatchReport(op_id, Outcome.LOCK_BUSY)
         faults.point("after_lock")
-        return _attempt(engine, conn, op_id, registry, config)
+        conn, found = locked
+        return _attempt(engine, conn, op_id, found, registry=registry, config=config)
 
 
 def _attempt(
     engine: Engine,
     conn: Connection,
     op_id: UUID,
+    found: Found | None,
+    *,
     registry: ToolRegistry,
     config: DispatchConfig,
 ) -> DispatchReport:
-    found = statements.get_for_dispatch(conn, op_id)
-    conn.commit()
     if found is None:
         return DispatchReport(op_id, Outcome.GONE)
     ready = _ready_to_send(conn, *found, registry)

@@ -8,7 +8,7 @@ drops its connection, and PostgreSQL frees the lock with it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from uuid import UUID
 
@@ -17,6 +17,14 @@ from sqlalchemy.exc import DBAPIError
 
 from outbox import statements
 from outbox.locks import operation_lock_key
+from outbox.models import Operation
+
+#: What :func:`dispatch_lock` read with the lock: the operation, whether it is due, whether
+#: its replay deadline has passed (``statements.get_for_dispatch``).
+Found = tuple[Operation, bool, bool]
+
+#: Takes the lock on a fresh connection: (taken, the session's ``synchronous_commit`` if read).
+_Take = Callable[[Connection], tuple[bool, str | None]]
 
 
 @contextmanager
@@ -25,15 +33,21 @@ def operation_lock(
 ) -> Iterator[Connection | None]:
     """A connection holding ``operation_id``'s lock, or ``None`` if another holder has it.
 
-    ``autocommit=True`` (the dispatcher's hot path) hands over a connection on which every
-    statement is its own transaction, so a single-statement move costs one round trip
-    instead of three (psycopg sends BEGIN and COMMIT as commands of their own); the
-    session's ``synchronous_commit`` is checked to be ``on`` in the lock's own round trip,
-    so each of those commits is durable before it returns. A pooled connection found dead
-    at the lock (the server restarted) is replaced once: nothing was written yet.
+    ``autocommit=True`` hands over a connection on which every statement is its own
+    transaction, so a single-statement move costs one round trip instead of three (psycopg
+    sends BEGIN and COMMIT as commands of their own); the session's ``synchronous_commit`` is
+    checked to be ``on`` in the lock's own round trip, so each of those commits is durable
+    before it returns. A pooled connection found dead at the lock (the server restarted) is
+    replaced once: nothing was written yet.
     """
     key = operation_lock_key(operation_id)
-    conn, taken = _locked_connection(engine, key, autocommit=autocommit)
+
+    def take(conn: Connection) -> tuple[bool, str | None]:
+        if autocommit:
+            return statements.try_lock_durable(conn, key)
+        return statements.try_lock(conn, key), None
+
+    conn, taken = _locked_connection(engine, take, autocommit=autocommit)
     try:
         yield conn if taken else None
     finally:
@@ -41,17 +55,42 @@ def operation_lock(
         conn.close()
 
 
-def _locked_connection(engine: Engine, key: int, *, autocommit: bool) -> tuple[Connection, bool]:
+@contextmanager
+def dispatch_lock(
+    engine: Engine, operation_id: UUID
+) -> Iterator[tuple[Connection, Found | None] | None]:
+    """The dispatcher's :func:`operation_lock` (``autocommit=True``) that also reads the
+    operation, in the lock's own round trip: ``(connection, found)``, ``found`` being
+    ``None`` if the operation does not exist; ``None`` if another holder has the lock.
+
+    The row is read after the lock was granted (``statements.try_lock_and_read``), so it
+    shows every move the lock's previous holder committed.
+    """
+    key = operation_lock_key(operation_id)
+    read: list[Found | None] = []
+
+    def take(conn: Connection) -> tuple[bool, str | None]:
+        taken, synchronous_commit, found = statements.try_lock_and_read(conn, key, operation_id)
+        read[:] = [found]
+        return taken, synchronous_commit
+
+    conn, taken = _locked_connection(engine, take, autocommit=True)
+    try:
+        yield (conn, read[0]) if taken else None
+    finally:
+        release(conn)
+        conn.close()
+
+
+def _locked_connection(engine: Engine, take: _Take, *, autocommit: bool) -> tuple[Connection, bool]:
     for retry in (False, True):
         conn = engine.connect()
         try:
             if autocommit:
                 conn.execution_options(isolation_level="AUTOCOMMIT")
-                taken, synchronous_commit = statements.try_lock_durable(conn, key)
-                if taken and synchronous_commit != "on":
-                    statements.set_synchronous_commit(conn)
-            else:
-                taken = statements.try_lock(conn, key)
+            taken, synchronous_commit = take(conn)
+            if autocommit and taken and synchronous_commit != "on":
+                statements.set_synchronous_commit(conn)
             conn.commit()
         except DBAPIError as exc:
             conn.close()

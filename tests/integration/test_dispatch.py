@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -610,3 +611,73 @@ def test_an_escalation_by_the_dispatcher_commits_with_its_webhook_or_not_at_all(
             {"id": op.id},
         ).scalars()
         assert list(events) == ["needs_human"]
+
+
+def test_the_read_with_the_lock_sees_what_was_committed_while_the_statement_ran(
+    engine: Engine,
+) -> None:
+    """The dispatcher locks and reads in one statement; the row comes from a function whose
+    query takes its snapshot after its input (the lock) was computed, so a move committed
+    after the statement began is seen. A plain join, the control, reads the statement's
+    older snapshot: the difference is what makes one round trip as safe as two."""
+
+    def state_read_while_cancelled(join: str) -> str:
+        op = make_operation(engine)
+
+        def cancel_half_a_second_later() -> None:
+            time.sleep(0.5)
+            with Session(engine) as session, session.begin():
+                transition(
+                    session,
+                    op.id,
+                    from_state=State.PLANNED,
+                    to_state=State.CANCELLED,
+                    actor=Actor.AGENT,
+                    reason="cancelled while the statement ran",
+                )
+
+        mover = threading.Thread(target=cancel_half_a_second_later)
+        mover.start()
+        try:
+            with engine.connect() as conn:
+                # The CTE stands for the lock: it runs first, and takes a second.
+                return str(
+                    conn.execute(
+                        text(
+                            "WITH lk AS MATERIALIZED (SELECT true AS taken FROM pg_sleep(1)) "
+                            f"SELECT op.state FROM lk {join}"
+                        ),
+                        {"id": op.id},
+                    ).scalar_one()
+                )
+        finally:
+            mover.join()
+
+    plain = state_read_while_cancelled("LEFT JOIN outbox.operations op ON op.id = :id")
+    assert plain == State.PLANNED  # the statement's snapshot: from before the move
+    fresh = state_read_while_cancelled(
+        "LEFT JOIN LATERAL outbox.operation_if_locked(:id, lk.taken) AS op ON true"
+    )
+    assert fresh == State.CANCELLED
+
+
+def test_the_lock_and_read_reports_busy_gone_and_found(engine: Engine) -> None:
+    """One round trip, three answers: another holder, no such operation, the operation."""
+    op = make_operation(engine)
+    key = operation_lock_key(op.id)
+    with engine.connect() as holder, engine.connect() as conn:
+        assert statements.try_lock(holder, key)
+        taken, _, found = statements.try_lock_and_read(conn, key, op.id)
+        assert (taken, found) == (False, None)
+        statements.unlock_all(holder)
+        taken, synchronous_commit, found = statements.try_lock_and_read(conn, key, op.id)
+        assert taken
+        assert synchronous_commit in {"on", "off", "local", "remote_write", "remote_apply"}
+        assert found is not None
+        assert found[0] == reload(engine, op.id)
+        assert found[1:] == (True, False)  # due, replay deadline not passed
+        statements.unlock_all(conn)
+        missing = uuid.uuid4()
+        taken, _, found = statements.try_lock_and_read(conn, operation_lock_key(missing), missing)
+        assert (taken, found) == (True, None)
+        statements.unlock_all(conn)

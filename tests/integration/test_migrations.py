@@ -112,6 +112,7 @@ def test_upgrade_from_empty_matches_create_all(
 ) -> None:
     """The migrated catalog equals the models' own DDL, CHECK constraints and indexes included."""
     initial = importlib.import_module("outbox.migrations.versions.0001_initial")
+    lock_and_read = importlib.import_module("outbox.migrations.versions.0007_lock_and_read")
     reference = create_engine(databases.create())
     try:
         with reference.begin() as conn:
@@ -119,6 +120,7 @@ def test_upgrade_from_empty_matches_create_all(
             conn.execute(text(initial.UUID_V7))
             metadata.create_all(conn)
             conn.exec_driver_sql(initial.APPEND_ONLY)
+            conn.exec_driver_sql(lock_and_read.OPERATION_IF_LOCKED)
         expected = catalog(reference)
     finally:
         reference.dispose()
