@@ -595,6 +595,10 @@ _LOCK_AND_READ = text(
     WITH lk AS MATERIALIZED (
         SELECT pg_try_advisory_lock(:key) AS taken,
                current_setting('synchronous_commit') AS synchronous_commit
+        -- An aggregate consumes its input before the lock is taken: the session's previous
+        -- locks (the previous operation's) are released first when asked.
+        FROM (SELECT count(*) FROM (SELECT pg_advisory_unlock_all() WHERE :unlock_first) AS u)
+          AS unlocked
     )
     SELECT lk.taken, lk.synchronous_commit, op.*,
            op.available_at <= clock_timestamp() AS due,
@@ -608,15 +612,22 @@ _LOCK_AND_READ = text(
 
 
 def try_lock_and_read(
-    executor: Executor, key: int, operation_id: UUID
+    executor: Executor, key: int, operation_id: UUID, *, unlock_first: bool = False
 ) -> tuple[bool, str, tuple[Operation, bool, bool] | None]:
     """:func:`try_lock_durable` and, if the lock was taken, :func:`get_for_dispatch`, in one
     round trip: (taken, the session's ``synchronous_commit``, the operation or ``None``).
 
     The row is read after the lock was granted, so it shows every move committed by the
     lock's previous holder, exactly as a read in a statement of its own would.
+    ``unlock_first``: release every advisory lock this session holds before taking this one.
     """
-    row = executor.execute(_LOCK_AND_READ, {"key": key, "id": operation_id}).mappings().one()
+    row = (
+        executor.execute(
+            _LOCK_AND_READ, {"key": key, "id": operation_id, "unlock_first": unlock_first}
+        )
+        .mappings()
+        .one()
+    )
     taken, synchronous_commit = bool(row["taken"]), str(row["synchronous_commit"])
     if not taken or row["id"] is None:
         return taken, synchronous_commit, None

@@ -24,6 +24,7 @@ deliveries commit with it or not at all.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import random
@@ -42,7 +43,7 @@ from outbox.contracts import ToolContract
 from outbox.errors import ReplayDeadlinePassed, StaleTransition
 from outbox.models import Operation
 from outbox.states import NO_EFFECTS, Actor, Effects, State, transition
-from workers.locking import Found, dispatch_lock
+from workers.locking import DispatchLocks, Found
 from workers.tools import REGISTRY, Tool, ToolCall, run_dispatch
 from workers.tools.registry import ToolRegistry
 from workers.tools.results import Ambiguous, Applied, DispatchResult, NotDelivered, Rejected
@@ -93,11 +94,20 @@ def dispatch(
     engine: Engine,
     registry: ToolRegistry = REGISTRY,
     config: DispatchConfig | None = None,
+    locks: DispatchLocks | None = None,
 ) -> DispatchReport:
-    """Make at most one attempt of one operation, by the dispatch protocol."""
+    """Make at most one attempt of one operation, by the dispatch protocol.
+
+    ``locks``: the :class:`DispatchLocks` of the message this operation came in, so the
+    previous operation's lock is released in the statement that takes this one (default:
+    a connection of its own, released on return).
+    """
     op_id = UUID(str(operation_id))
     config = config or DispatchConfig()
-    with dispatch_lock(engine, op_id) as locked:
+    with (
+        contextlib.nullcontext(locks) if locks is not None else DispatchLocks(engine) as held,
+        held.lock(op_id) as locked,
+    ):
         if locked is None:
             return DispatchReport(op_id, Outcome.LOCK_BUSY)
         faults.point("after_lock")

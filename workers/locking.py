@@ -55,31 +55,85 @@ def operation_lock(
         conn.close()
 
 
+class DispatchLocks:
+    """The dispatcher's locks for the operations of one message, taken one after the other
+    on one connection: each is :func:`operation_lock` (``autocommit=True``) that also reads
+    the operation in the lock's own round trip, and a lock is released in the statement that
+    takes the next one (the connection is never used by two attempts at once). :meth:`close`
+    releases the last. Use as a context manager.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._conn: Connection | None = None
+
+    def __enter__(self) -> DispatchLocks:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    @contextmanager
+    def lock(self, operation_id: UUID) -> Iterator[tuple[Connection, Found | None] | None]:
+        """``(connection, found)`` holding ``operation_id``'s lock, ``found`` being ``None``
+        if the operation does not exist; ``None`` if another holder has the lock.
+
+        The row is read after the lock was granted (``statements.try_lock_and_read``), so it
+        shows every move the lock's previous holder committed. A block that raises, or leaves
+        the connection broken or inside a transaction, gets its lock released and its
+        connection returned at once; the next lock takes a fresh one.
+        """
+        key = operation_lock_key(operation_id)
+        read: list[Found | None] = []
+        unlock_first = self._conn is not None
+
+        def take(conn: Connection) -> tuple[bool, str | None]:
+            taken, synchronous_commit, found = statements.try_lock_and_read(
+                conn, key, operation_id, unlock_first=unlock_first
+            )
+            read[:] = [found]
+            return taken, synchronous_commit
+
+        conn, taken = self._next_connection(take)
+        kept = False
+        try:
+            yield (conn, read[0]) if taken else None
+            kept = not conn.invalidated and not conn.in_transaction()
+        finally:
+            if not kept:
+                self.close()
+
+    def _next_connection(self, take: _Take) -> tuple[Connection, bool]:
+        conn = self._conn
+        if conn is not None:
+            try:
+                taken, synchronous_commit = take(conn)
+                if taken and synchronous_commit != "on":
+                    statements.set_synchronous_commit(conn)
+                conn.commit()
+            except DBAPIError:
+                self.close()  # the previous lock goes with the connection; start afresh
+            else:
+                return conn, taken
+        conn, taken = _locked_connection(self.engine, take, autocommit=True)
+        self._conn = conn
+        return conn, taken
+
+    def close(self) -> None:
+        """Release the lock held (or discard the connection) and return the connection."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            release(conn)
+            conn.close()
+
+
 @contextmanager
 def dispatch_lock(
     engine: Engine, operation_id: UUID
 ) -> Iterator[tuple[Connection, Found | None] | None]:
-    """The dispatcher's :func:`operation_lock` (``autocommit=True``) that also reads the
-    operation, in the lock's own round trip: ``(connection, found)``, ``found`` being
-    ``None`` if the operation does not exist; ``None`` if another holder has the lock.
-
-    The row is read after the lock was granted (``statements.try_lock_and_read``), so it
-    shows every move the lock's previous holder committed.
-    """
-    key = operation_lock_key(operation_id)
-    read: list[Found | None] = []
-
-    def take(conn: Connection) -> tuple[bool, str | None]:
-        taken, synchronous_commit, found = statements.try_lock_and_read(conn, key, operation_id)
-        read[:] = [found]
-        return taken, synchronous_commit
-
-    conn, taken = _locked_connection(engine, take, autocommit=True)
-    try:
-        yield (conn, read[0]) if taken else None
-    finally:
-        release(conn)
-        conn.close()
+    """One :meth:`DispatchLocks.lock`, released on leaving."""
+    with DispatchLocks(engine) as locks, locks.lock(operation_id) as locked:
+        yield locked
 
 
 def _locked_connection(engine: Engine, take: _Take, *, autocommit: bool) -> tuple[Connection, bool]:

@@ -23,6 +23,7 @@ from outbox.testing.deploy_service import FaultMode
 from tests.factories import age, events_of, make_operation, reload
 from tests.tool_configs import http_registry
 from workers.dispatch import Outcome, dispatch
+from workers.locking import DispatchLocks
 from workers.tools import (
     Ambiguous,
     Applied,
@@ -681,3 +682,51 @@ def test_the_lock_and_read_reports_busy_gone_and_found(engine: Engine) -> None:
         taken, _, found = statements.try_lock_and_read(conn, operation_lock_key(missing), missing)
         assert (taken, found) == (True, None)
         statements.unlock_all(conn)
+
+
+def _free(engine: Engine, operation_id: uuid.UUID) -> bool:
+    """Whether another connection can take the operation's lock (and gives it back)."""
+    with engine.connect() as probe:
+        taken = statements.try_lock(probe, operation_lock_key(operation_id))
+        statements.unlock_all(probe)
+        return taken
+
+
+def test_a_message_s_locks_are_taken_in_turn_on_one_connection(engine: Engine) -> None:
+    """Each lock is released by the statement that takes the next (also when that one is
+    busy), on the same connection; the last at close; a block that raises gives its lock
+    back at once and the next lock takes a fresh connection."""
+    first, second, third, fourth = (make_operation(engine) for _ in range(4))
+    with DispatchLocks(engine) as locks:
+        with locks.lock(first.id) as locked:
+            assert locked is not None
+            conn, found = locked
+            assert found is not None
+            assert found[0].id == first.id
+            assert not _free(engine, first.id)
+        assert not _free(engine, first.id)  # held until the next lock is taken
+        pid = conn.connection.driver_connection.info.backend_pid  # type: ignore[union-attr]
+        with locks.lock(second.id) as locked:
+            assert locked is not None
+            assert locked[0].connection.driver_connection.info.backend_pid == pid  # type: ignore[union-attr]
+            assert _free(engine, first.id)
+            assert not _free(engine, second.id)
+        with engine.connect() as holder:
+            assert statements.try_lock(holder, operation_lock_key(third.id))
+            with locks.lock(third.id) as locked:
+                assert locked is None  # busy, and the second's lock went with the attempt
+                assert _free(engine, second.id)
+            statements.unlock_all(holder)
+
+        def broken_attempt() -> None:
+            with locks.lock(fourth.id) as locked:
+                assert locked is not None
+                raise RuntimeError("the attempt broke")
+
+        with pytest.raises(RuntimeError, match="the attempt broke"):
+            broken_attempt()
+        assert _free(engine, fourth.id)
+        with locks.lock(first.id) as locked:
+            assert locked is not None
+            assert locked[0].connection.driver_connection.info.backend_pid != pid  # type: ignore[union-attr]
+    assert _free(engine, first.id)
