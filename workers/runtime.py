@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import functools
+import sys
 
-from celery.signals import worker_process_init
+from celery.signals import worker_init, worker_process_init
 from sqlalchemy import Engine
 
 from outbox.config import get_settings
 from outbox.db import create_engine, database_url
+
+#: How long a thread may run Python before handing the interpreter lock to a waiting one.
+#: A worker's threads mostly wait on I/O, and a thread woken by a message (or by its
+#: database or HTTP reply) waits for a busy sibling to let go of the lock: with Python's
+#: default 5 ms that wait showed in the tail (bench/pipeline.py at a steady 100/s:
+#: commit -> request p99 30-36 ms with 5 ms against 22-24 ms with 1 ms, p50 unchanged).
+SWITCH_INTERVAL_S = 0.001
 
 
 @functools.cache
@@ -29,3 +37,8 @@ def engine() -> Engine:
 def _forget_parent_engine(**_: object) -> None:
     # A forked child must never reuse its parent's pooled connections.
     engine.cache_clear()
+
+
+@worker_init.connect  # type: ignore[untyped-decorator]
+def _short_switch_interval(**_: object) -> None:
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
