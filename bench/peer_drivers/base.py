@@ -26,8 +26,6 @@ import atexit
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -41,6 +39,7 @@ from common import Case, CpuMeter, Results, ServiceProcess, percentile, pids_nam
 from rich.markup import escape
 from sqlalchemy import Engine, text
 
+from outbox.testing.stack import Service
 from peer_drivers.job import TABLES, TABLES_DDL, sqlalchemy_url
 
 PER_S, MS, CORE = "ops/s", "ms", "% core"
@@ -120,58 +119,33 @@ def tell(line: str) -> None:
 _live: set[WorkerProcess] = set()
 
 
-class WorkerProcess:
-    """A worker of a peer: ``python ARGV`` (``-m celery ...``), its output in a log file."""
+class WorkerProcess(Service):
+    """A worker of a peer: ``python -m MODULE ARGS`` with the bench directory importable, its
+    output in a log file; stopped at exit if a crash left it running."""
 
     def __init__(
-        self, name: str, argv: Sequence[str], env: Mapping[str, str], log_dir: Path
+        self,
+        name: str,
+        module: str,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        log_dir: Path,
     ) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = self.log_path.open("ab")
         python_path = os.pathsep.join(filter(None, [str(BENCH_DIR), env.get("PYTHONPATH")]))
-        self.process = subprocess.Popen(  # noqa: S603 -- our own argv
-            [sys.executable, *argv],
-            env={**env, "PYTHONPATH": python_path},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: Ctrl-C is ours to pass on
-        )
+        super().__init__(name, args, {**env, "PYTHONPATH": python_path}, log_dir, module=module)
         _live.add(self)
 
-    @property
-    def pid(self) -> int:
-        """The process id."""
-        return self.process.pid
-
-    def alive(self) -> bool:
-        """Whether it still runs."""
-        return self.process.poll() is None
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM its process group, SIGKILL if it lingers; idempotent."""
-        if self.alive():
-            self._signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                self.process.wait(5)
-        self._signal(signal.SIGKILL)  # children of a stopped parent
-        self._log.close()
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM its process group, SIGKILL if it lingers; the exit code."""
         _live.discard(self)
+        return super().stop(timeout)
 
     def tail(self, lines: int = 15) -> list[str]:
         """The last ``lines`` lines it printed."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            return self.output().strip().splitlines()[-lines:]
         except OSError:
             return []
-        return text.strip().splitlines()[-lines:]
-
-    def _signal(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signum)
 
 
 @atexit.register

@@ -189,7 +189,8 @@ class Dbos(base.PeerDriver):
         return [
             base.WorkerProcess(
                 f"dbos-worker-{i}",
-                ["-m", "peer_drivers.dbos_peer", "worker"],
+                "peer_drivers.dbos_peer",
+                ["worker"],
                 {**environ, ENV_WORKER: str(i)},
                 log_dir,
             )

@@ -132,8 +132,9 @@ class NaiveCelery(base.PeerDriver):
         return [
             base.WorkerProcess(
                 f"celery-worker-{i}",
+                "celery",
                 [
-                    *("-m", "celery", "-A", "peer_drivers.naive_celery", "worker"),
+                    *("-A", "peer_drivers.naive_celery", "worker"),
                     *("-P", "threads", "-c", str(s.concurrency), "-Q", QUEUE),
                     *("-n", f"naive{i}@%h", "-l", s.log_level),
                 ],

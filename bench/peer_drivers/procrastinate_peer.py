@@ -121,8 +121,9 @@ class Procrastinate(base.PeerDriver):
         return [
             base.WorkerProcess(
                 f"procrastinate-worker-{i}",
+                "procrastinate",
                 [
-                    *("-m", "procrastinate", "--log-level", s.log_level.lower()),
+                    *("--log-level", s.log_level.lower()),
                     *("--app", "peer_drivers.procrastinate_peer.app", "worker"),
                     *("--concurrency", str(s.concurrency), "--queues", QUEUE),
                     *("--name", f"bench-{i}"),

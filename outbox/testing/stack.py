@@ -7,20 +7,28 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 
 class Service:
-    """One ``python -m outbox …`` process whose output goes to a log file."""
+    """One ``python -m outbox …`` process (or ``-m module``) whose output goes to a log file."""
 
-    def __init__(self, name: str, args: list[str], env: Mapping[str, str], log_dir: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        log_dir: Path,
+        *,
+        module: str = "outbox",
+    ) -> None:
         self.name = name
-        self.args = args
+        self.args = list(args)
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("ab")
         self.process = subprocess.Popen(  # noqa: S603 -- our own CLI, argv from our code
-            [sys.executable, "-m", "outbox", *args],
+            [sys.executable, "-m", module, *args],
             env=dict(env),
             stdout=self._log,
             stderr=subprocess.STDOUT,
