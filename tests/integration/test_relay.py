@@ -208,9 +208,7 @@ def test_the_relay_sleeps_on_notify_and_wakes_for_a_new_intent(
     runner = threading.Thread(target=relay.run_forever)
     runner.start()
     try:
-        deadline = time.monotonic() + 10
-        while not _relay_idle(engine) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_until_idle(engine)
         assert _relay_idle(engine)
         started = time.monotonic()
         op = make_operation(engine)
@@ -246,9 +244,7 @@ def test_a_backlog_silences_the_bell_and_the_relay_rings_it_again_when_drained(
     runner = threading.Thread(target=relay.run_forever)
     try:
         runner.start()
-        deadline = time.monotonic() + 10
-        while not _relay_idle(engine) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_until_idle(engine)
         assert all(reload(engine, op.id).published_at is not None for op in backlog)
         assert _relay_idle(engine)
         # registered busy, the flag down through the backlog, then up once drained
@@ -278,9 +274,7 @@ def test_an_idle_relay_keeps_its_heartbeat(
     runner = threading.Thread(target=relay.run_forever)
     try:
         runner.start()
-        deadline = time.monotonic() + 10
-        while not _relay_idle(engine) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_until_idle(engine)
         first = _heartbeat(engine)
         time.sleep(1.0)
         assert _heartbeat(engine) > first
@@ -293,6 +287,13 @@ def test_an_idle_relay_keeps_its_heartbeat(
 def _heartbeat(engine: Engine) -> Any:
     with engine.connect() as conn:
         return conn.execute(text("SELECT max(heartbeat_at) FROM outbox.relays")).scalar_one()
+
+
+def _wait_until_idle(engine: Engine, timeout_s: float = 10) -> None:
+    """Until a relay says it waits on its bell (the caller asserts on what follows)."""
+    deadline = time.monotonic() + timeout_s
+    while not _relay_idle(engine) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _relay_idle(engine: Engine) -> bool:
