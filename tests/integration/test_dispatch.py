@@ -730,3 +730,35 @@ def test_a_message_s_locks_are_taken_in_turn_on_one_connection(engine: Engine) -
             assert locked is not None
             assert locked[0].connection.driver_connection.info.backend_pid != pid  # type: ignore[union-attr]
     assert _free(engine, first.id)
+
+
+def test_the_operations_of_a_message_share_one_lock_connection(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """Attempts dispatched with one DispatchLocks run on the same connection, one after the
+    other, and each lock is free once the next attempt took its own."""
+    ops = [make_operation(engine) for _ in range(3)]
+    pids: list[int] = []
+
+    def answer(call: ToolCall) -> DispatchResult:
+        with engine.connect() as conn:
+            pids.append(
+                int(
+                    conn.execute(
+                        text(
+                            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                            "AND pid <> pg_backend_pid() AND database = "
+                            "(SELECT oid FROM pg_database WHERE datname = current_database())"
+                        )
+                    ).scalar_one()
+                )
+            )
+        return Applied(f"ref-{call.operation_id}")
+
+    remote.answer = answer
+    with DispatchLocks(engine) as locks:
+        reports = [dispatch(op.id, engine=engine, registry=registry, locks=locks) for op in ops]
+    assert [r.outcome for r in reports] == [Outcome.CONFIRMED] * 3
+    assert len(pids) == 3
+    assert len(set(pids)) == 1  # one backend, holding exactly one lock during each call
+    assert all(_free(engine, op.id) for op in ops)
