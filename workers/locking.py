@@ -19,7 +19,7 @@ from outbox import statements
 from outbox.locks import operation_lock_key
 from outbox.models import Operation
 
-#: What :func:`dispatch_lock` read with the lock: the operation, whether it is due, whether
+#: What :meth:`DispatchLocks.lock` read with the lock: the operation, whether it is due, whether
 #: its replay deadline has passed (``statements.get_for_dispatch``).
 Found = tuple[Operation, bool, bool]
 
@@ -107,10 +107,7 @@ class DispatchLocks:
         conn = self._conn
         if conn is not None:
             try:
-                taken, synchronous_commit = take(conn)
-                if taken and synchronous_commit != "on":
-                    statements.set_synchronous_commit(conn)
-                conn.commit()
+                taken = _take_durably(conn, take)
             except DBAPIError:
                 self.close()  # the previous lock goes with the connection; start afresh
             else:
@@ -127,25 +124,13 @@ class DispatchLocks:
             conn.close()
 
 
-@contextmanager
-def dispatch_lock(
-    engine: Engine, operation_id: UUID
-) -> Iterator[tuple[Connection, Found | None] | None]:
-    """One :meth:`DispatchLocks.lock`, released on leaving."""
-    with DispatchLocks(engine) as locks, locks.lock(operation_id) as locked:
-        yield locked
-
-
 def _locked_connection(engine: Engine, take: _Take, *, autocommit: bool) -> tuple[Connection, bool]:
     for retry in (False, True):
         conn = engine.connect()
         try:
             if autocommit:
                 conn.execution_options(isolation_level="AUTOCOMMIT")
-            taken, synchronous_commit = take(conn)
-            if autocommit and taken and synchronous_commit != "on":
-                statements.set_synchronous_commit(conn)
-            conn.commit()
+            taken = _take_durably(conn, take)
         except DBAPIError as exc:
             conn.close()
             if retry or not exc.connection_invalidated:
@@ -156,6 +141,16 @@ def _locked_connection(engine: Engine, take: _Take, *, autocommit: bool) -> tupl
             raise
         return conn, taken
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _take_durably(conn: Connection, take: _Take) -> bool:
+    """``take`` the lock; if taken and the session's ``synchronous_commit`` was read and is
+    not ``on``, set it (every later commit on the connection then waits for the WAL flush)."""
+    taken, synchronous_commit = take(conn)
+    if taken and synchronous_commit not in (None, "on"):
+        statements.set_synchronous_commit(conn)
+    conn.commit()
+    return taken
 
 
 def release(conn: Connection) -> None:
