@@ -18,7 +18,6 @@ from uuid import UUID
 from sqlalchemy import (
     Boolean,
     ColumnElement,
-    Executable,
     Integer,
     Text,
     bindparam,
@@ -35,6 +34,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import INTERVAL, JSONB
 from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 
+from outbox.driver import DriverStatement
 from outbox.models import Event, Executor, Operation
 from outbox.schema import events, operations
 from outbox.states import SETTLED_STATES, TERMINAL_STATES, Actor, Effects, State
@@ -42,8 +42,9 @@ from outbox.states import SETTLED_STATES, TERMINAL_STATES, Actor, Effects, State
 #: NOTIFY channel announcing that an operation settled; its payload is the operation id.
 SETTLED_CHANNEL = "outbox_settled"
 
-_INSERT_INTENT = text(
-    """
+_INSERT_INTENT = DriverStatement.of(
+    text(
+        """
     WITH new AS (SELECT outbox.uuid_v7() AS id),
     inserted AS (
         INSERT INTO outbox.operations
@@ -68,6 +69,8 @@ _INSERT_INTENT = text(
             WHERE EXISTS (SELECT FROM outbox.relays WHERE idle)) AS rang
     FROM inserted
     """
+    ),
+    ["id", "intent_key", "created_at", "updated_at", "available_at", "rang"],
 )
 
 
@@ -87,8 +90,8 @@ def insert_intent(
     A concurrent transaction inserting the same key makes this wait for its outcome
     (``ON CONFLICT DO NOTHING``), so racing agents end with one row and no IntegrityError.
     """
-    row = executor.execute(
-        _INSERT_INTENT,
+    row = _INSERT_INTENT.fetch_one(
+        executor,
         {
             "intent_key": intent_key,
             "tool": tool,
@@ -98,12 +101,12 @@ def insert_intent(
             "metadata": json.dumps(dict(metadata)),
             "requested_by": requested_by,
         },
-    ).one_or_none()
+    )
     if row is None:
         return None
     return Operation(
-        id=row.id,
-        intent_key=row.intent_key,
+        id=row["id"],
+        intent_key=row["intent_key"],
         tool=tool,
         target=target,
         payload=json.loads(canonical_payload),
@@ -117,9 +120,9 @@ def insert_intent(
         last_error=None,
         metadata=dict(metadata),
         requested_by=requested_by,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        available_at=row.available_at,
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        available_at=row["available_at"],
         published_at=None,
         first_sent_at=None,
         sent_at=None,
@@ -317,7 +320,7 @@ def _changes(shape: _MoveShape) -> dict[str, Any]:
 
 
 @functools.cache
-def _move_statement(shape: _MoveShape) -> Executable:
+def _move_statement(shape: _MoveShape) -> DriverStatement:
     """The one-statement compare-and-set of ``shape``, built once per shape and reused."""
     o = operations.c
     conditions: list[ColumnElement[bool]] = [
@@ -352,9 +355,11 @@ def _move_statement(shape: _MoveShape) -> Executable:
         ),
     )
     columns: list[Any] = [moved]
+    names = [column.name for column in operations.c]
     if shape.to_state in SETTLED_STATES:
         columns.append(func.pg_notify(SETTLED_CHANNEL, cast(moved.c.id, Text)))
-    return select(*columns).add_cte(logged.cte("logged"))
+        names.append("notified")
+    return DriverStatement.of(select(*columns).add_cte(logged.cte("logged")), names)
 
 
 def move(
@@ -407,7 +412,7 @@ def move(
         params["last_error"] = effects.last_error
     if detail is not None:
         params["detail"] = dict(detail)
-    row = executor.execute(_move_statement(shape), params).mappings().one_or_none()
+    row = _move_statement(shape).fetch_one(executor, params)
     return Operation.from_row(row) if row is not None else None
 
 
@@ -590,8 +595,9 @@ def get_for_dispatch(executor: Executor, operation_id: UUID) -> tuple[Operation,
     return Operation.from_row(row), bool(row["due"]), bool(row["replay_expired"])
 
 
-_LOCK_AND_READ = text(
-    """
+_LOCK_AND_READ = DriverStatement.of(
+    text(
+        f"""
     WITH lk AS MATERIALIZED (
         SELECT pg_try_advisory_lock(:key) AS taken,
                current_setting('synchronous_commit') AS synchronous_commit
@@ -600,14 +606,16 @@ _LOCK_AND_READ = text(
         FROM (SELECT count(*) FROM (SELECT pg_advisory_unlock_all() WHERE :unlock_first) AS u)
           AS unlocked
     )
-    SELECT lk.taken, lk.synchronous_commit, op.*,
+    SELECT lk.taken, lk.synchronous_commit, {", ".join(f"op.{c.name}" for c in operations.c)},
            op.available_at <= clock_timestamp() AS due,
            op.replay_deadline IS NOT NULL AND op.replay_deadline <= clock_timestamp()
              AS replay_expired
     -- The row comes from a function fed with the lock's result: its query runs after the
     -- lock was granted, with a snapshot of its own (migration 0007).
     FROM lk LEFT JOIN LATERAL outbox.operation_if_locked(:id, lk.taken) AS op ON true
-    """
+    """  # noqa: S608 -- the column names come from the table's definition, not from input
+    ),
+    ["taken", "synchronous_commit", *(c.name for c in operations.c), "due", "replay_expired"],
 )
 
 
@@ -621,13 +629,10 @@ def try_lock_and_read(
     lock's previous holder, exactly as a read in a statement of its own would.
     ``unlock_first``: release every advisory lock this session holds before taking this one.
     """
-    row = (
-        executor.execute(
-            _LOCK_AND_READ, {"key": key, "id": operation_id, "unlock_first": unlock_first}
-        )
-        .mappings()
-        .one()
+    row = _LOCK_AND_READ.fetch_one(
+        executor, {"key": key, "id": operation_id, "unlock_first": unlock_first}
     )
+    assert row is not None  # noqa: S101 -- the statement returns one row, whatever the lock
     taken, synchronous_commit = bool(row["taken"]), str(row["synchronous_commit"])
     if not taken or row["id"] is None:
         return taken, synchronous_commit, None

@@ -1,0 +1,101 @@
+"""The hot statements, run on psycopg directly inside the caller's SQLAlchemy transaction.
+
+An attempt runs three statements (lock and read, `sent`, outcome) and an enqueue one; for
+each, SQLAlchemy's own work (the compiled-cache lookup, parameter processing, and above
+all result metadata built from psycopg's cursor description, one object per column of a
+27-column row) cost twice what psycopg spends sending it and reading the row. A
+:class:`DriverStatement` is compiled once by SQLAlchemy, for the psycopg dialect, then
+handed to the psycopg connection under the caller's :class:`~sqlalchemy.Connection` or
+:class:`~sqlalchemy.orm.Session`; its columns are named once, when it is built.
+
+What stays as SQLAlchemy does it: the statement joins the caller's transaction (begun if
+it was not, as ``execute`` would have), and a driver error comes out as SQLAlchemy's
+``DBAPIError`` subclass, the connection invalidated if it was lost. What does not: these
+statements do not go through SQLAlchemy's ``before/after_cursor_execute`` events, nor its
+``echo`` logging. A connection whose driver is not psycopg 3 (an agent's own psycopg2
+engine) runs the statement through SQLAlchemy as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import psycopg
+from psycopg.types.json import Jsonb
+from sqlalchemy import Connection
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+from sqlalchemy.sql import Select, TextClause
+from sqlalchemy.types import JSON
+
+from outbox.models import Executor
+
+_DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]  # untyped in SQLAlchemy
+
+
+@dataclass(frozen=True)
+class DriverStatement:
+    """One statement compiled for psycopg, the names of its result columns in order, and
+    which of its parameters are JSON (wrapped for psycopg, as SQLAlchemy's dialect does)."""
+
+    clause: TextClause | Select[Any]
+    sql: str
+    columns: tuple[str, ...]
+    defaults: Mapping[str, Any]
+    json_params: frozenset[str]
+
+    @classmethod
+    def of(cls, clause: TextClause | Select[Any], columns: Sequence[str]) -> DriverStatement:
+        """Compile ``clause`` (whose result columns are ``columns``, in order) once."""
+        compiled = clause.compile(dialect=_DIALECT)
+        json_params = frozenset(
+            name for name, bind in compiled.binds.items() if isinstance(bind.type, JSON)
+        )
+        # Bound literals (literal(...)) carry their values in the compiled statement.
+        defaults = {name: value for name, value in compiled.params.items() if value is not None}
+        return cls(clause, compiled.string, tuple(columns), defaults, json_params)
+
+    def fetch_one(self, executor: Executor, params: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Run the statement in ``executor``'s transaction; its first row by column name."""
+        conn = _connection(executor)
+        dbapi = conn.connection.driver_connection
+        if not isinstance(dbapi, psycopg.Connection):
+            row = conn.execute(self.clause, dict(params)).mappings().first()
+            return dict(row) if row is not None else None
+        values = {**self.defaults, **params}
+        for name in self.json_params & values.keys():
+            if values[name] is not None:
+                values[name] = Jsonb(values[name])
+        try:
+            with dbapi.cursor() as cursor:
+                cursor.execute(self.sql, values)
+                row = cursor.fetchone()
+        except psycopg.Error as exc:
+            raise _as_sqlalchemy_error(conn, self.sql, values, exc) from exc
+        return dict(zip(self.columns, row, strict=True)) if row is not None else None
+
+
+def _connection(executor: Executor) -> Connection:
+    """The Connection whose transaction the statement joins, begun as ``execute`` would."""
+    if isinstance(executor, Session):
+        return executor.connection()
+    if not executor.in_transaction():
+        executor.begin()
+    return executor
+
+
+def _as_sqlalchemy_error(
+    conn: Connection, sql: str, params: Mapping[str, Any], exc: psycopg.Error
+) -> DBAPIError:
+    """The ``DBAPIError`` SQLAlchemy would have raised; a lost connection is invalidated."""
+    lost = conn.dialect.is_disconnect(exc, conn.connection.dbapi_connection, None)  # type: ignore[arg-type]  # psycopg is the DBAPI module
+    if lost:
+        conn.invalidate(exc)
+    error = DBAPIError.instance(
+        sql, dict(params), exc, psycopg.Error, connection_invalidated=lost, dialect=conn.dialect
+    )
+    # instance() returns the DBAPIError subclass for a DBAPI error, as it is given here.
+    return cast(DBAPIError, error)

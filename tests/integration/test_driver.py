@@ -1,0 +1,99 @@
+"""Hot statements on psycopg directly: in the caller's transaction, with SQLAlchemy's errors."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
+from sqlalchemy.orm import Session
+
+from outbox import api
+from outbox.driver import DriverStatement
+from tests.factories import operation_count
+
+_DIVIDE = DriverStatement.of(text("SELECT 1 / :divisor AS quotient"), ["quotient"])
+_INSERT_EVENT = DriverStatement.of(
+    text(
+        "INSERT INTO outbox.events (operation_id, from_state, to_state, attempt, actor, reason) "
+        "VALUES (:operation_id, NULL, 'planned', 0, 'agent', 'test') RETURNING id"
+    ),
+    ["id"],
+)
+_ECHO_JSON = DriverStatement.of(
+    sa.select(sa.bindparam("doc", type_=sa.dialects.postgresql.JSONB).label("doc")), ["doc"]
+)
+
+
+def _enqueue(executor: Session | sa.Connection, key: str) -> None:
+    api.enqueue(executor, tool="t.one", target="web", payload={"k": key}, intent_key=key)
+
+
+def test_a_statement_begins_the_connections_transaction_as_execute_would(engine: Engine) -> None:
+    """On a Connection with no transaction yet, the statement begins one, kept by commit()."""
+    with engine.connect() as conn:
+        _enqueue(conn, "kept")
+        assert conn.in_transaction()
+        conn.commit()
+    assert operation_count(engine) == 1
+
+
+def test_a_statement_rolls_back_with_the_callers_transaction(engine: Engine) -> None:
+    """What a driver statement wrote goes with the caller's rollback, on a Session or not."""
+    with Session(engine) as session, session.begin():
+        _enqueue(session, "session")
+        session.rollback()
+    with engine.connect() as conn, conn.begin() as txn:
+        _enqueue(conn, "connection")
+        txn.rollback()
+    assert operation_count(engine) == 0
+
+
+def test_the_row_comes_back_by_column_name_with_json_parameters(engine: Engine) -> None:
+    """Columns are named as declared; a JSON parameter reaches psycopg as JSON."""
+    with engine.connect() as conn:
+        assert _DIVIDE.fetch_one(conn, {"divisor": 1}) == {"quotient": 1}
+        assert _ECHO_JSON.fetch_one(conn, {"doc": {"a": [1, "b"]}}) == {"doc": {"a": [1, "b"]}}
+
+
+def test_a_driver_error_comes_out_as_sqlalchemys_error(engine: Engine) -> None:
+    """A failing statement raises the DBAPIError subclass SQLAlchemy itself would raise."""
+    with engine.connect() as conn:
+        with pytest.raises(DataError, match="division by zero"):
+            _DIVIDE.fetch_one(conn, {"divisor": 0})
+        conn.rollback()
+        with pytest.raises(IntegrityError, match="operation_id"):
+            _INSERT_EVENT.fetch_one(conn, {"operation_id": "00000000-0000-0000-0000-000000000000"})
+        assert not conn.invalidated
+
+
+def test_a_lost_connection_is_invalidated(engine: Engine) -> None:
+    """A statement on a connection the server dropped raises with connection_invalidated set,
+    and SQLAlchemy knows the connection is gone (the pool will not hand it out again)."""
+    with engine.connect() as conn:
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        conn.commit()
+        with engine.connect() as other:
+            other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        with pytest.raises(DBAPIError) as raised:
+            _DIVIDE.fetch_one(conn, {"divisor": 1})
+        assert raised.value.connection_invalidated
+        assert conn.invalidated
+
+
+def test_an_engine_on_another_driver_runs_the_statement_through_sqlalchemy(
+    engine: Engine,
+) -> None:
+    """An agent's own psycopg2 engine enqueues as well (SQLAlchemy runs the statement)."""
+    pytest.importorskip("psycopg2", reason="psycopg2 is in the dev extras")
+    other = sa.create_engine(engine.url.set(drivername="postgresql+psycopg2"))
+    try:
+        with Session(other) as session, session.begin():
+            _enqueue(session, "psycopg2")
+        with other.connect() as conn:
+            assert _DIVIDE.fetch_one(conn, {"divisor": 2}) == {"quotient": 0}
+            with pytest.raises(DataError):
+                _DIVIDE.fetch_one(conn, {"divisor": 0})
+    finally:
+        other.dispose()
+    assert operation_count(engine) == 1
