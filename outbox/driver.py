@@ -9,11 +9,12 @@ handed to the psycopg connection under the caller's :class:`~sqlalchemy.Connecti
 :class:`~sqlalchemy.orm.Session`; its columns are named once, when it is built.
 
 What stays as SQLAlchemy does it: the statement joins the caller's transaction (begun if
-it was not, as ``execute`` would have), and a driver error comes out as SQLAlchemy's
-``DBAPIError`` subclass, the connection invalidated if it was lost. What does not: these
-statements do not go through SQLAlchemy's ``before/after_cursor_execute`` events, nor its
-``echo`` logging. A connection whose driver is not psycopg 3 (an agent's own psycopg2
-engine) runs the statement through SQLAlchemy as before.
+it was not, as ``execute`` would have); a driver error comes out as SQLAlchemy's
+``DBAPIError`` subclass, the connection invalidated if it was lost; listeners of the
+``before_cursor_execute`` and ``after_cursor_execute`` events see the statement (with no
+execution context, and a listener's returned statement is not used). What does not:
+SQLAlchemy's ``echo`` logging. A connection whose driver is not psycopg 3 (an agent's own
+psycopg2 engine) runs the statement through SQLAlchemy as before.
 """
 
 from __future__ import annotations
@@ -60,22 +61,31 @@ class DriverStatement:
 
     def fetch_one(self, executor: Executor, params: Mapping[str, Any]) -> dict[str, Any] | None:
         """Run the statement in ``executor``'s transaction; its first row by column name."""
+        rows = self.fetch_all(executor, params)
+        return rows[0] if rows else None
+
+    def fetch_all(self, executor: Executor, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Run the statement in ``executor``'s transaction; its rows by column name."""
         conn = _connection(executor)
         dbapi = conn.connection.driver_connection
         if not isinstance(dbapi, psycopg.Connection):
-            row = conn.execute(self.clause, dict(params)).mappings().first()
-            return dict(row) if row is not None else None
+            return [dict(row) for row in conn.execute(self.clause, dict(params)).mappings()]
         values = {**self.defaults, **params}
         for name in self.json_params & values.keys():
             if values[name] is not None:
                 values[name] = Jsonb(values[name])
+        events = conn.dispatch
         try:
             with dbapi.cursor() as cursor:
+                if events.before_cursor_execute:
+                    events.before_cursor_execute(conn, cursor, self.sql, values, None, False)
                 cursor.execute(self.sql, values)
-                row = cursor.fetchone()
+                if events.after_cursor_execute:
+                    events.after_cursor_execute(conn, cursor, self.sql, values, None, False)
+                rows = cursor.fetchall()
         except psycopg.Error as exc:
             raise _as_sqlalchemy_error(conn, self.sql, values, exc) from exc
-        return dict(zip(self.columns, row, strict=True)) if row is not None else None
+        return [dict(zip(self.columns, row, strict=True)) for row in rows]
 
 
 def _connection(executor: Executor) -> Connection:

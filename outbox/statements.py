@@ -424,8 +424,9 @@ PLANNED_CHANNEL = "outbox_planned"
 # The queue scans bound time with statement_timestamp(), not clock_timestamp(): a volatile
 # function cannot be an index condition, so the partial index would only order the scan and
 # every not-yet-due row of the queue would be read and filtered (bench/scale.py --not-due).
-_CLAIM_DUE = text(
-    """
+_CLAIM_DUE = DriverStatement.of(
+    text(
+        """
     SELECT id, tool, target FROM outbox.operations
     WHERE state = 'planned'
       AND available_at <= statement_timestamp()
@@ -435,6 +436,8 @@ _CLAIM_DUE = text(
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
     """
+    ),
+    ["id", "tool", "target"],
 )
 
 
@@ -446,22 +449,32 @@ def claim_due(
     ``SKIP LOCKED`` lets several relays claim disjoint batches; the row locks last until the
     caller's transaction ends, so a batch is published by one relay at a time.
     """
-    rows = executor.execute(_CLAIM_DUE, {"limit": limit, "republish_after": republish_after_s})
-    return [(row.id, row.tool, row.target) for row in rows]
+    rows = _CLAIM_DUE.fetch_all(executor, {"limit": limit, "republish_after": republish_after_s})
+    return [(row["id"], row["tool"], row["target"]) for row in rows]
 
 
 def mark_published(executor: Executor, operation_ids: list[UUID]) -> int:
     """Record that these rows' messages were confirmed by the broker; returns rows updated."""
     if not operation_ids:
         return 0
-    result = executor.execute(
-        text(
-            "UPDATE outbox.operations SET published_at = clock_timestamp() "
-            "WHERE id = ANY(:ids) AND state = 'planned'"
-        ),
-        {"ids": operation_ids},
+    row = _MARK_PUBLISHED.fetch_one(executor, {"ids": operation_ids})
+    assert row is not None  # noqa: S101 -- a count always returns a row
+    return int(row["updated"])
+
+
+_MARK_PUBLISHED = DriverStatement.of(
+    text(
+        """
+    WITH marked AS (
+        UPDATE outbox.operations SET published_at = clock_timestamp()
+        WHERE id = ANY(CAST(:ids AS uuid[])) AND state = 'planned'
+        RETURNING 1
     )
-    return int(result.rowcount)  # type: ignore[attr-defined]
+    SELECT count(*) AS updated FROM marked
+    """
+    ),
+    ["updated"],
+)
 
 
 def announce_relay(executor: Executor, name: str, *, pid: int, host: str, idle: bool) -> None:

@@ -242,7 +242,8 @@ def test_a_failing_sent_commit_is_never_followed_by_a_call(
     with engine.begin() as conn:
         conn.execute(
             text(
-                "CREATE FUNCTION pg_temp.refuse() RETURNS trigger LANGUAGE plpgsql AS "
+                "CREATE OR REPLACE FUNCTION pg_temp.refuse() RETURNS trigger "
+                "LANGUAGE plpgsql AS "
                 "$$ BEGIN RAISE EXCEPTION 'disk full'; END $$"
             )
         )
@@ -583,7 +584,8 @@ def test_an_escalation_by_the_dispatcher_commits_with_its_webhook_or_not_at_all(
         with engine.begin() as conn:
             conn.execute(
                 text(
-                    "CREATE FUNCTION pg_temp.refuse() RETURNS trigger LANGUAGE plpgsql AS "
+                    "CREATE OR REPLACE FUNCTION pg_temp.refuse() RETURNS trigger "
+                    "LANGUAGE plpgsql AS "
                     "$$ BEGIN RAISE EXCEPTION 'deliveries table full'; END $$"
                 )
             )

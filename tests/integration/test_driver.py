@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, event, text
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
@@ -54,6 +54,28 @@ def test_the_row_comes_back_by_column_name_with_json_parameters(engine: Engine) 
     with engine.connect() as conn:
         assert _DIVIDE.fetch_one(conn, {"divisor": 1}) == {"quotient": 1}
         assert _ECHO_JSON.fetch_one(conn, {"doc": {"a": [1, "b"]}}) == {"doc": {"a": [1, "b"]}}
+
+
+def test_cursor_execute_listeners_see_the_statement(engine: Engine) -> None:
+    """An engine's before/after_cursor_execute listeners see a driver statement and its values."""
+    seen: list[tuple[str, str, object]] = []
+
+    def before(_conn: object, _cursor: object, sql: str, params: object, *_: object) -> None:
+        seen.append(("before", sql, params))
+
+    def after(_conn: object, _cursor: object, sql: str, params: object, *_: object) -> None:
+        seen.append(("after", sql, params))
+
+    event.listen(engine, "before_cursor_execute", before)
+    event.listen(engine, "after_cursor_execute", after)
+    try:
+        with engine.connect() as conn:
+            _DIVIDE.fetch_one(conn, {"divisor": 3})
+    finally:
+        event.remove(engine, "before_cursor_execute", before)
+        event.remove(engine, "after_cursor_execute", after)
+    driver = [(when, params) for when, sql, params in seen if sql == _DIVIDE.sql]
+    assert driver == [("before", {"divisor": 3}), ("after", {"divisor": 3})]
 
 
 def test_a_driver_error_comes_out_as_sqlalchemys_error(engine: Engine) -> None:
