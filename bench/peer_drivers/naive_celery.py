@@ -11,7 +11,8 @@ processes (``--workers`` x ``--concurrency``, default 2 x 8, as our workers). Th
 the intent row, POSTs with a process-wide ``httpx.Client`` (keep-alive pool), and inserts the
 ``bench_results`` row, each in its own transaction on a SQLAlchemy engine (psycopg 3) sized to
 the concurrency. Celery's defaults otherwise, as a first Celery app has them: JSON serializer,
-no result backend (results ignored), early acks, prefetch multiplier 4, no task events.
+no result backend (results ignored), early acks, prefetch multiplier 4, no task events; a
+transport error retries the task at once, up to 3 times (``autoretry_for``).
 """
 
 from __future__ import annotations
@@ -86,9 +87,15 @@ def _client() -> httpx.Client:
     return httpx.Client(limits=httpx.Limits(max_connections=concurrency + 2))
 
 
-@app.task(name=TASK)  # type: ignore[untyped-decorator]
+# A transport error retries the task at once, up to 3 times, as a Celery user writes it
+# (autoretry_for); the key header lets the service deduplicate a POST that did arrive. Without
+# it one failed POST (a shared client's connection reset under load) lost the task, and the
+# benchmark waited for a result that never came.
+@app.task(  # type: ignore[untyped-decorator]
+    name=TASK, autoretry_for=(httpx.TransportError,), max_retries=3, default_retry_delay=0
+)
 def post(intent_id: str) -> None:
-    """Read the intent, POST it once, record the result."""
+    """Read the intent, POST it, record the result."""
     with _lock:  # functools.cache is not a lock: one engine and one client per process
         engine, client = _engine(), _client()
     with engine.begin() as conn:
