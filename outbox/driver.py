@@ -11,10 +11,12 @@ handed to the psycopg connection under the caller's :class:`~sqlalchemy.Connecti
 What stays as SQLAlchemy does it: the statement joins the caller's transaction (begun if
 it was not, as ``execute`` would have); a driver error comes out as SQLAlchemy's
 ``DBAPIError`` subclass, the connection invalidated if it was lost; listeners of the
-``before_cursor_execute`` and ``after_cursor_execute`` events see the statement (with no
-execution context, and a listener's returned statement is not used). What does not:
-SQLAlchemy's ``echo`` logging. A connection whose driver is not psycopg 3 (an agent's own
-psycopg2 engine) runs the statement through SQLAlchemy as before.
+``before_cursor_execute`` and ``after_cursor_execute`` events see the statement, and may
+change it as SQLAlchemy lets them (their execution context is a :class:`ListenerContext`,
+which keeps what they set on it, so a tracer's span is ended). What does not: SQLAlchemy's
+``echo`` logging, and the ``handle_error`` event (a failed statement raises without it).
+A connection whose driver is not psycopg 3 (an agent's own psycopg2 engine) runs the
+statement through SQLAlchemy as before.
 """
 
 from __future__ import annotations
@@ -75,17 +77,32 @@ class DriverStatement:
             if values[name] is not None:
                 values[name] = Jsonb(values[name])
         events = conn.dispatch
+        sql: str = self.sql
+        execution = ListenerContext()
         try:
             with dbapi.cursor() as cursor:
                 if events.before_cursor_execute:
-                    events.before_cursor_execute(conn, cursor, self.sql, values, None, False)
-                cursor.execute(self.sql, values)
+                    # As SQLAlchemy does: every listener hands back the statement and values,
+                    # possibly changed (a tracer appending a comment).
+                    for listener in events.before_cursor_execute:
+                        sql, values = listener(conn, cursor, sql, values, execution, False)
+                cursor.execute(sql, values)
                 if events.after_cursor_execute:
-                    events.after_cursor_execute(conn, cursor, self.sql, values, None, False)
+                    for listener in events.after_cursor_execute:
+                        listener(conn, cursor, sql, values, execution, False)
                 rows = cursor.fetchall()
         except psycopg.Error as exc:
-            raise _as_sqlalchemy_error(conn, self.sql, values, exc) from exc
+            raise _as_sqlalchemy_error(conn, sql, values, exc) from exc
         return [dict(zip(self.columns, row, strict=True)) for row in rows]
+
+
+class ListenerContext:
+    """What cursor-execute listeners get as the execution context of a driver statement.
+
+    SQLAlchemy's own context does not exist here. This object takes the attributes a
+    listener sets on it in ``before_cursor_execute`` (a tracer's span) and gives them back
+    in ``after_cursor_execute``; it has nothing else.
+    """
 
 
 def _connection(executor: Executor) -> Connection:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import Engine, event, text
@@ -20,6 +22,7 @@ _INSERT_EVENT = DriverStatement.of(
     ),
     ["id"],
 )
+_CURRENT_QUERY = DriverStatement.of(text("SELECT current_query() AS query"), ["query"])
 _ECHO_JSON = DriverStatement.of(
     sa.select(sa.bindparam("doc", type_=sa.dialects.postgresql.JSONB).label("doc")), ["doc"]
 )
@@ -57,14 +60,20 @@ def test_the_row_comes_back_by_column_name_with_json_parameters(engine: Engine) 
 
 
 def test_cursor_execute_listeners_see_the_statement(engine: Engine) -> None:
-    """An engine's before/after_cursor_execute listeners see a driver statement and its values."""
-    seen: list[tuple[str, str, object]] = []
+    """An engine's before/after_cursor_execute listeners see a driver statement and its values,
+    and what a listener sets on the execution context (a tracer's span) reaches the after one."""
+    seen: list[tuple[str, object, object]] = []
 
-    def before(_conn: object, _cursor: object, sql: str, params: object, *_: object) -> None:
+    def before(
+        _conn: object, _cursor: object, sql: str, params: object, context: Any, *_: object
+    ) -> None:
+        context.span = "span-1"
         seen.append(("before", sql, params))
 
-    def after(_conn: object, _cursor: object, sql: str, params: object, *_: object) -> None:
-        seen.append(("after", sql, params))
+    def after(
+        _conn: object, _cursor: object, sql: str, params: object, context: Any, *_: object
+    ) -> None:
+        seen.append(("after", sql, getattr(context, "span", None)))
 
     event.listen(engine, "before_cursor_execute", before)
     event.listen(engine, "after_cursor_execute", after)
@@ -74,8 +83,28 @@ def test_cursor_execute_listeners_see_the_statement(engine: Engine) -> None:
     finally:
         event.remove(engine, "before_cursor_execute", before)
         event.remove(engine, "after_cursor_execute", after)
-    driver = [(when, params) for when, sql, params in seen if sql == _DIVIDE.sql]
-    assert driver == [("before", {"divisor": 3}), ("after", {"divisor": 3})]
+    driver = [(when, value) for when, sql, value in seen if sql == _DIVIDE.sql]
+    assert driver == [("before", {"divisor": 3}), ("after", "span-1")]
+
+
+def test_a_listener_may_change_the_statement_as_sqlalchemy_allows(engine: Engine) -> None:
+    """A retval=True before_cursor_execute listener (a tracer adding a comment) changes what
+    is sent, as it would through SQLAlchemy."""
+
+    def comment(
+        _conn: object, _cursor: object, sql: str, params: Any, *_: object
+    ) -> tuple[str, Any]:
+        return sql + " /* traced */", params
+
+    event.listen(engine, "before_cursor_execute", comment, retval=True)
+    try:
+        with engine.connect() as conn:
+            row = _CURRENT_QUERY.fetch_one(conn, {})
+    finally:
+        event.remove(engine, "before_cursor_execute", comment)
+    assert row is not None
+    sent = row["query"]
+    assert sent.endswith("/* traced */")
 
 
 def test_a_driver_error_comes_out_as_sqlalchemys_error(engine: Engine) -> None:
