@@ -42,6 +42,10 @@ from outbox.states import SETTLED_STATES, TERMINAL_STATES, Actor, Effects, State
 #: NOTIFY channel announcing that an operation settled; its payload is the operation id.
 SETTLED_CHANNEL = "outbox_settled"
 
+#: The operation row's columns in declaration order: what driver statements that return an
+#: operation select, and name their result columns by.
+_OPERATION_COLUMNS = tuple(column.name for column in operations.c)
+
 _INSERT_INTENT = DriverStatement.of(
     text(
         """
@@ -355,7 +359,7 @@ def _move_statement(shape: _MoveShape) -> DriverStatement:
         ),
     )
     columns: list[Any] = [moved]
-    names = [column.name for column in operations.c]
+    names = list(_OPERATION_COLUMNS)
     if shape.to_state in SETTLED_STATES:
         columns.append(func.pg_notify(SETTLED_CHANNEL, cast(moved.c.id, Text)))
         names.append("notified")
@@ -619,7 +623,7 @@ _LOCK_AND_READ = DriverStatement.of(
         FROM (SELECT count(*) FROM (SELECT pg_advisory_unlock_all() WHERE :unlock_first) AS u)
           AS unlocked
     )
-    SELECT lk.taken, lk.synchronous_commit, {", ".join(f"op.{c.name}" for c in operations.c)},
+    SELECT lk.taken, lk.synchronous_commit, {", ".join(f"op.{n}" for n in _OPERATION_COLUMNS)},
            op.available_at <= clock_timestamp() AS due,
            op.replay_deadline IS NOT NULL AND op.replay_deadline <= clock_timestamp()
              AS replay_expired
@@ -628,7 +632,7 @@ _LOCK_AND_READ = DriverStatement.of(
     FROM lk LEFT JOIN LATERAL outbox.operation_if_locked(:id, lk.taken) AS op ON true
     """  # noqa: S608 -- the column names come from the table's definition, not from input
     ),
-    ["taken", "synchronous_commit", *(c.name for c in operations.c), "due", "replay_expired"],
+    ["taken", "synchronous_commit", *_OPERATION_COLUMNS, "due", "replay_expired"],
 )
 
 

@@ -20,7 +20,7 @@ from outbox.locks import operation_lock_key
 from outbox.models import Operation
 
 #: What :meth:`DispatchLocks.lock` read with the lock: the operation, whether it is due, whether
-#: its replay deadline has passed (``statements.get_for_dispatch``).
+#: its replay deadline has passed (``statements.try_lock_and_read``).
 Found = tuple[Operation, bool, bool]
 
 #: Takes the lock on a fresh connection: (taken, the session's ``synchronous_commit`` if read).
