@@ -90,6 +90,10 @@ class Handler(BaseHTTPRequestHandler):
         """Lookup requests."""
         self._serve(self.server.remote.get)
 
+    def do_PUT(self) -> None:
+        """Dispatch requests of a tool declared with method = "PUT"."""
+        self._serve(self.server.remote.post)
+
     def _serve(self, behaviour: Behaviour) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
         self.server.remote.seen.append(
@@ -170,13 +174,18 @@ def refused_port() -> Iterator[int]:
 
 
 def http_tool(
-    tmp_path: Path, port: int, *, timeout_s: float = 2.0, remote_ref: str = "id"
+    tmp_path: Path,
+    port: int,
+    *,
+    timeout_s: float = 2.0,
+    remote_ref: str = "id",
+    method: str = "POST",
 ) -> HttpTool:
     """The DESIGN.md tool pointed at ``port``, with short deadlines."""
     lines = [
         f'[tools."{NAME}"]',
         'kind = "http"',
-        'method = "POST"',
+        f'method = "{method}"',
         f'url = "http://127.0.0.1:{port}/projects/{{target}}/releases"',
         'idempotency_header = "Idempotency-Key"',
         f"timeout_s = {timeout_s}",
@@ -255,7 +264,7 @@ def test_a_nested_remote_ref_is_followed(remote: Remote, tmp_path: Path) -> None
         (respond(500, {"error": "boom"}), "HTTP 500"),
         (respond(503, b""), "HTTP 503: (empty body)"),
         (respond(302, {}), "HTTP 302"),
-        (hang_up, "RemoteProtocolError"),
+        (hang_up, "ServerDisconnectedError"),
     ],
 )
 def test_uncertain_answers_are_ambiguous(
@@ -306,8 +315,27 @@ def test_a_refused_connection_is_not_delivered(refused_port: int, tmp_path: Path
     http = http_tool(tmp_path, refused_port)
     result = run_dispatch(http, make_call())
     assert isinstance(result, NotDelivered)
-    assert "ConnectError" in result.reason
+    assert "ClientConnectorError" in result.reason
+    assert result.reason.endswith("nothing was sent")
     assert isinstance(run_lookup(http, make_call()), Inconclusive)
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT"])
+def test_a_dropped_kept_alive_connection_is_not_sent_again(
+    remote: Remote, tmp_path: Path, method: str
+) -> None:
+    """The remote reads the request on a reused connection and hangs up: one request, Ambiguous.
+
+    HTTP clients resend an idempotent method (PUT) when a kept-alive connection turns out
+    closed; the remote may have applied the first, so for a tool that is a second call.
+    """
+    http = http_tool(tmp_path, remote.port, method=method)
+    assert run_dispatch(http, make_call()) == Applied("rel-1", result={"id": "rel-1"})
+    remote.post = hang_up
+    result = run_dispatch(http, make_call())
+    assert isinstance(result, Ambiguous)
+    assert [seen.method for seen in remote.seen] == [method, method]
+    assert remote.seen[0].client_port == remote.seen[1].client_port  # the kept-alive one
 
 
 def test_dot_segments_in_a_target_stay_in_place(remote: Remote, tmp_path: Path) -> None:

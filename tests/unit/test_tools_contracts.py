@@ -384,6 +384,8 @@ def test_invalid_tables_are_refused_naming_the_key(
         ("http://h/projects/{target", "unbalanced braces"),
         ("ftp://h/projects/{target}", "is not an http:// or https:// URL"),
         ("http://user:pw@h/projects/{target}", "credentials do not belong in the URL"),
+        ("http://h/my projects/{target}", "use 'http://h/my%20projects/x'"),
+        ("http://h/a/../projects/{target}", "no '.' or '..' segments"),
     ],
 )
 def test_bad_urls_are_refused_at_load(
@@ -493,10 +495,12 @@ def test_url_placeholders_are_percent_encoded() -> None:
     """Placeholder values are percent-encoded as single segments, dots segments included."""
     template = "http://h/p/{target}/r?key={intent_key}&op={operation_id}"
     url = render_url(template, make_call(target="team a/b?c", intent_key="k&x=1"))
-    assert url == (
+    assert str(url) == (
         "http://h/p/team%20a%2Fb%3Fc/r?key=k%26x%3D1&op=5d0c3f8e-0000-4000-8000-000000000001"
     )
-    assert render_url("http://h/p/{target}/r", make_call(target="..")) == "http://h/p/%2E%2E/r"
+    assert url.raw_path == "/p/team%20a%2Fb%3Fc/r"  # as sent: one segment, nothing decoded
+    dots = render_url("http://h/p/{target}/r", make_call(target=".."))
+    assert (str(dots), dots.raw_path) == ("http://h/p/%2E%2E/r", "/p/%2E%2E/r")
 
 
 # --- load_tools ------------------------------------------------------------------------------

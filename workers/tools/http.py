@@ -1,16 +1,23 @@
 """Declarative HTTP tools: ``[tools."name"]`` tables of ``OUTBOX_CONFIG`` (DESIGN.md keys).
 
-One call is one HTTP request with the operation id as idempotency key; the answer is
-classified by status only where the tool's declaration makes it authoritative:
+One call is one HTTP request with the operation id as idempotency key, sent by aiohttp (its
+client costs a third of httpx's async client's CPU per request, the largest single cost of a
+dispatch worker); the answer is classified by status only where the tool's declaration makes
+it authoritative:
 
 - dispatch: 2xx whose JSON has a non-empty ``remote_ref`` → :class:`Applied`; a declared
   ``rejected_statuses`` status → :class:`Rejected`; a connection that never opened
-  (refused, connect or pool timeout) → :class:`NotDelivered`; everything else (409 "key in
-  use", 5xx, other statuses, 2xx without a reference or with malformed JSON, timeouts after
-  the connection opened, resets) → :class:`Ambiguous`.
+  (refused, TLS handshake failed, connect or pool timeout) → :class:`NotDelivered`;
+  everything else (409 "key in use", 5xx, other statuses, 2xx without a reference or with
+  malformed JSON, timeouts after the connection opened, resets) → :class:`Ambiguous`.
 - lookup: 2xx whose JSON has a non-empty ``lookup_remote_ref`` → :class:`Applied`; a declared
   ``lookup_not_applied_statuses`` status → :class:`NotApplied`; anything else →
   :class:`Inconclusive`.
+
+A request is never sent twice: aiohttp's resend of an idempotent method (PUT, DELETE) after a
+kept-alive connection drops is turned off, redirects are not followed, cookies are refused.
+The URL is sent as rendered (``encoded=True``): a template must be written percent-encoded,
+and a placeholder's value is encoded as one segment, so no URL normalisation moves it.
 
 Header values (``headers``, and ``env_headers`` read from the environment at load) are
 secrets: they are never logged nor put in an error message or a ``repr``.
@@ -21,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import re
 import string
@@ -28,13 +36,14 @@ import threading
 import tomllib
 import weakref
 from collections.abc import AsyncIterator, Mapping
-from http.cookiejar import CookieJar, DefaultCookiePolicy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
-import httpx
+import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from yarl import URL
 
 from outbox.contracts import DedupContract, ToolContract
 from outbox.errors import ConfigError
@@ -248,21 +257,25 @@ class HttpTool(Tool):
 
     async def dispatch(self, call: ToolCall) -> DispatchResult:
         """Send the request once (body: the payload as JSON) and classify the answer."""
+        body = json.dumps(call.payload, ensure_ascii=False, separators=(",", ":")).encode()
+        headers = self._request_headers(call)
+        headers["Content-Type"] = "application/json"
         try:
             async with _http_client() as client:
-                response = await client.request(
+                answer = await _send(
+                    client,
                     self.spec.method,
                     render_url(self.spec.url, call),
-                    json=call.payload,
-                    headers=self._request_headers(call),
+                    headers=headers,
+                    body=body,
                     timeout=self._timeout(call),
                 )
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+        except _NEVER_SENT as exc:
             # The connection never opened, so no byte of the request was written.
             return NotDelivered(f"{_exception_text(exc)}; nothing was sent")
         except Exception as exc:  # noqa: BLE001 - after a byte may have left, all is ambiguous
             return Ambiguous(f"{_exception_text(exc)}; the request may have been applied")
-        return self._classify_dispatch(response)
+        return self._classify_dispatch(answer)
 
     async def lookup(self, call: ToolCall) -> LookupResult:
         """Ask ``lookup_url`` whether the operation's effect exists (GET, no body)."""
@@ -270,17 +283,20 @@ class HttpTool(Tool):
             return Inconclusive(f"tool {self.name!r} has no lookup_url")
         try:
             async with _http_client() as client:
-                response = await client.get(
+                answer = await _send(
+                    client,
+                    "GET",
                     render_url(self.spec.lookup_url, call),
                     headers=self._request_headers(call),
+                    body=None,
                     timeout=self._timeout(call),
                 )
         except Exception as exc:  # noqa: BLE001 - an unanswered lookup proves nothing
             return Inconclusive(_exception_text(exc))
-        return self._classify_lookup(response)
+        return self._classify_lookup(answer)
 
-    def _classify_dispatch(self, response: httpx.Response) -> DispatchResult:
-        status = response.status_code
+    def _classify_dispatch(self, response: _Answer) -> DispatchResult:
+        status = response.status
         if response.is_success:
             parsed, document = _parse_json(response)
             if not parsed:
@@ -303,8 +319,8 @@ class HttpTool(Tool):
             )
         return Ambiguous(f"HTTP {status}: {_excerpt(response)}")
 
-    def _classify_lookup(self, response: httpx.Response) -> LookupResult:
-        status = response.status_code
+    def _classify_lookup(self, response: _Answer) -> LookupResult:
+        status = response.status
         if response.is_success and self.spec.lookup_remote_ref is not None:
             parsed, document = _parse_json(response)
             ref = resolve_ref(document, self.spec.lookup_remote_ref) if parsed else None
@@ -320,11 +336,17 @@ class HttpTool(Tool):
             headers[self.spec.idempotency_header] = call.operation_id
         return headers
 
-    def _timeout(self, call: ToolCall) -> httpx.Timeout:
-        # Connecting may take only the send deadline: after it the request must not leave.
-        # The total deadline is enforced around the whole call (workers.tools.invoke).
+    def _timeout(self, call: ToolCall) -> aiohttp.ClientTimeout:
+        # Connecting (a new connection, or waiting for a pooled one) may take only the send
+        # deadline: after it the request must not leave. The total deadline is enforced
+        # around the whole call (workers.tools.invoke, which names it in the result); each
+        # read is bounded here too, for a caller awaiting dispatch() on a loop of its own.
+        # No rounding up to whole seconds (aiohttp's default above 5 s): it would stretch
+        # the send deadline.
         connect = min(self.contract.send_deadline_s, call.timeout_s)
-        return httpx.Timeout(call.timeout_s, connect=connect)
+        return aiohttp.ClientTimeout(
+            total=None, connect=connect, sock_read=call.timeout_s, ceil_threshold=math.inf
+        )
 
     @property
     def origin(self) -> str:
@@ -380,23 +402,35 @@ def check_url_template(template: str) -> None:
                 f"unknown placeholder {{{field}}}; use {', '.join(sorted(PLACEHOLDERS))} "
                 "(written {target}, without format specs)"
             )
+    sample = template.format(**dict.fromkeys(PLACEHOLDERS, "x"))
     try:
-        url = httpx.URL(template.format(**dict.fromkeys(PLACEHOLDERS, "x")))
-    except (httpx.InvalidURL, ValueError) as exc:
+        url = URL(sample, encoded=True)
+        normalised = URL(sample)
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"{template!r} is not a URL ({exc})") from None
     if url.scheme not in ("http", "https") or not url.host:
         raise ValueError(f"{template!r} is not an http:// or https:// URL with a host")
-    if url.userinfo:
+    if url.user is not None or url.password is not None:
         raise ValueError("credentials do not belong in the URL; use env_headers")
+    if (url.raw_path, url.raw_query_string) != (normalised.raw_path, normalised.raw_query_string):
+        # The URL is sent as written (placeholders aside), so it must be written as sent.
+        raise ValueError(
+            f"{template!r} is not written as it is sent: use {str(normalised)!r} "
+            "(percent-encoded, no '.' or '..' segments)"
+        )
 
 
-def render_url(template: str, call: ToolCall) -> str:
-    """Fill the placeholders of a (checked) URL template with ``call``'s percent-encoded values."""
-    return template.format(
+def render_url(template: str, call: ToolCall) -> URL:
+    """Fill the placeholders of a (checked) URL template with ``call``'s percent-encoded values.
+
+    The URL is taken as encoded: nothing is decoded or normalised on the way out.
+    """
+    rendered = template.format(
         target=_encode(call.target),
         operation_id=_encode(call.operation_id),
         intent_key=_encode(call.intent_key),
     )
+    return URL(rendered, encoded=True)
 
 
 def resolve_ref(document: Any, path: str) -> str | None:
@@ -505,18 +539,55 @@ def _encode(value: str) -> str:
     return encoded.replace(".", "%2E") if encoded in (".", "..") else encoded
 
 
-def _parse_json(response: httpx.Response) -> tuple[bool, Any]:
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """A response as classified: its status and its whole body."""
+
+    status: int
+    content: bytes
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status < 300
+
+
+def _parse_json(response: _Answer) -> tuple[bool, Any]:
     try:
         return True, json.loads(response.content)
     except ValueError:
         return False, None
 
 
-def _excerpt(response: httpx.Response) -> str:
-    text = " ".join(response.text.split())
+def _excerpt(response: _Answer) -> str:
+    text = " ".join(response.content.decode("utf-8", errors="replace").split())
     if not text:
         return "(empty body)"
     return text if len(text) <= _EXCERPT_CHARS else text[: _EXCERPT_CHARS - 1] + "…"
+
+
+#: What aiohttp raises when the connection never opened (refused, name not resolved, TLS
+#: handshake failed, connect or pool wait past its timeout): no byte of the request left.
+_NEVER_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+async def _send(
+    client: aiohttp.ClientSession,
+    method: str,
+    url: URL,
+    *,
+    headers: dict[str, str],
+    body: bytes | None,
+    timeout: aiohttp.ClientTimeout,
+) -> _Answer:
+    async with client.request(
+        method,
+        url,
+        data=body,
+        headers=headers,
+        timeout=timeout,
+        allow_redirects=False,  # a redirected request would be a second request
+    ) as response:
+        return _Answer(response.status, await response.read())
 
 
 def _exception_text(exc: BaseException) -> str:
@@ -526,14 +597,14 @@ def _exception_text(exc: BaseException) -> str:
 
 # One client per thread's event loop (workers.tools.invoke), whose connections it reuses;
 # close_thread_loop() closes it before the loop goes.
-_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
     weakref.WeakKeyDictionary()
 )
 _clients_lock = threading.Lock()
 
 
 @contextlib.asynccontextmanager
-async def _http_client() -> AsyncIterator[httpx.AsyncClient]:
+async def _http_client() -> AsyncIterator[aiohttp.ClientSession]:
     if not is_thread_loop():
         # A loop we do not manage (a caller's asyncio.run) may close with connections open:
         # use a client for this call only.
@@ -543,18 +614,25 @@ async def _http_client() -> AsyncIterator[httpx.AsyncClient]:
     loop = asyncio.get_running_loop()
     with _clients_lock:
         shared = _clients.get(loop)
-        if shared is None or shared.is_closed:
+        if shared is None or shared.closed:
             shared = _clients[loop] = _new_client()
     yield shared
 
 
-def _new_client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        follow_redirects=False,  # a redirected POST would be a second request
+def _new_client() -> aiohttp.ClientSession:
+    client = aiohttp.ClientSession(
         # Refuse every cookie: one operation's call must not change the next one's.
-        cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
+        cookie_jar=aiohttp.DummyCookieJar(),
         headers={"User-Agent": "agent-outbox"},
+        trust_env=True,  # HTTP(S)_PROXY and NO_PROXY, as operators expect of an HTTP client
+        connector=aiohttp.TCPConnector(timeout_ceil_threshold=math.inf),
     )
+    # aiohttp sends an idempotent method (PUT, DELETE) again when a kept-alive connection
+    # turns out closed; that second request would be a second call the remote may apply.
+    # (The flag aiohttp's own test client clears; tests/integration/test_http_tool.py
+    # checks that one PUT stays one request.)
+    client._retry_connection = False
+    return client
 
 
 async def close_client() -> None:
@@ -562,7 +640,7 @@ async def close_client() -> None:
     with _clients_lock:
         client = _clients.pop(asyncio.get_running_loop(), None)
     if client is not None:
-        await client.aclose()
+        await client.close()
 
 
 on_loop_close(close_client)
