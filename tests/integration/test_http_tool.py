@@ -36,6 +36,7 @@ from workers.tools import (
     run_lookup,
     tool,
 )
+from workers.tools.http import _env_proxy
 
 NAME = "deploy.create_release"
 OPERATION_ID = "5d0c3f8e-0000-4000-8000-000000000001"
@@ -336,6 +337,29 @@ def test_a_dropped_kept_alive_connection_is_not_sent_again(
     assert isinstance(result, Ambiguous)
     assert [seen.method for seen in remote.seen] == [method, method]
     assert remote.seen[0].client_port == remote.seen[1].client_port  # the kept-alive one
+
+
+def test_requests_go_through_the_proxy_the_environment_names(
+    remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HTTP_PROXY is honoured (read once per host), and NO_PROXY exempts a host from it."""
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{remote.port}")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    _env_proxy.cache_clear()
+    try:
+        nothing_listens = 9  # the discard port: only the proxy can answer
+        assert run_dispatch(http_tool(tmp_path, nothing_listens), make_call()) == Applied(
+            "rel-1", result={"id": "rel-1"}
+        )
+        (seen,) = remote.seen
+        assert seen.path == "http://127.0.0.1:9/projects/project-a/releases"  # proxy form
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        _env_proxy.cache_clear()
+        assert isinstance(run_dispatch(http_tool(tmp_path, remote.port), make_call()), Applied)
+        assert remote.seen[1].path == "/projects/project-a/releases"  # straight to the remote
+    finally:
+        _env_proxy.cache_clear()
 
 
 def test_dot_segments_in_a_target_stay_in_place(remote: Remote, tmp_path: Path) -> None:

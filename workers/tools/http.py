@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -34,6 +35,7 @@ import re
 import string
 import threading
 import tomllib
+import urllib.request
 import weakref
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -586,6 +588,7 @@ async def _send(
         headers=headers,
         timeout=timeout,
         allow_redirects=False,  # a redirected request would be a second request
+        proxy=_env_proxy(url.scheme, url.host or ""),
     ) as response:
         return _Answer(response.status, await response.read())
 
@@ -619,12 +622,23 @@ async def _http_client() -> AsyncIterator[aiohttp.ClientSession]:
     yield shared
 
 
+@functools.lru_cache(maxsize=1024)
+def _env_proxy(scheme: str, host: str) -> str | None:
+    """The proxy ``HTTP_PROXY``/``HTTPS_PROXY`` name for ``host``, unless ``NO_PROXY`` exempts it.
+
+    Read once per host, not per request: aiohttp's ``trust_env`` reads the environment and
+    the netrc file on every request (a tenth of a dispatch worker's CPU).
+    """
+    if urllib.request.proxy_bypass(host):
+        return None
+    return urllib.request.getproxies().get(scheme)
+
+
 def _new_client() -> aiohttp.ClientSession:
     client = aiohttp.ClientSession(
         # Refuse every cookie: one operation's call must not change the next one's.
         cookie_jar=aiohttp.DummyCookieJar(),
         headers={"User-Agent": "agent-outbox"},
-        trust_env=True,  # HTTP(S)_PROXY and NO_PROXY, as operators expect of an HTTP client
         connector=aiohttp.TCPConnector(timeout_ceil_threshold=math.inf),
     )
     # aiohttp sends an idempotent method (PUT, DELETE) again when a kept-alive connection
