@@ -269,8 +269,9 @@ def wait(
 ) -> Operation:
     """Block until the operation is terminal or needs a human, and return it.
 
-    Sleeps on PostgreSQL ``LISTEN`` (a settled move sends a ``NOTIFY``), re-reading the row
-    at most every ``poll_interval`` seconds in case a notification is missed: no busy loop.
+    Sleeps on PostgreSQL ``LISTEN`` (a settled move sends a ``NOTIFY`` for an operation that
+    someone waits for: ``outbox.waiters``), re-reading the row at most every
+    ``poll_interval`` seconds in case a notification is missed: no busy loop.
     Uses its own connection from ``engine`` (default: the configured database) and writes
     nothing. Raises :class:`WaitTimeout` (carrying the operation as last seen) after
     ``timeout`` seconds, and :class:`OperationNotFound`.
@@ -279,6 +280,10 @@ def wait(
     engine = engine or get_engine()
     deadline = time.monotonic() + timeout
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        # Registered before LISTEN and before the first read: a move committed after the
+        # read either finds the registration and notifies, or (a move already under way)
+        # is seen at the next re-read.
+        statements.register_waiter(conn, op_id)
         conn.execute(text(f"LISTEN {statements.SETTLED_CHANNEL}"))
         try:
             listener = conn.connection.driver_connection
@@ -300,6 +305,7 @@ def wait(
                     pass
         finally:
             conn.execute(text("UNLISTEN *"))
+            statements.forget_waiter(conn, op_id)
 
 
 def _as_uuid(value: UUID | str) -> UUID:

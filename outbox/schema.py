@@ -165,6 +165,18 @@ relays = Table(
     _timestamp("heartbeat_at", nullable=False, now=True),
 )
 
+#: Callers of ``outbox.wait`` listening for an operation to settle, one row per waiting
+#: session: a move into a settled state NOTIFYs only for an operation found here. (A NOTIFY
+#: holds a cluster-wide lock from before its commit until the commit is flushed, so a
+#: NOTIFY on every settled move made the workers' outcome commits wait for one another.)
+waiters = Table(
+    "waiters",
+    metadata,
+    Column("operation_id", UUID(as_uuid=True), primary_key=True),
+    Column("backend_pid", Integer, primary_key=True),
+    _timestamp("since", nullable=False, now=True),
+)
+
 #: Escalation webhooks waiting to be delivered, delivered, or given up on (docs/webhooks.md).
 #: A row is written in the same transaction as the move it reports, so no committed move can
 #: lose its webhook; its ``id`` is the ``webhook-id`` header, the same on every retry, so

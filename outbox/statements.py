@@ -22,6 +22,7 @@ from sqlalchemy import (
     Text,
     bindparam,
     cast,
+    exists,
     func,
     insert,
     literal,
@@ -36,7 +37,7 @@ from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 
 from outbox.driver import DriverStatement
 from outbox.models import Event, Executor, Operation
-from outbox.schema import events, operations
+from outbox.schema import events, operations, waiters
 from outbox.states import SETTLED_STATES, TERMINAL_STATES, Actor, Effects, State
 
 #: NOTIFY channel announcing that an operation settled; its payload is the operation id.
@@ -361,7 +362,15 @@ def _move_statement(shape: _MoveShape) -> DriverStatement:
     columns: list[Any] = [moved]
     names = list(_OPERATION_COLUMNS)
     if shape.to_state in SETTLED_STATES:
-        columns.append(func.pg_notify(SETTLED_CHANNEL, cast(moved.c.id, Text)))
+        # Only while someone waits for this operation (outbox.waiters): a NOTIFY holds a
+        # cluster-wide lock from before the commit until it is flushed, so one on every
+        # settled move made the workers' outcome commits queue behind one another.
+        notify = (
+            select(func.pg_notify(SETTLED_CHANNEL, cast(moved.c.id, Text)))
+            .where(exists().where(waiters.c.operation_id == moved.c.id))
+            .scalar_subquery()
+        )
+        columns.append(notify.label("notified"))
         names.append("notified")
     return DriverStatement.of(select(*columns).add_cte(logged.cte("logged")), names)
 
@@ -381,9 +390,10 @@ def move(
     """The compare-and-set behind :func:`outbox.states.transition`; ``None`` if it missed.
 
     One statement: the UPDATE, the event INSERT fed by its RETURNING, and (for a move
-    into a settled state) a NOTIFY for :func:`outbox.wait`. Not to be called directly. The
-    statement is built once per shape (which states, actor, fence and effects are present)
-    and reused with bound values: building it was most of a dispatcher's CPU.
+    into a settled state, while a :func:`outbox.wait` waits for it) a NOTIFY. Not to be
+    called directly. The statement is built once per shape (which states, actor, fence and
+    effects are present) and reused with bound values: building it was most of a
+    dispatcher's CPU.
     """
     shape = _MoveShape(
         from_state=from_state,
@@ -418,6 +428,34 @@ def move(
         params["detail"] = dict(detail)
     row = _move_statement(shape).fetch_one(executor, params)
     return Operation.from_row(row) if row is not None else None
+
+
+def register_waiter(executor: Executor, operation_id: UUID) -> None:
+    """Ask settled moves of ``operation_id`` to NOTIFY this session (until forget_waiter).
+
+    Also drops rows of sessions that ended without forgetting theirs (a killed waiter):
+    each would cost its operation one needless NOTIFY.
+    """
+    executor.execute(
+        text(
+            "WITH gone AS (DELETE FROM outbox.waiters WHERE backend_pid NOT IN "
+            "(SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)) "
+            "INSERT INTO outbox.waiters (operation_id, backend_pid) "
+            "VALUES (:operation_id, pg_backend_pid()) ON CONFLICT DO NOTHING"
+        ),
+        {"operation_id": operation_id},
+    )
+
+
+def forget_waiter(executor: Executor, operation_id: UUID) -> None:
+    """Undo :func:`register_waiter` for this session."""
+    executor.execute(
+        text(
+            "DELETE FROM outbox.waiters "
+            "WHERE operation_id = :operation_id AND backend_pid = pg_backend_pid()"
+        ),
+        {"operation_id": operation_id},
+    )
 
 
 # --- relay ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import api
+from outbox import api, statements
 from outbox.config import get_settings
 from outbox.errors import (
     IntentConflict,
@@ -401,6 +401,57 @@ def test_wait_times_out_with_the_last_seen_operation(engine: Engine) -> None:
         api.wait(op.id, timeout=0.5, engine=engine, poll_interval=0.2)
     assert 0.5 <= time.monotonic() - started < 3
     assert caught.value.operation == op
+
+
+def _notifications(engine: Engine, act: Any) -> list[str]:
+    """Payloads on the settled channel while ``act()`` runs (and 0.3 s after)."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f"LISTEN {statements.SETTLED_CHANNEL}"))
+        act()
+        listener = conn.connection.driver_connection
+        return [n.payload for n in listener.notifies(timeout=0.3)]  # type: ignore[union-attr]
+
+
+def test_a_settled_move_notifies_only_while_someone_waits(engine: Engine) -> None:
+    """No waiter, no NOTIFY (it would serialise commits); a registered waiter gets its own."""
+    unwatched = make_operation(engine, State.SENT)
+    watched = make_operation(engine, State.SENT)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as waiter:
+        statements.register_waiter(waiter, watched.id)
+        payloads = _notifications(
+            engine,
+            lambda: [
+                move(engine, op, State.CONFIRMED, Actor.DISPATCHER, Effects(remote_ref="r"))
+                for op in (unwatched, watched)
+            ],
+        )
+        assert payloads == [str(watched.id)]
+        statements.forget_waiter(waiter, watched.id)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM outbox.waiters")).scalar_one() == 0
+
+
+def test_wait_leaves_no_registration_and_clears_a_dead_waiters(engine: Engine) -> None:
+    """wait registers while it waits and removes its row; rows of ended sessions are dropped."""
+    op = make_operation(engine, State.UNKNOWN)
+    with engine.begin() as conn:
+        conn.execute(
+            text("INSERT INTO outbox.waiters (operation_id, backend_pid) VALUES (:id, -1)"),
+            {"id": op.id},
+        )
+
+    def settle_later() -> None:
+        time.sleep(0.3)
+        move(engine, op, State.CONFIRMED, Actor.RECONCILER, Effects(remote_ref="rel-8"))
+
+    settler = threading.Thread(target=settle_later)
+    settler.start()
+    try:
+        assert api.wait(op.id, timeout=10, engine=engine, poll_interval=5).remote_ref == "rel-8"
+    finally:
+        settler.join(timeout=10)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM outbox.waiters")).scalar_one() == 0
 
 
 @pytest.mark.parametrize("operation_id", [uuid.uuid4(), "garbage"])
