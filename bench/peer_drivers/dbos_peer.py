@@ -106,7 +106,15 @@ def worker_main() -> None:
             INSERT_INTENT, {"id": intent_id, "target": target, "payload": json.dumps(payload)}
         )
 
-    @DBOS.step()
+    # A transport error (one seen: EBADF on the shared client) is retried at once, up to 3
+    # attempts, as a DBOS user writes it; the key header lets the service deduplicate a POST
+    # that did arrive. Without it the workflow fails and peers.py stops on "no progress".
+    @DBOS.step(
+        retries_allowed=True,
+        max_attempts=3,
+        interval_seconds=0,
+        should_retry=lambda exc: isinstance(exc, httpx.TransportError),
+    )
     def call_service(intent_id: str, target: str, payload: dict[str, Any]) -> list[Any]:
         status, ref = post_release(client, service, intent_id, target, payload)
         return [status, ref]
