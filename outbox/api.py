@@ -273,8 +273,9 @@ def wait(
     someone waits for: ``outbox.waiters``), re-reading the row at most every
     ``poll_interval`` seconds in case a notification is missed: no busy loop.
     Uses its own connection from ``engine`` (default: the configured database) and writes
-    nothing. Raises :class:`WaitTimeout` (carrying the operation as last seen) after
-    ``timeout`` seconds, and :class:`OperationNotFound`.
+    nothing but its own ``outbox.waiters`` row, removed when it returns. Raises
+    :class:`WaitTimeout` (carrying the operation as last seen) after ``timeout`` seconds,
+    and :class:`OperationNotFound`.
     """
     op_id = _as_uuid(operation_id)
     engine = engine or get_engine()

@@ -6,7 +6,7 @@ import datetime
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -403,7 +403,7 @@ def test_wait_times_out_with_the_last_seen_operation(engine: Engine) -> None:
     assert caught.value.operation == op
 
 
-def _notifications(engine: Engine, act: Any) -> list[str]:
+def _notifications(engine: Engine, act: Callable[[], object]) -> list[str]:
     """Payloads on the settled channel while ``act()`` runs (and 0.3 s after)."""
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text(f"LISTEN {statements.SETTLED_CHANNEL}"))
@@ -431,7 +431,7 @@ def test_a_settled_move_notifies_only_while_someone_waits(engine: Engine) -> Non
         assert conn.execute(text("SELECT count(*) FROM outbox.waiters")).scalar_one() == 0
 
 
-def test_wait_leaves_no_registration_and_clears_a_dead_waiters(engine: Engine) -> None:
+def test_wait_leaves_no_registration_and_clears_a_dead_sessions_row(engine: Engine) -> None:
     """wait registers while it waits and removes its row; rows of ended sessions are dropped."""
     op = make_operation(engine, State.UNKNOWN)
     with engine.begin() as conn:
