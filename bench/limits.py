@@ -2,7 +2,9 @@
 
 PostgreSQL (the raw driver, psycopg, no SQLAlchemy; rows shaped like ``outbox.operations``):
 
-* ``INSERT+COMMIT``, one row per transaction, on 1 and on ``--connections`` connections.
+* ``INSERT+COMMIT``, one row per transaction, on 1 and on ``--connections`` connections;
+  and on N connections into a table that also has ``outbox.operations``' CHECK constraints
+  (the same row, so what the table's integrity checks cost a single-row insert).
 
 Our own statements, as our code issues them (SQLAlchemy, ``outbox.statements``):
 
@@ -73,11 +75,13 @@ Rate = Mapping[str, tuple[float, str]]
 PER_S = "/s"
 
 #: The row enqueue() writes, as an application would insert it: the same columns and values,
-#: bound as parameters, into a table shaped like ``outbox.operations`` (its indexes too).
+#: bound as parameters, into a table shaped like ``outbox.operations`` (its indexes too;
+#: ``{table}``: without its CHECK constraints, or with them).
 _RAW_INSERT = (
-    "INSERT INTO bench_raw (id, intent_key, tool, target, payload, payload_hash, metadata) "
+    "INSERT INTO {table} (id, intent_key, tool, target, payload, payload_hash, metadata) "
     "VALUES (gen_random_uuid(), %s, %s, %s, %s::jsonb, %s, %s::jsonb)"
 )
+_RAW_TABLE, _CHECKED_TABLE = "bench_raw", "bench_raw_checked"
 #: Intents per enqueue_many() call in the batch case.
 BATCH = 100
 
@@ -138,16 +142,26 @@ class Limits:
         with engine.begin() as conn:
             conn.execute(
                 text(
-                    "CREATE TABLE bench_raw "
+                    f"CREATE TABLE {_RAW_TABLE} "
                     "(LIKE outbox.operations INCLUDING DEFAULTS INCLUDING INDEXES)"
+                )
+            )
+            conn.execute(
+                text(
+                    f"CREATE TABLE {_CHECKED_TABLE} (LIKE outbox.operations "
+                    "INCLUDING DEFAULTS INCLUDING INDEXES INCLUDING CONSTRAINTS)"
                 )
             )
 
     # --- PostgreSQL -----------------------------------------------------------------------
 
-    def insert_commit(self, connections: int) -> float:
-        """Raw driver: the row enqueue() writes, one per transaction, a connection per thread."""
+    def insert_commit(self, connections: int, *, checked: bool = False) -> float:
+        """Raw driver: the row enqueue() writes, one per transaction, a connection per thread.
+
+        ``checked``: into a table with ``outbox.operations``' CHECK constraints too.
+        """
         tag = self._next_tag()
+        statement = _RAW_INSERT.format(table=_CHECKED_TABLE if checked else _RAW_TABLE)
 
         def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
             raw = self.engine.raw_connection()
@@ -158,7 +172,7 @@ class Limits:
             def op(i: int) -> None:
                 payload = f'{{"version":"1.0.{i}"}}'
                 conn.execute(
-                    _RAW_INSERT,
+                    statement,
                     (f"raw-{tag}-{i}", "bench.tool", "web", payload, "a" * 64, "{}"),
                 )
                 conn.commit()
@@ -521,6 +535,14 @@ def _cases(
             pg,
         ),
         Case(
+            "insert checked n",
+            one(
+                f"INSERT+COMMIT, CHECK constraints too, {n} connections",
+                lambda: limits.insert_commit(n, checked=True),
+            ),
+            pg,
+        ),
+        Case(
             "enqueue n",
             one(f"enqueue()+COMMIT, {n} connections", lambda: limits.enqueue_commit(n)),
             ours,
@@ -601,6 +623,16 @@ def _ratios(results: Results, n: int, clients: int) -> None:
         f"enqueue() / raw INSERT ({n} connections)",
         f"enqueue()+COMMIT, {n} connections",
         f"INSERT+COMMIT, {n} connections",
+    )
+    results.ratio(
+        f"raw INSERT: CHECK constraints too / without ({n} connections)",
+        f"INSERT+COMMIT, CHECK constraints too, {n} connections",
+        f"INSERT+COMMIT, {n} connections",
+    )
+    results.ratio(
+        f"enqueue() / raw INSERT, CHECK constraints too ({n} connections)",
+        f"enqueue()+COMMIT, {n} connections",
+        f"INSERT+COMMIT, CHECK constraints too, {n} connections",
     )
     results.ratio(
         f"enqueue(), bell ringing / not ({n} connections)",

@@ -22,8 +22,18 @@ from sqlalchemy.orm import Session
 from outbox import embedded, migrate
 from outbox.db import create_engine
 from workers.app import BROKER_MESSAGE_TABLE
+from workers.tools import close_thread_loop
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _close_tool_loop() -> Iterator[None]:
+    """Close the event loop (and its HTTP client) a test's dispatch opened on this thread:
+    each test starts without another's kept-alive connections, and the session ends without
+    aiohttp's "Unclosed client session" warnings."""
+    yield
+    close_thread_loop()
 
 
 @pytest.fixture(scope="session")
