@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import sqlalchemy
@@ -85,17 +85,18 @@ PER_S, MS, CORE = "ops/s", "ms", "% core"
 
 @dataclass(frozen=True)
 class Config:
-    """One configuration: a broker and a load shape."""
+    """One configuration: a broker, a load shape, and whether Celery sends task events."""
 
     broker: str
     mode: str
     rate: float
+    task_events: bool = True
 
     @property
     def name(self) -> str:
-        """``rabbitmq, flat`` or ``database, steady 100/s``."""
+        """``rabbitmq, flat`` or ``database, steady 100/s, task events off``."""
         load = "flat" if self.mode == "flat" else f"steady {self.rate:g}/s"
-        return f"{self.broker}, {load}"
+        return f"{self.broker}, {load}" + ("" if self.task_events else ", task events off")
 
 
 class Agents:
@@ -197,6 +198,8 @@ class Pipeline:
         }
         if broker_url is not None:
             self.env["OUTBOX_BROKER_URL"] = broker_url
+        if not config.task_events:
+            self.env["OUTBOX_TASK_EVENTS"] = "false"
 
     def case(self) -> Case:
         """This configuration as a case of :func:`run_rounds`."""
@@ -396,11 +399,37 @@ def _configs(args: argparse.Namespace, rabbitmq: bool) -> list[Config]:
     if not rabbitmq:
         brokers = tuple(b for b in brokers if b != "rabbitmq")
     modes: tuple[str, ...] = MODES if args.mode == "both" else (args.mode,)
-    return [Config(broker, mode, args.rate) for broker in brokers for mode in modes]
+    events = {"on": (True,), "off": (False,), "both": (True, False)}[args.task_events]
+    return [
+        Config(broker, mode, args.rate, task_events=on)
+        for broker in brokers
+        for mode in modes
+        for on in events
+    ]
 
 
 def _ratios(results: Results, configs: Sequence[Config]) -> None:
-    by = {(c.broker, c.mode): c.name for c in configs}
+    for config in configs:
+        if config.task_events:
+            continue
+        with_events = replace(config, task_events=True)
+        if with_events not in configs:
+            continue
+        if config.mode == "flat":
+            results.ratio(
+                f"throughput, {with_events.name}: task events off / on",
+                (config.name, "throughput"),
+                (with_events.name, "throughput"),
+            )
+        for metric in ("commit -> arrival p50", "commit -> arrival p99"):
+            if config.mode != "steady":
+                break
+            results.ratio(
+                f"{metric}, {with_events.name}: task events off / on",
+                (config.name, metric),
+                (with_events.name, metric),
+            )
+    by = {(c.broker, c.mode): c.name for c in configs if c.task_events}
     for mode in MODES:
         rabbit, database = by.get(("rabbitmq", mode)), by.get(("database", mode))
         if rabbit is None or database is None:
@@ -425,7 +454,7 @@ def _ratios(results: Results, configs: Sequence[Config]) -> None:
             )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_arguments(parser)
     parser.add_argument("--broker", choices=[*BROKERS, "both"], default="both")
@@ -442,8 +471,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the workers' -Q (default: every queue, as `outbox worker` and `outbox up`)",
     )
     parser.add_argument("--batch-size", type=int, default=200, help="the relay's --batch-size")
+    parser.add_argument(
+        "--task-events",
+        choices=["on", "off", "both"],
+        default="on",
+        help="Celery task events (OUTBOX_TASK_EVENTS; default on, as deployed); both: each "
+        "configuration with and without, side by side",
+    )
     parser.add_argument("--log-level", default="WARNING", help="the processes' log level")
     parser.add_argument("--broker-url", help="an AMQP URL to use as it is (no vhost is made)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     rabbitmq = bool(args.broker_url) or rabbitmq_available()
     if args.smoke:

@@ -79,6 +79,13 @@ class Settings(BaseSettings):
             "attempt); a batch is still spread over at least 16 messages when it can be."
         ),
     )
+    task_events: bool = Field(
+        default=True,
+        description=(
+            "Send Celery's task events (the tasks Flower shows); off, each message costs "
+            "no event publishes: lower latency and worker CPU (docs/performance.md)."
+        ),
+    )
     max_payload_bytes: int = Field(
         default=256 * 1024, gt=0, description="Largest canonical payload accepted by enqueue."
     )

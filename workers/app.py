@@ -78,8 +78,10 @@ def celery_settings(settings: Settings, *, time_limit_s: float | None = None) ->
         },
         "task_time_limit": min(time_limit_s or MAX_TIME_LIMIT_S, MAX_TIME_LIMIT_S),
         "worker_hijack_root_logger": False,
-        "worker_send_task_events": True,
-        "task_send_sent_event": True,
+        # Flower's task pages read these events; each costs a publish per task and state
+        # (sent, received, started, succeeded), so operators may turn them off.
+        "worker_send_task_events": settings.task_events,
+        "task_send_sent_event": settings.task_events,
     }
     if settings.broker_url is None:
         conf["broker_transport_options"] = {

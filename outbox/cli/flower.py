@@ -44,7 +44,8 @@ def flower_command(
     Dispatch tasks show their operation id, tool and target as arguments. Flower keeps
     what it saw in memory and forgets it on restart: the outbox table is the truth (`outbox
     ops list`, `outbox ops show ID`). Flower needs RabbitMQ: the database broker carries
-    no Celery events or broadcasts, so there it shows neither workers nor tasks.
+    no Celery events or broadcasts, so there it shows neither workers nor tasks; with
+    OUTBOX_TASK_EVENTS=false it shows workers and queues but no tasks.
 
     Basic auth is required unless `--no-auth` is given: set OUTBOX_FLOWER_BASIC_AUTH.
     """
@@ -60,10 +61,16 @@ def flower_command(
     # Deferred: the CLI sits above the workers layer and imports Celery only here.
     from outbox.cli.services import celery_app  # noqa: PLC0415
 
-    if get_settings().broker_url is None:
+    settings = get_settings()
+    if settings.broker_url is None:
         errors.print(
             "warning: the database broker carries no Celery events: Flower will show no "
             "workers or tasks (set OUTBOX_BROKER_URL to RabbitMQ)"
+        )
+    elif not settings.task_events:
+        errors.print(
+            "warning: OUTBOX_TASK_EVENTS is off: Flower will list workers and queues but "
+            "no tasks (unset it, or set it to true, for the relay and the workers)"
         )
     app = celery_app()
     argv = ["flower", f"--address={address}", f"--port={port}"]

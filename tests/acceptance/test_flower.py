@@ -91,6 +91,17 @@ def test_flower_help_says_where_the_truth_is() -> None:
     assert "forgets" in result.stdout
 
 
+@pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
+def test_flower_warns_that_task_events_are_off(services: Services) -> None:
+    """With OUTBOX_TASK_EVENTS=false Flower still starts, and says it will show no tasks."""
+    port = _free_port()
+    flower = services.start(
+        "flower", "flower", "--no-auth", "--port", str(port), env={"OUTBOX_TASK_EVENTS": "false"}
+    )
+    wait_until(lambda: _answers(f"http://127.0.0.1:{port}/"), timeout=30, what="Flower")
+    assert "OUTBOX_TASK_EVENTS is off" in flower.output()
+
+
 @pytest.mark.parametrize("broker", ["database"], indirect=True)
 def test_flower_warns_that_the_database_broker_shows_nothing(services: Services) -> None:
     """On the database broker Flower starts, and says up front that it will show nothing."""

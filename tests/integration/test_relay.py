@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from kombu import Connection
+from kombu import Connection, Exchange, Queue
 from sqlalchemy import Engine, make_url, text
 
 from outbox import faults
@@ -113,6 +113,46 @@ def test_a_message_names_several_operations_when_told(
     sizes = sorted(len(m.get("operation_ids", [m.get("operation_id")])) for m in _drain(app))
     assert sizes == [1] * 12 + [2] * 4
     assert len(more) == 20
+
+
+@pytest.mark.parametrize("task_events", [True, False], ids=["events-on", "events-off"])
+def test_the_relay_announces_task_sent_events_only_when_task_events_are_on(
+    engine: Engine,
+    database_url: str,
+    rabbitmq_url: str,
+    make_relay: MakeRelay,
+    task_events: bool,
+) -> None:
+    """With OUTBOX_TASK_EVENTS on (the default) each published message is announced on
+    Celery's event exchange as ``task-sent`` (what Flower shows); off, nothing is."""
+    settings = load_settings(
+        database_url=database_url, broker_url=rabbitmq_url, task_events=task_events
+    )
+    app = Celery("outbox-test")
+    app.conf.update(celery_settings(settings))
+    _drain(app)
+    with Connection(rabbitmq_url) as conn:
+        listener = Queue(
+            exchange=Exchange("celeryev", type="topic"),
+            routing_key="task.#",
+            exclusive=True,
+            auto_delete=True,
+        )(conn.default_channel)
+        listener.declare()
+        ops = [make_operation(engine, target=f"e{i}") for i in range(3)]
+        assert make_relay(app).run_once().published == 3
+        announced: list[str] = []
+        deadline = time.monotonic() + (2.0 if task_events else 0.5)
+        while time.monotonic() < deadline and len(announced) < len(ops):
+            message = listener.get(no_ack=True)
+            if message is None:
+                time.sleep(0.05)
+                continue
+            event = message.decode()
+            if event.get("type") == "task-sent":
+                announced.append(event["uuid"])
+    assert len(_drain(app)) == 3
+    assert len(announced) == (3 if task_events else 0)
 
 
 def test_rows_not_due_wait_and_lost_messages_are_republished(

@@ -10,6 +10,7 @@ import pytest
 from outbox.config import WEBHOOK_EVENT_NAMES, load_settings
 from outbox.errors import ConfigError
 from reconcilers.sweep import SweepConfig
+from workers.app import celery_settings
 
 
 @pytest.fixture(autouse=True)
@@ -189,3 +190,24 @@ def test_a_batch_is_grouped_in_order_into_bounded_messages() -> None:
     assert [len(g) for g in group_messages(batch[:5], 8, 16)] == [1] * 5
     assert [len(g) for g in group_messages(batch[:17], 8, 1)] == [6, 6, 5]
     assert group_messages([], 8, 16) == []
+
+
+def test_task_events_are_on_by_default_and_can_be_turned_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Flower's task events are sent unless OUTBOX_TASK_EVENTS turns them off, for the
+    workers (received, started, succeeded) and the relay (sent) alike."""
+    on = celery_settings(load_settings())
+    assert on["worker_send_task_events"] is True
+    assert on["task_send_sent_event"] is True
+    monkeypatch.setenv("OUTBOX_TASK_EVENTS", "false")
+    off = celery_settings(load_settings())
+    assert off["worker_send_task_events"] is False
+    assert off["task_send_sent_event"] is False
+
+
+def test_task_events_value_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value that is not a boolean is refused, naming the variable."""
+    monkeypatch.setenv("OUTBOX_TASK_EVENTS", "sometimes")
+    with pytest.raises(ConfigError, match="OUTBOX_TASK_EVENTS"):
+        load_settings()
