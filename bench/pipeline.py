@@ -1,6 +1,7 @@
 """Our system end to end: agents enqueue, the relay publishes, workers call the remote.
 
-Per configuration (broker x mode) and per round, on a throw-away database (and RabbitMQ
+Per configuration (broker x mode, and with ``--task-events both`` Celery's task events on and
+off) and per round, on a throw-away database (and RabbitMQ
 vhost), with the reference service in a process of its own (in-memory ledger, no faults, no
 dedup: its fast configuration) recording when each key's first request arrived:
 
@@ -31,7 +32,7 @@ at the service; otherwise the script prints the problems and exits 1 (after the 
 
 Usage: python bench/pipeline.py [--url postgresql://...] [--broker rabbitmq|database|both]
        [--mode flat|steady|both] [--rate 100] [--intents 2000] [--rounds 3]
-       [--workers 2] [--concurrency 8] [--agents 8] [--smoke]
+       [--workers 2] [--concurrency 8] [--agents 8] [--task-events on|off|both] [--smoke]
 """
 
 from __future__ import annotations
@@ -409,46 +410,50 @@ def _configs(args: argparse.Namespace, rabbitmq: bool) -> list[Config]:
 
 
 def _ratios(results: Results, configs: Sequence[Config]) -> None:
-    for config in configs:
-        if config.task_events:
+    _task_event_ratios(results, configs)
+    for events in sorted({c.task_events for c in configs}, reverse=True):
+        by = {(c.broker, c.mode): c.name for c in configs if c.task_events is events}
+        _broker_ratios(results, by, suffix="" if events else ", task events off")
+
+
+def _task_event_ratios(results: Results, configs: Sequence[Config]) -> None:
+    """Each configuration run without task events against the same one with them."""
+    for off in configs:
+        on = replace(off, task_events=True)
+        if off.task_events or on not in configs:
             continue
-        with_events = replace(config, task_events=True)
-        if with_events not in configs:
-            continue
-        if config.mode == "flat":
+        metrics = (
+            ["throughput"] if off.mode == "flat" else [f"commit -> arrival p{q}" for q in (50, 99)]
+        )
+        for metric in metrics:
             results.ratio(
-                f"throughput, {with_events.name}: task events off / on",
-                (config.name, "throughput"),
-                (with_events.name, "throughput"),
+                f"{metric}, {on.name}: task events off / on", (off.name, metric), (on.name, metric)
             )
-        for metric in ("commit -> arrival p50", "commit -> arrival p99"):
-            if config.mode != "steady":
-                break
-            results.ratio(
-                f"{metric}, {with_events.name}: task events off / on",
-                (config.name, metric),
-                (with_events.name, metric),
-            )
-    by = {(c.broker, c.mode): c.name for c in configs if c.task_events}
+
+
+def _broker_ratios(results: Results, by: Mapping[tuple[str, str], str], *, suffix: str) -> None:
+    """The database broker against RabbitMQ, and flat against steady, for one events setting."""
     for mode in MODES:
         rabbit, database = by.get(("rabbitmq", mode)), by.get(("database", mode))
         if rabbit is None or database is None:
             continue
         if mode == "flat":
             results.ratio(
-                "throughput, flat: database / rabbitmq",
+                f"throughput, flat{suffix}: database / rabbitmq",
                 (database, "throughput"),
                 (rabbit, "throughput"),
             )
         for metric in ("commit -> arrival p50", "commit -> confirmed p50"):
             results.ratio(
-                f"{metric}, {mode}: database / rabbitmq", (database, metric), (rabbit, metric)
+                f"{metric}, {mode}{suffix}: database / rabbitmq",
+                (database, metric),
+                (rabbit, metric),
             )
     for broker in BROKERS:
         flat, steady = by.get((broker, "flat")), by.get((broker, "steady"))
         if flat is not None and steady is not None:
             results.ratio(
-                f"commit -> confirmed p50, {broker}: flat / steady",
+                f"commit -> confirmed p50, {broker}{suffix}: flat / steady",
                 (flat, "commit -> confirmed p50"),
                 (steady, "commit -> confirmed p50"),
             )
