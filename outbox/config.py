@@ -82,8 +82,8 @@ class Settings(BaseSettings):
     task_events: bool = Field(
         default=True,
         description=(
-            "Send Celery's task events (the tasks Flower shows); off, each message costs "
-            "no event publishes: lower latency and worker CPU (docs/performance.md)."
+            "Send Celery's task events (the tasks Flower shows); off, no message costs event "
+            "publishes: a little less latency and broker load (docs/performance.md)."
         ),
     )
     max_payload_bytes: int = Field(
