@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import socket
-import time
 
 import httpx
 import pytest
-from kombu import Connection, Exchange, Queue
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from outbox import api
 from outbox.states import State
 from tests.acceptance.conftest import CLI, clean_environment, run_outbox
+from tests.celery_events import TaskEvents, types
 from tests.processes import Services, wait_until
 from tests.tool_configs import TOOL
 
@@ -102,32 +101,20 @@ def test_the_workers_send_task_events_only_when_told(
     """A real relay and worker: with OUTBOX_TASK_EVENTS on, the dispatch task's received,
     started and succeeded events reach Celery's event exchange (what Flower reads); off, the
     operation is confirmed just the same and no task event is sent."""
-    with Connection(broker) as conn:
-        listener = Queue(
-            exchange=Exchange("celeryev", type="topic"),
-            routing_key="task.#",
-            exclusive=True,
-            auto_delete=True,
-        )(conn.default_channel)
-        listener.declare()
+    wanted = {"task-sent", "task-received", "task-started", "task-succeeded"}
+    with TaskEvents(broker) as listener:
         env = {"OUTBOX_TASK_EVENTS": task_events}
         services.start("worker", "worker", "-P", "threads", "-c", "2", env=env)
         services.start("relay", "relay", env=env)
         with Session(engine) as session, session.begin():
             op = api.enqueue(session, tool=TOOL, target="web", payload={"version": "4.3.0"})
         assert api.wait(op.id, timeout=60, engine=engine).state is State.CONFIRMED
-        seen: set[str] = set()
-        wanted = {"task-sent", "task-received", "task-started", "task-succeeded"}
-        deadline = time.monotonic() + (10.0 if task_events == "true" else 2.0)
-        while time.monotonic() < deadline and not wanted <= seen:
-            message = listener.get(no_ack=True)
-            if message is None:
-                time.sleep(0.05)
-                continue
-            events = message.decode()
-            # Buffered task events arrive as one message holding a list.
-            for event in events if isinstance(events, list) else [events]:
-                seen.add(str(event.get("type")))
+        seen = types(
+            listener.collect(
+                until=lambda events: wanted <= types(events),
+                timeout=10.0 if task_events == "true" else 2.0,
+            )
+        )
     if task_events == "true":
         assert wanted <= seen
     else:

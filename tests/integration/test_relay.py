@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from kombu import Connection, Exchange, Queue
+from kombu import Connection
 from sqlalchemy import Engine, make_url, text
 
 from outbox import faults
@@ -19,6 +19,7 @@ from outbox.db import create_engine
 from outbox.errors import BrokerUnavailable
 from outbox.relay import Relay, RelayConfig
 from outbox.states import State
+from tests.celery_events import TaskEvents
 from tests.factories import age, make_operation, reload
 from tests.proxy import TcpProxy
 from workers.app import celery_settings
@@ -131,26 +132,18 @@ def test_the_relay_announces_task_sent_events_only_when_task_events_are_on(
     app = Celery("outbox-test")
     app.conf.update(celery_settings(settings))
     _drain(app)
-    with Connection(rabbitmq_url) as conn:
-        listener = Queue(
-            exchange=Exchange("celeryev", type="topic"),
-            routing_key="task.#",
-            exclusive=True,
-            auto_delete=True,
-        )(conn.default_channel)
-        listener.declare()
+
+    def task_sent(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [event for event in events if event.get("type") == "task-sent"]
+
+    with TaskEvents(rabbitmq_url) as listener:
         ops = [make_operation(engine, target=f"e{i}") for i in range(3)]
         assert make_relay(app).run_once().published == 3
-        announced: list[str] = []
-        deadline = time.monotonic() + (2.0 if task_events else 0.5)
-        while time.monotonic() < deadline and len(announced) < len(ops):
-            message = listener.get(no_ack=True)
-            if message is None:
-                time.sleep(0.05)
-                continue
-            event = message.decode()
-            if event.get("type") == "task-sent":
-                announced.append(event["uuid"])
+        events = listener.collect(
+            until=lambda seen: len(task_sent(seen)) >= len(ops),
+            timeout=2.0 if task_events else 0.5,
+        )
+    announced = task_sent(events)
     assert len(_drain(app)) == 3
     assert len(announced) == (3 if task_events else 0)
 
