@@ -113,11 +113,13 @@ def test_upgrade_from_empty_matches_create_all(
     """The migrated catalog equals the models' own DDL, CHECK constraints and indexes included."""
     initial = importlib.import_module("outbox.migrations.versions.0001_initial")
     lock_and_read = importlib.import_module("outbox.migrations.versions.0007_lock_and_read")
+    invariants = importlib.import_module("outbox.migrations.versions.0009_invariants_function")
     reference = create_engine(databases.create())
     try:
         with reference.begin() as conn:
             conn.execute(text(f"CREATE SCHEMA {SCHEMA}"))
             conn.execute(text(initial.UUID_V7))
+            conn.exec_driver_sql(invariants.OPERATION_INVARIANTS)
             metadata.create_all(conn)
             conn.exec_driver_sql(initial.APPEND_ONLY)
             conn.exec_driver_sql(lock_and_read.OPERATION_IF_LOCKED)
@@ -128,7 +130,7 @@ def test_upgrade_from_empty_matches_create_all(
     for kind in CATALOG_QUERIES:
         assert actual[kind] == expected[kind], kind
     names = {row[1] for row in actual["constraints"]}
-    assert "ck_operations_confirmed_has_remote_ref" in names
+    assert "ck_operations_invariants" in names
 
 
 def test_upgrade_twice_is_a_no_op(upgraded_engine: Engine) -> None:
@@ -197,7 +199,8 @@ def test_sql_prints_the_ddl_without_connecting(monkeypatch: pytest.MonkeyPatch) 
     assert "CREATE TABLE outbox.operations" in ddl
     assert "CREATE TABLE outbox.events" in ddl
     assert "CREATE TABLE outbox.alembic_version" in ddl
-    assert "CONSTRAINT ck_operations_confirmed_has_remote_ref" in ddl
+    assert "CONSTRAINT ck_operations_invariants" in ddl
+    assert "CREATE FUNCTION outbox.operation_invariants_hold" in ddl
     assert "CREATE TRIGGER events_append_only" in ddl
     assert f"UPDATE outbox.alembic_version SET version_num='{migrate.head()}'" in ddl or (
         f"INSERT INTO outbox.alembic_version (version_num) VALUES ('{migrate.head()}')" in ddl

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import threading
+from collections.abc import Iterable
 from typing import Any
 from uuid import UUID
 
@@ -495,6 +497,11 @@ def test_racing_cas_has_exactly_one_winner(engine: Engine, round_: int) -> None:
         ("planned", "checks = -1", "ck_operations_counters_not_negative"),
         ("planned", "payload_hash = 'not-a-hash'", "ck_operations_payload_hash_sha256"),
         ("planned", "target = ''", "ck_operations_target_not_empty"),
+        ("planned", "payload_hash = upper(payload_hash)", "ck_operations_payload_hash_sha256"),
+        ("planned", "payload_hash = payload_hash || '0'", "ck_operations_payload_hash_sha256"),
+        ("planned", "intent_key = ''", "ck_operations_intent_key_length"),
+        ("planned", "tool = repeat('t', 129)", "ck_operations_tool_length"),
+        ("planned", "attempt_budget_base = 1", "ck_operations_budget_within_attempts"),
     ],
 )
 def test_check_constraints_reject_impossible_rows(
@@ -509,8 +516,22 @@ def test_check_constraints_reject_impossible_rows(
         )
     error = caught.value.orig
     assert isinstance(error, psycopg.Error)
+    assert error.sqlstate == "23514"  # check_violation, as a plain CHECK raises it
     assert error.diag.constraint_name == constraint
+    assert (error.diag.schema_name, error.diag.table_name) == ("outbox", "operations")
+    assert constraint in str(error)
     assert reload(engine, op.id) == op
+
+
+def test_invariants_list_every_state() -> None:
+    """The invariants function's state lists are the code's (a new state needs a migration)."""
+    invariants = importlib.import_module("outbox.migrations.versions.0009_invariants_function")
+
+    def quoted(states: Iterable[State]) -> str:
+        return ", ".join(f"'{state.value}'" for state in sorted(states))
+
+    assert quoted(State) == invariants.STATES
+    assert quoted(TERMINAL_STATES) == invariants.TERMINAL
 
 
 def test_events_are_append_only(engine: Engine) -> None:
