@@ -128,6 +128,31 @@ class Results:
         """A line printed under the table."""
         self.notes.append(line)
 
+    def target(
+        self,
+        goal: str,
+        ref: RowRef,
+        *,
+        at_least: float | None = None,
+        at_most: float | None = None,
+    ) -> bool | None:
+        """Say under the table whether row ``ref``'s median meets ``goal`` (``at_least`` or
+        ``at_most`` a bound), with its min-max; None (and a line saying so) if not measured."""
+        row = self.find(ref)
+        finite = [v for v in row.values if math.isfinite(v)] if row is not None else []
+        if row is None or not finite:
+            self.note(f"target {goal}: not measured in this run")
+            return None
+        value = statistics.median(finite)
+        met = (at_least is None or value >= at_least) and (at_most is None or value <= at_most)
+        spread = f"{fmt(min(finite), row.unit)} - {fmt(max(finite), row.unit)}"
+        unit = "x" if row.unit == "x" else f" {row.unit}"
+        self.note(
+            f"target {goal}: {fmt(value, row.unit)}{unit} (median; {spread}): "
+            f"{'met' if met else 'NOT met'}"
+        )
+        return met
+
     def to_json(self) -> dict[str, Any]:
         """Every row with its per-round values."""
         return {

@@ -703,6 +703,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         service = stack.enter_context(ServiceProcess(port=0))
         run_rounds(args.rounds, _cases(limits, broker_url, service, args), results)
     _ratios(results, args.connections, args.clients)
+    results.target(
+        f"enqueue() >= 0.8x a raw INSERT+COMMIT ({args.connections} connections)",
+        f"enqueue() / raw INSERT ({args.connections} connections)",
+        at_least=0.8,
+    )
     if not use_rabbitmq:
         results.note("RabbitMQ rows skipped: no RabbitMQ on 127.0.0.1:5672 (or no rabbitmqctl)")
     results.note(

@@ -199,6 +199,31 @@ def _ratios(results: Results, systems: Sequence[System]) -> None:
             )
 
 
+def _targets(results: Results, systems: Sequence[System]) -> None:
+    """Issue 7's targets that this run measures, each said plainly: met or not."""
+    labels = {system.key: system.label for system in systems}
+    if "ours" not in labels:
+        return
+    for key, bound in (("celery", 1.2), ("procrastinate", 2.0), ("dbos", 4.0)):
+        if key in labels:
+            results.target(
+                f"flat throughput >= {bound:g}x {labels[key]}",
+                ("ratios", f"flat throughput: ours / {labels[key]}"),
+                at_least=bound,
+            )
+    if "procrastinate" in labels:
+        results.target(
+            f"steady commit -> arrival p50 <= {labels['procrastinate']}'s",
+            ("ratios", f"steady arrival p50: ours / {labels['procrastinate']}"),
+            at_most=1.0,
+        )
+    results.target(
+        "steady commit -> arrival p99 <= 15 ms",
+        (labels["ours"], "steady: commit -> arrival p99"),
+        at_most=15.0,
+    )
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     """SIGTERM as Ctrl-C: unwind, so every ``finally`` and context manager cleans up."""
     raise KeyboardInterrupt
@@ -258,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(s.label == "ours (database broker)" for s in systems):
         results.note("ours ran on the database broker: no RabbitMQ was reachable")
     _ratios(results, systems)
+    _targets(results, systems)
     for system in systems:
         steady = results.find((system.label, "steady: throughput"))
         if steady is not None and steady.values and min(steady.values) < 0.95 * args.rate:

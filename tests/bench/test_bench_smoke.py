@@ -9,6 +9,7 @@ non-zero when an operation did not reach `confirmed` or a key has two effects at
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,6 @@ def test_limits_smoke(admin_url: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     for row in ("INSERT+COMMIT, 1 connection", "sent CAS+COMMIT", "try_lock+unlock", "service"):
         assert row in result.stdout, result.stdout
+    assert re.search(
+        r"target enqueue\(\) >= 0\.8x a raw INSERT\+COMMIT .*: .* (met|NOT met)", result.stdout
+    ), result.stdout

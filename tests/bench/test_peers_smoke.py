@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,6 @@ def test_peers_smoke(admin_url: str) -> None:
     for peer in ("naive celery", *installed):
         assert f"flat throughput: ours / {peer}" in out, out
         assert f"steady arrival p50: ours / {peer}" in out, out
+    # Each target this run measures is judged under the table, met or not.
+    assert re.search(r"target flat throughput >= 1\.2x naive celery: .* (met|NOT met)", out), out
+    assert re.search(r"target steady commit -> arrival p99 <= 15 ms: .* (met|NOT met)", out), out
