@@ -139,16 +139,14 @@ class Results:
         """Say under the table whether row ``ref``'s median meets ``goal`` (``at_least`` or
         ``at_most`` a bound), with its min-max; None (and a line saying so) if not measured."""
         row = self.find(ref)
-        finite = [v for v in row.values if math.isfinite(v)] if row is not None else []
-        if row is None or not finite:
+        value = _median(row.values) if row is not None else math.nan
+        if row is None or not math.isfinite(value):
             self.note(f"target {goal}: not measured in this run")
             return None
-        value = statistics.median(finite)
         met = (at_least is None or value >= at_least) and (at_most is None or value <= at_most)
-        spread = f"{fmt(min(finite), row.unit)} - {fmt(max(finite), row.unit)}"
         unit = "x" if row.unit == "x" else f" {row.unit}"
         self.note(
-            f"target {goal}: {fmt(value, row.unit)}{unit} (median; {spread}): "
+            f"target {goal}: {fmt(value, row.unit)}{unit} (median; {_spread(row)}): "
             f"{'met' if met else 'NOT met'}"
         )
         return met
@@ -174,6 +172,12 @@ class Results:
 def _median(values: Sequence[float]) -> float:
     finite = [v for v in values if math.isfinite(v)]
     return statistics.median(finite) if finite else math.nan
+
+
+def _spread(row: Row) -> str:
+    """``min - max`` of the row's finite values, formatted; ``-`` if it has none."""
+    finite = [v for v in row.values if math.isfinite(v)]
+    return f"{fmt(min(finite), row.unit)} - {fmt(max(finite), row.unit)}" if finite else "-"
 
 
 def fmt(value: float, unit: str = "") -> str:
@@ -214,9 +218,10 @@ def print_table(results: Results, out: Console | None = None) -> None:
             table.add_row(f"[bold]{row.section}[/bold]", "", "", "", "")
         section = row.section
         finite = [v for v in row.values if math.isfinite(v)]
-        spread = f"{fmt(min(finite), row.unit)} - {fmt(max(finite), row.unit)}" if finite else "-"
         label = f"  {row.name}" if row.section else row.name
-        table.add_row(label, row.unit, fmt(_median(row.values), row.unit), spread, str(len(finite)))
+        table.add_row(
+            label, row.unit, fmt(_median(row.values), row.unit), _spread(row), str(len(finite))
+        )
     out.print(table)
     for line in results.notes:
         out.print(line)

@@ -125,7 +125,6 @@ from common import (
     Results,
     add_common_arguments,
     console,
-    fmt,
     machine_busy_s,
     percentile,
     print_table,
@@ -780,19 +779,9 @@ def size_ratios(args: argparse.Namespace, results: Results, sections: Mapping[st
                 (sections[kind], f"{size_label(size)} terminal rows"),
                 (sections[kind], f"{size_label(small)} terminal rows"),
             )
-    verdicts = []
     for short in ("claim", "sweep"):
-        row = results.find(("ratios", f"{short} {size_label(big)} / {size_label(small)}"))
-        if row is None:
-            continue
-        finite = [v for v in row.values if math.isfinite(v)]
-        value = statistics.median(finite) if finite else math.nan
-        verdicts.append(
-            f"{short} {size_label(big)} / {size_label(small)} = {fmt(value, 'x')}x: "
-            f"{'met' if value <= args.target else 'NOT met'}"
-        )
-    if verdicts:
-        results.note(f"Target <= {args.target:g}x: " + "; ".join(verdicts) + ".")
+        ratio = f"{short} {size_label(big)} / {size_label(small)}"
+        results.target(f"{ratio} <= {args.target:g}x", ("ratios", ratio), at_most=args.target)
 
 
 def measure_sizes(args: argparse.Namespace, results: Results) -> dict[int, list[Plan]]:

@@ -10,6 +10,7 @@ given (every due row claimed, every lost dispatcher found, every `unknown` row r
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,5 @@ def test_scale_smoke(admin_url: str) -> None:
         "Table storage options",
     ):
         assert row in stdout, stdout
+    for short in ("claim", "sweep"):  # the target, judged under the table
+        assert re.search(rf"target {short} 10\^4 / 10\^3 <= 2x: .* (met|NOT met)", stdout), stdout
