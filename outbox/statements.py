@@ -35,6 +35,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import INTERVAL, JSONB
 from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 
+from outbox import storable
 from outbox.driver import DriverStatement
 from outbox.models import Event, Executor, Operation
 from outbox.schema import events, operations, waiters
@@ -615,7 +616,10 @@ def record_event(
     reason: str,
     detail: Mapping[str, Any] | None = None,
 ) -> None:
-    """Append an event that changes no state (a late outcome, evidence that lost a race)."""
+    """Append an event that changes no state (a late outcome, evidence that lost a race).
+
+    ``reason`` and ``detail`` are made storable (:mod:`outbox.storable`): they quote remotes.
+    """
     executor.execute(
         insert(events).values(
             operation_id=operation_id,
@@ -623,8 +627,8 @@ def record_event(
             to_state=state.value,
             attempt=attempt,
             actor=actor.value,
-            reason=reason,
-            detail=dict(detail) if detail is not None else None,
+            reason=storable.text(reason),
+            detail=storable.json_mapping(detail) if detail is not None else None,
         )
     )
 
@@ -823,6 +827,7 @@ def schedule_check(
 
     ``delay_s`` from now, or ``at_horizon_s`` after ``sent_at``; ``count_check`` adds one to
     ``checks`` (an inconclusive lookup). Not a state change, so no event. Whether it applied.
+    ``last_error`` is made storable (:mod:`outbox.storable`): it quotes the remote.
     """
     when = (
         "sent_at + make_interval(secs => :horizon)"
@@ -842,7 +847,7 @@ def schedule_check(
             "delay": delay_s or 0.0,
             "horizon": at_horizon_s or 0.0,
             "add": 1 if count_check else 0,
-            "error": last_error,
+            "error": storable.optional_text(last_error),
         },
     )
     return bool(result.rowcount)  # type: ignore[attr-defined]
@@ -851,6 +856,46 @@ def schedule_check(
 def unlock(executor: Executor, key: int) -> None:
     """Release one session-level advisory lock held by this connection."""
     executor.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+
+
+def _claim_halves(key: int) -> dict[str, int]:
+    """``key`` as the two signed 32-bit halves of PostgreSQL's two-key advisory locks."""
+    low = key & 0xFFFFFFFF
+    return {"hi": key >> 32, "lo": low - (1 << 32) if low >= 1 << 31 else low}
+
+
+def try_sweep_claim(executor: Executor, key: int) -> bool:
+    """Take a sweep's claim on operation lock ``key`` without waiting; whether it was taken.
+
+    The two-key form of the same 64 bits (``objsubid = 2`` in ``pg_locks``): a lock space of
+    its own, which no dispatcher takes and :func:`lock_holder_pid` does not read, so a sweep
+    that finds it taken knows another sweep is probing that operation, not its dispatcher.
+    """
+    row = executor.execute(text("SELECT pg_try_advisory_lock(:hi, :lo)"), _claim_halves(key))
+    return bool(row.scalar_one())
+
+
+def release_sweep_claim(executor: Executor, key: int) -> None:
+    """Release the claim :func:`try_sweep_claim` took."""
+    executor.execute(text("SELECT pg_advisory_unlock(:hi, :lo)"), _claim_halves(key))
+
+
+#: The key of an event's ``detail`` that marks a sweep's failure to handle the row.
+SWEEP_FAILURE_KEY = "sweep_error"
+
+
+def sweep_failures(executor: Executor, operation_id: UUID, *, state: State, attempt: int) -> int:
+    """How many times the sweep failed on this operation in ``state`` at ``attempt``
+    (events recorded with a ``sweep_error`` detail): the database remembers across runs."""
+    row = executor.execute(
+        text(
+            "SELECT count(*) FROM outbox.events WHERE operation_id = :id AND attempt = :attempt "
+            "AND from_state = :state AND to_state = :state "
+            "AND detail ->> :key IS NOT NULL"
+        ),
+        {"id": operation_id, "attempt": attempt, "state": state.value, "key": SWEEP_FAILURE_KEY},
+    )
+    return int(row.scalar_one())
 
 
 # --- retention ----------------------------------------------------------------------------

@@ -10,12 +10,14 @@ raises a typed error and writes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
+from outbox import storable
 from outbox.errors import (
     NotCancellable,
     OperationNotFound,
@@ -159,6 +161,9 @@ def transition(
     :class:`ReplayDeadlinePassed` when a replay would leave after its deadline,
     :class:`NotCancellable` when a cancel meets an attempt that may have applied, and
     :class:`OperationNotFound`. In every one of these cases nothing is written.
+
+    ``reason``, ``detail`` and the remote's values in ``effects`` are made storable first
+    (:mod:`outbox.storable`): a NUL byte in a remote's answer must not make the move raise.
     """
     # Deferred: statements imports the table definitions, which import this module's enums.
     from outbox import statements, webhooks  # noqa: PLC0415
@@ -171,6 +176,10 @@ def transition(
             to_state=to_state,
             actor=actor,
         )
+    reason = storable.text(reason)
+    effects = _storable_effects(effects)
+    if detail is not None:
+        detail = storable.json_mapping(detail)
     moved = statements.move(
         executor,
         operation_id,
@@ -188,6 +197,18 @@ def transition(
         )
         return moved
     raise _why_missed(executor, operation_id, from_state, to_state, attempt)
+
+
+def _storable_effects(effects: Effects) -> Effects:
+    """``effects`` with its remote-supplied values made storable (the same object if none)."""
+    if effects.remote_ref is None and effects.result is None and effects.last_error is None:
+        return effects
+    return dataclasses.replace(
+        effects,
+        remote_ref=storable.optional_text(effects.remote_ref),
+        result=storable.json_value(effects.result) if effects.result is not None else None,
+        last_error=storable.optional_text(effects.last_error),
+    )
 
 
 def _why_missed(

@@ -25,6 +25,7 @@ from uuid import UUID
 from sqlalchemy import insert, select, text
 from standardwebhooks import Webhook
 
+from outbox import storable
 from outbox.config import Settings, get_settings
 from outbox.errors import ConfigError
 from outbox.models import Executor, Operation
@@ -373,7 +374,7 @@ def record_failed(
             "id": claimed.id,
             "lease": claimed.lease,
             "status": status,
-            "error": error,
+            "error": storable.text(error),  # it quotes the endpoint's answer
             "retry_in": retry_in_s,
             "give_up": give_up_after_s,
         },

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from uuid import UUID
 
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError, StatementError
 
 from outbox import faults, statements
 from outbox.contracts import ToolContract
@@ -121,7 +122,12 @@ def _inspect(
         return LookupReport(op_id, LookupOutcome.ROUTED, decision.reason)
     result = run_lookup(tool, _call(facts, tool))
     faults.point("lookup_after_call")
-    report = _record(conn, facts, tool, result, config)
+    try:
+        report = _record(conn, facts, tool, result, config)
+    except StatementError as exc:
+        if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+            raise  # the lock went with the connection; the lookup's lease asks again
+        report = _unrecordable(conn, facts, tool.contract, exc, config)
     faults.point("lookup_after_commit")
     return report
 
@@ -245,6 +251,29 @@ def _inconclusive(
     decision = decide(refreshed, contract, lookups_exhausted=True)
     apply_decision(conn, refreshed, decision)
     return LookupReport(op.id, LookupOutcome.ROUTED, decision.reason)
+
+
+def _unrecordable(
+    conn: Connection,
+    facts: ReconcileFacts,
+    contract: ToolContract,
+    exc: StatementError,
+    config: LookupConfig,
+) -> LookupReport:
+    """The answer's write failed (a value the database refuses, a constraint): the check still
+    happened, so it counts as an inconclusive one with a reason that can always be written,
+    and after ``max_checks`` the decision table (a human, or a dedup replay) takes over."""
+    error = type(exc.orig).__name__ if isinstance(exc, DBAPIError) else type(exc).__name__
+    why = f"the outcome could not be recorded: {error}"
+    log.error(
+        "lookup of %s: %s",
+        facts.operation.id,
+        why,
+        extra={"action": "lookup_outcome_unrecorded", "operation_id": str(facts.operation.id)},
+    )
+    if conn.in_transaction():
+        conn.rollback()
+    return _inconclusive(conn, facts, contract, why, config)
 
 
 def _late(conn: Connection, op_id: UUID, attempt: int, result: LookupResult) -> LookupReport:

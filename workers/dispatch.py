@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from uuid import UUID
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, StatementError
 
 from outbox import faults, statements, webhooks
 from outbox.canonical import canonical_json, payload_hash
@@ -329,7 +329,13 @@ def _record_outcome(
     conn: Connection, sent: Operation, result: DispatchResult, config: DispatchConfig
 ) -> DispatchReport:
     to_state, outcome, effects, reason = _classify(sent, result, config)
-    if _move(conn, sent, State.SENT, to_state, reason, effects=effects):
+    try:
+        missed = _move(conn, sent, State.SENT, to_state, reason, effects=effects)
+    except StatementError as exc:
+        if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+            raise  # the caller records it again on a fresh connection
+        return _unrecordable_outcome(conn, sent, outcome, exc)
+    if missed:
         return _late_outcome(conn, sent, result, reason)
     log.info(
         "attempt %d of %s: %s",
@@ -339,6 +345,28 @@ def _record_outcome(
         extra={"action": f"dispatch_{outcome.value}", "operation_id": str(sent.id)},
     )
     return DispatchReport(sent.id, outcome, sent.attempts, reason)
+
+
+def _unrecordable_outcome(
+    conn: Connection, sent: Operation, outcome: Outcome, exc: StatementError
+) -> DispatchReport:
+    """The outcome's write failed (a value the database refuses, a constraint): the attempt
+    still happened, so it must not stay `sent` until the sweep notices; `unknown` (maybe
+    applied) hands it to the reconciler, with a reason that can always be written."""
+    error = type(exc.orig).__name__ if isinstance(exc, DBAPIError) else type(exc).__name__
+    reason = f"the outcome ({outcome.value}) could not be recorded: {error}"
+    log.error(
+        "attempt %d of %s: %s",
+        sent.attempts,
+        sent.id,
+        reason,
+        extra={"action": "dispatch_outcome_unrecorded", "operation_id": str(sent.id)},
+    )
+    if conn.in_transaction():
+        conn.rollback()
+    if _move(conn, sent, State.SENT, State.UNKNOWN, reason, effects=Effects(last_error=reason)):
+        return DispatchReport(sent.id, Outcome.LATE, sent.attempts, reason)
+    return DispatchReport(sent.id, Outcome.UNKNOWN, sent.attempts, reason)
 
 
 def _late_outcome(

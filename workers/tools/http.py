@@ -47,6 +47,7 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from yarl import URL
 
+from outbox import storable
 from outbox.contracts import DedupContract, ToolContract
 from outbox.errors import ConfigError
 from workers.tools.base import Tool, ToolCall, check_tool_name
@@ -561,7 +562,11 @@ def _parse_json(response: _Answer) -> tuple[bool, Any]:
 
 
 def _excerpt(response: _Answer) -> str:
-    text = " ".join(response.content.decode("utf-8", errors="replace").split())
+    """The body's start for a reason: bounded, and storable (bytes that are not UTF-8 and NUL
+    escaped as ``\\xNN``), since it lands in ``last_error`` and the event log."""
+    head = response.content[: _EXCERPT_CHARS * 4]  # enough bytes for _EXCERPT_CHARS characters
+    decoded = head.decode("utf-8", errors="surrogateescape")
+    text = " ".join(storable.text(decoded, limit=None).split())
     if not text:
         return "(empty body)"
     return text if len(text) <= _EXCERPT_CHARS else text[: _EXCERPT_CHARS - 1] + "…"
