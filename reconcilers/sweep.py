@@ -11,7 +11,15 @@
    a lookup (sent to the ``lookup`` queue, with a lease of ``OUTBOX_LOOKUP_LEASE`` so it is
    not routed twice), a dedup replay, a wait for the in-flight horizon, or a human.
 
-Two sweeps at once are safe: every move is made under the operation's lock and fenced.
+Two sweeps at once (two beats) are harmless: every move is made under the operation's lock
+and fenced, and before probing a `sent` row's lock a sweep takes its *sweep claim* on the row
+(:func:`outbox.statements.try_sweep_claim`, a lock no dispatcher takes): a row another sweep
+is probing is "busy, next time", so a sweep never mistakes the other's probe for a live
+dispatcher.
+
+Each row is handled on its own: an error on one row is logged (``sweep_row_failed``) and
+recorded as an event of that row, and the run goes on with the next. A row the sweep failed
+on ``max_row_failures`` times at the same attempt goes to a human with the error.
 """
 
 from __future__ import annotations
@@ -22,8 +30,9 @@ from dataclasses import dataclass
 from uuid import UUID
 
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, statements
+from outbox import faults, statements, storable
 from outbox.config import Settings, get_settings
 from outbox.errors import StaleTransition
 from outbox.locks import operation_lock_key
@@ -52,6 +61,9 @@ class SweepConfig:
     #: A row sent to the lookup queue is not routed again for this long (its lookup's lease;
     #: OUTBOX_LOOKUP_LEASE): a lost lookup message is asked again when it ends.
     lookup_lease_s: float = 60.0
+    #: A row the sweep failed on this many times (at the same attempt, counted in its events)
+    #: goes to a human: one failure may be a passing glitch, three in a row are not.
+    max_row_failures: int = 3
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> SweepConfig:
@@ -75,7 +87,8 @@ class SweepResult:
     replays: int = 0  #: `unknown` → `planned` under the dedup contract
     waiting: int = 0  #: `unknown`: check again after the in-flight horizon
     escalated: int = 0  #: `unknown` → `needs_human`
-    busy: int = 0  #: someone held the operation's lock: next time
+    busy: int = 0  #: someone held the operation's lock (or another sweep probes it): next time
+    failed: int = 0  #: handling the row raised: recorded on the row, the run went on
 
 
 class Sweeper:
@@ -95,7 +108,7 @@ class Sweeper:
         self.request_lookup = request_lookup
 
     def run_once(self) -> SweepResult:
-        """Sweep stale `sent` rows, then route due `unknown` rows."""
+        """Sweep stale `sent` rows, then route due `unknown` rows, each row on its own."""
         result = SweepResult()
         self._sweep_sent(result)
         self._route_unknown(result)
@@ -112,7 +125,15 @@ class Sweeper:
                 )
                 probe.commit()
                 for op_id, attempt, too_old in stale:
-                    self._sweep_one(probe, op_id, attempt, too_old=too_old, result=result)
+                    try:
+                        self._sweep_one(probe, op_id, attempt, too_old=too_old, result=result)
+                    except Exception as exc:  # noqa: BLE001 -- one row must not stop the run
+                        _raise_if_connection_lost(exc)
+                        # Whatever the row's handling left behind: no transaction, no lock.
+                        probe.rollback()
+                        statements.unlock_all(probe)
+                        probe.commit()
+                        self._row_failed(op_id, State.SENT, exc, result)
             finally:
                 release(probe)
 
@@ -120,6 +141,28 @@ class Sweeper:
         self, probe: Connection, op_id: UUID, attempt: int, *, too_old: bool, result: SweepResult
     ) -> None:
         key = operation_lock_key(op_id)
+        claimed = statements.try_sweep_claim(probe, key)
+        probe.commit()
+        if not claimed:
+            result.busy += 1  # another sweep is probing this row: its lock says nothing of ours
+            return
+        try:
+            self._probe_sent(probe, key, op_id, attempt, too_old=too_old, result=result)
+        finally:
+            if not probe.in_transaction():
+                statements.release_sweep_claim(probe, key)
+                probe.commit()
+
+    def _probe_sent(
+        self,
+        probe: Connection,
+        key: int,
+        op_id: UUID,
+        attempt: int,
+        *,
+        too_old: bool,
+        result: SweepResult,
+    ) -> None:
         if statements.try_lock(probe, key):
             probe.commit()
             try:
@@ -135,8 +178,9 @@ class Sweeper:
             except StaleTransition:
                 pass
             finally:
-                statements.unlock(probe, key)
-                probe.commit()
+                if not probe.in_transaction():
+                    statements.unlock(probe, key)
+                    probe.commit()
             return
         probe.commit()
         if not too_old:
@@ -144,6 +188,9 @@ class Sweeper:
             return
         holder = statements.lock_holder_pid(probe, key)
         probe.commit()
+        if holder is None:
+            result.slow += 1  # released since we probed: it moved on, or it is lost; next time
+            return
         try:
             self._move_sent(
                 probe,
@@ -151,7 +198,7 @@ class Sweeper:
                 attempt,
                 State.NEEDS_HUMAN,
                 f"in flight for more than OUTBOX_SENT_MAX_AGE ({self.config.sent_max_age_s:g}s):"
-                f" the dispatcher (database backend pid {holder}) still holds its lock",
+                f" its lock is still held, by database backend pid {holder} (not a sweep)",
             )
             result.stuck += 1
         except StaleTransition:
@@ -183,7 +230,93 @@ class Sweeper:
             due = statements.due_unknown(conn, limit=self.config.batch_size)
             conn.commit()
         for op_id, tool_name in due:
-            self._route_one(op_id, tool_name, result)
+            try:
+                self._route_one(op_id, tool_name, result)
+            except Exception as exc:  # noqa: BLE001 -- one row must not stop the run
+                _raise_if_connection_lost(exc)
+                self._row_failed(op_id, State.UNKNOWN, exc, result)
+
+    def _row_failed(self, op_id: UUID, state: State, exc: Exception, result: SweepResult) -> None:
+        """Log the error, count it on the row (an event), and past ``max_row_failures`` hand
+        the row to a human with it; never raises, so the run goes on."""
+        result.failed += 1
+        error = storable.error_summary(exc)
+        log.error(
+            "sweep could not handle %s (%s): %s",
+            op_id,
+            state.value,
+            error,
+            extra={"action": "sweep_row_failed", "operation_id": str(op_id)},
+        )
+        try:
+            with self.engine.begin() as conn:
+                current = statements.get_operation(conn, op_id)
+                if current is None or current.state is not state:
+                    return  # it moved on meanwhile: whatever failed is not its problem now
+                statements.record_event(
+                    conn,
+                    op_id,
+                    state=state,
+                    attempt=current.attempts,
+                    actor=Actor.SWEEP,
+                    reason=f"the sweep could not handle this operation: {error}",
+                    detail={statements.SWEEP_FAILURE_KEY: error},
+                )
+                failures = statements.sweep_failures(
+                    conn, op_id, state=state, attempt=current.attempts
+                )
+            if failures >= self.config.max_row_failures:
+                self._escalate_failing(
+                    op_id,
+                    state=state,
+                    attempt=current.attempts,
+                    failures=failures,
+                    error=error,
+                    result=result,
+                )
+        except Exception as again:  # noqa: BLE001 -- logged; the next run tries again
+            log.error(  # noqa: TRY400 -- the summary, never a traceback with bound values
+                "sweep could not record its failure on %s: %s",
+                op_id,
+                storable.error_summary(again),
+                extra={"action": "sweep_row_failure_unrecorded", "operation_id": str(op_id)},
+            )
+
+    def _escalate_failing(
+        self,
+        op_id: UUID,
+        *,
+        state: State,
+        attempt: int,
+        failures: int,
+        error: str,
+        result: SweepResult,
+    ) -> None:
+        """A row the sweep keeps failing on goes to a human, fenced on its state and attempt."""
+        reason = (
+            f"the sweep failed on this operation {failures} times (attempt {attempt}); "
+            f"last error: {error}"
+        )
+        try:
+            with self.engine.begin() as conn:
+                transition(
+                    conn,
+                    op_id,
+                    from_state=state,
+                    to_state=State.NEEDS_HUMAN,
+                    actor=Actor.SWEEP if state is State.SENT else Actor.RECONCILER,
+                    reason=reason,
+                    attempt=attempt,
+                )
+        except StaleTransition:
+            return
+        result.escalated += 1
+        log.error(
+            "%s: %s",
+            op_id,
+            reason,
+            extra={"action": "sweep_row_escalated", "operation_id": str(op_id)},
+        )
 
     def _route_one(self, op_id: UUID, tool_name: str, result: SweepResult) -> None:
         if self._route_locked(op_id, tool_name, result) and self.request_lookup is not None:
@@ -223,3 +356,9 @@ class Sweeper:
                 else:
                     result.escalated += 1
             return False
+
+
+def _raise_if_connection_lost(exc: Exception) -> None:
+    """A lost database connection is not the row's fault: the run stops, the next retries."""
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        raise exc

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, event, text
 
 from outbox import statements
 from outbox.contracts import ContractTable
+from outbox.db import create_engine
 from outbox.locks import operation_lock_key
 from outbox.models import Operation
 from outbox.states import Actor, Effects, State, transition
 from outbox.testing import DeployService
 from reconcilers.lookup import LookupOutcome, lookup
-from reconcilers.sweep import SweepConfig, Sweeper
+from reconcilers.sweep import SweepConfig, Sweeper, SweepResult
 from tests.factories import age, events_of, make_operation, reload
 from tests.tool_configs import http_registry
 from workers.dispatch import Outcome, dispatch
@@ -378,3 +382,107 @@ def test_an_unknown_tool_is_escalated_by_the_sweep_and_by_a_lookup(
     for op in (swept, looked_up):
         assert reload(engine, op.id).state is State.NEEDS_HUMAN
         assert "not registered in the reconciler" in events_of(engine, op.id)[-1].reason
+
+
+# --- a row that fails, and two sweeps at once (issue 17, findings 3 and 13) -----------------
+
+
+@contextmanager
+def _poisoned(engine: Engine, *op_ids: UUID) -> Iterator[None]:
+    """Any update that leaves one of ``op_ids`` in `unknown` raises, as a broken row would."""
+    ids = ", ".join(f"'{op_id}'" for op_id in op_ids)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE OR REPLACE FUNCTION public.outbox_test_poison() RETURNS trigger "
+                "LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'poisoned row'; END $$"
+            )
+        )
+        conn.execute(
+            text(
+                "CREATE TRIGGER outbox_test_poison BEFORE UPDATE ON outbox.operations "
+                f"FOR EACH ROW WHEN (NEW.id IN ({ids}) AND NEW.state = 'unknown') "
+                "EXECUTE FUNCTION public.outbox_test_poison()"
+            )
+        )
+    try:
+        yield
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP TRIGGER outbox_test_poison ON outbox.operations"))
+            conn.execute(text("DROP FUNCTION public.outbox_test_poison()"))
+
+
+def test_one_poisoned_row_does_not_stop_the_sweep(
+    engine: Engine, service: DeployService, tmp_path: Path
+) -> None:
+    """A row whose handling raises is skipped and counted on the row while the others are swept
+    and routed; after max_row_failures runs it goes to a human with the error."""
+    registry = http_registry(tmp_path, service.url, inflight_horizon_s=HORIZON)
+    poisoned_sent = make_operation(engine, State.SENT)
+    healthy_sent = make_operation(engine, State.SENT)
+    poisoned_unknown = make_operation(engine, State.UNKNOWN)
+    healthy_unknown = make_operation(engine, State.UNKNOWN)
+    age(engine, poisoned_sent.id, 30, "sent_at", "first_sent_at")  # first by sent_at
+    age(engine, healthy_sent.id, 20, "sent_at", "first_sent_at")
+    asked: list[UUID] = []
+    with _poisoned(engine, poisoned_sent.id, poisoned_unknown.id):
+        first = _sweeper(engine, registry, asked).run_once()
+        assert (first.failed, first.lost) == (2, 1)
+        assert reload(engine, healthy_sent.id).state is State.UNKNOWN
+        assert sorted(asked) == sorted([healthy_sent.id, healthy_unknown.id])
+        for op in (poisoned_sent, poisoned_unknown):
+            assert reload(engine, op.id).state is op.state
+            assert "poisoned row" in events_of(engine, op.id)[-1].reason
+        _sweeper(engine, registry).run_once()
+        third = _sweeper(engine, registry).run_once()
+        assert (third.failed, third.escalated) == (2, 2)
+    for op in (poisoned_sent, poisoned_unknown):
+        assert reload(engine, op.id).state is State.NEEDS_HUMAN
+        reason = events_of(engine, op.id)[-1].reason
+        assert "the sweep failed on this operation 3 times" in reason
+        assert "RaiseException: poisoned row" in reason
+
+
+def test_two_sweeps_never_blame_each_others_probe(
+    engine: Engine, service: DeployService, tmp_path: Path
+) -> None:
+    """Two sweeps at once on lost dispatchers' rows move them to unknown; neither sends one to a
+    human because the other sweep's probe holds its lock."""
+    registry = http_registry(tmp_path, service.url, inflight_horizon_s=HORIZON)
+    ops = [make_operation(engine, State.SENT) for _ in range(40)]
+    for op in ops:
+        age(engine, op.id, 120, "sent_at", "first_sent_at")  # past the max age: too old
+    slow_engine = create_engine(engine.url.render_as_string(hide_password=False))
+    fast_engine = create_engine(engine.url.render_as_string(hide_password=False))
+    in_move = threading.Event()
+
+    @event.listens_for(slow_engine, "before_cursor_execute", retval=True)
+    def pause_before_the_first_move(*args: Any) -> tuple[Any, Any]:
+        statement, parameters = args[2], args[3]
+        if "UPDATE outbox.operations" in statement and not in_move.is_set():
+            in_move.set()  # holding the first row's lock, its move not yet made
+            time.sleep(1.0)
+        return statement, parameters
+
+    config = SweepConfig(sent_timeout_s=5, sent_max_age_s=60)
+    slow, fast = (Sweeper(e, registry=registry, config=config) for e in (slow_engine, fast_engine))
+    results: list[SweepResult] = []
+
+    def run(sweeper: Sweeper) -> None:
+        results.append(sweeper.run_once())
+
+    first = threading.Thread(target=run, args=(slow,))
+    first.start()
+    assert in_move.wait(30)
+    second = threading.Thread(target=run, args=(fast,))
+    second.start()
+    for thread in (first, second):
+        thread.join(60)
+    slow_engine.dispose()
+    fast_engine.dispose()
+    assert len(results) == 2
+    assert sum(r.stuck for r in results) == 0
+    assert [reload(engine, op.id).state for op in ops] == [State.UNKNOWN] * len(ops)
+    for op in ops:
+        assert not any("backend pid" in e.reason for e in events_of(engine, op.id))
