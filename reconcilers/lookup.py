@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from uuid import UUID
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError, StatementError
+from sqlalchemy.exc import DBAPIError
 
 from outbox import faults, statements
 from outbox.contracts import ToolContract
@@ -124,7 +124,7 @@ def _inspect(
     faults.point("lookup_after_call")
     try:
         report = _record(conn, facts, tool, result, config)
-    except StatementError as exc:
+    except Exception as exc:  # whatever refused the write, the call itself happened
         if isinstance(exc, DBAPIError) and exc.connection_invalidated:
             raise  # the lock went with the connection; the lookup's lease asks again
         report = _unrecordable(conn, facts, tool.contract, exc, config)
@@ -257,7 +257,7 @@ def _unrecordable(
     conn: Connection,
     facts: ReconcileFacts,
     contract: ToolContract,
-    exc: StatementError,
+    exc: Exception,
     config: LookupConfig,
 ) -> LookupReport:
     """The answer's write failed (a value the database refuses, a constraint): the check still

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from uuid import UUID
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError, StatementError
+from sqlalchemy.exc import DBAPIError
 
 from outbox import faults, statements, webhooks
 from outbox.canonical import canonical_json, payload_hash
@@ -331,7 +331,7 @@ def _record_outcome(
     to_state, outcome, effects, reason = _classify(sent, result, config)
     try:
         missed = _move(conn, sent, State.SENT, to_state, reason, effects=effects)
-    except StatementError as exc:
+    except Exception as exc:  # whatever refused the write, the call itself happened
         if isinstance(exc, DBAPIError) and exc.connection_invalidated:
             raise  # the caller records it again on a fresh connection
         return _unrecordable_outcome(conn, sent, outcome, exc)
@@ -348,7 +348,7 @@ def _record_outcome(
 
 
 def _unrecordable_outcome(
-    conn: Connection, sent: Operation, outcome: Outcome, exc: StatementError
+    conn: Connection, sent: Operation, outcome: Outcome, exc: Exception
 ) -> DispatchReport:
     """The outcome's write failed (a value the database refuses, a constraint): the attempt
     still happened, so it must not stay `sent` until the sweep notices; `unknown` (maybe

@@ -747,3 +747,25 @@ def test_run_forever_delivers_until_stopped(
     assert not thread.is_alive()
     assert len(webhook.requests) == 1
     assert only_delivery(engine).status is DeliveryStatus.DELIVERED
+
+
+def test_unstorable_reasons_and_errors_are_stored_escaped(
+    engine: Engine, webhook: Receiver
+) -> None:
+    """A move's reason and a delivery's error holding NUL or bytes that are not UTF-8 are
+    stored escaped, so neither the escalation nor its failed delivery is lost."""
+    op = make_operation(engine, State.UNKNOWN)
+    move(engine, op, State.NEEDS_HUMAN, Actor.RECONCILER, reason="HTTP 200: a\x00b\udcff")
+    with engine.begin() as conn:
+        [claimed] = webhooks.claim_due(conn, limit=10, lease_s=300)
+        recorded = webhooks.record_failed(
+            conn,
+            claimed,
+            status=502,
+            error="HTTP 502 Bad\x00Gateway",
+            retry_in_s=5,
+            give_up_after_s=3600,
+        )
+    assert recorded is not None
+    assert json.loads(claimed.body)["data"]["reason"] == "HTTP 200: a\\x00b\\xff"
+    assert only_delivery(engine).last_error == "HTTP 502 Bad\\x00Gateway"
