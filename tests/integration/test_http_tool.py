@@ -379,6 +379,8 @@ def test_dot_segments_in_a_target_stay_in_place(remote: Remote, tmp_path: Path) 
         (respond(500, {"error": "boom"}), Inconclusive('HTTP 500: {"error": "boom"}')),
         (respond(200, {"state": "pending"}), Inconclusive('HTTP 200: {"state": "pending"}')),
         (respond(200, b"<html>"), Inconclusive("HTTP 200: <html>")),
+        # NUL and bytes that are not UTF-8 come out escaped, so the reason can be stored.
+        (respond(200, b"a\x00b\xff"), Inconclusive("HTTP 200: a\\x00b\\xff")),
         (respond(410, {}), Inconclusive("HTTP 410: {}")),
     ],
 )
