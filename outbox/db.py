@@ -43,8 +43,14 @@ def database_url(settings: Settings | None = None) -> str:
 
 
 def create_engine(url: str, **options: object) -> Engine:
-    """An engine on ``url`` with the outbox's defaults (psycopg 3, pre-ping unless told)."""
+    """An engine on ``url`` with the outbox's defaults (psycopg 3, pre-ping unless told).
+
+    Its errors never carry bound parameters (``hide_parameters``, whatever ``options`` say):
+    a ``DBAPIError`` logged by a task would otherwise print payloads, intent keys, results
+    and remote answers next to the statement.
+    """
     options.setdefault("pool_pre_ping", True)
+    options["hide_parameters"] = True
     return sqlalchemy.create_engine(normalize_url(url), **options)
 
 

@@ -122,7 +122,14 @@ def _as_sqlalchemy_error(
     if lost:
         conn.invalidate(exc)
     error = DBAPIError.instance(
-        sql, dict(params), exc, psycopg.Error, connection_invalidated=lost, dialect=conn.dialect
+        sql,
+        dict(params),
+        exc,
+        psycopg.Error,
+        # As the engine says (ours hide them): bound values are payloads and keys.
+        hide_parameters=conn.engine.hide_parameters,
+        connection_invalidated=lost,
+        dialect=conn.dialect,
     )
     # instance() returns the DBAPIError subclass for a DBAPI error, as it is given here.
     return cast(DBAPIError, error)

@@ -87,6 +87,8 @@ def celery_settings(settings: Settings, *, time_limit_s: float | None = None) ->
         conf["broker_transport_options"] = {
             "queue_tablename": BROKER_QUEUE_TABLE,
             "message_tablename": BROKER_MESSAGE_TABLE,
+            # kombu passes the options on to create_engine: its errors show no parameters.
+            "hide_parameters": True,
         }
     return conf
 

@@ -47,7 +47,7 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
         if url in self._engines:
             return super()._open()
         # The first open in this process creates the tables if missing: one process at a time.
-        lock = create_engine(url, poolclass=NullPool)
+        lock = create_engine(url, poolclass=NullPool, hide_parameters=True)
         try:
             with lock.connect() as conn:
                 conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": TABLES_LOCK_KEY})

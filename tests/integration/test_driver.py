@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -148,3 +149,36 @@ def test_an_engine_on_another_driver_runs_the_statement_through_sqlalchemy(
     finally:
         other.dispose()
     assert operation_count(engine) == 1
+
+
+_SECRET = "sk-live-4f1c9e0d7a"
+_INSERT_SECRET_EVENT = DriverStatement.of(
+    text(
+        "INSERT INTO outbox.events (operation_id, from_state, to_state, attempt, actor, reason) "
+        "VALUES (:operation_id, NULL, 'planned', 0, 'agent', :reason) RETURNING id"
+    ),
+    ["id"],
+)
+
+
+def test_a_logged_database_error_shows_no_bound_values(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A DBAPIError from our engines, through the driver or SQLAlchemy, carries and logs the
+    statement but none of its bound values (payloads, keys, secrets)."""
+    values = {"operation_id": "00000000-0000-0000-0000-000000000000", "reason": _SECRET}
+    log = logging.getLogger("tests.hidden")
+    with engine.connect() as conn:
+        for run in (
+            lambda: _INSERT_SECRET_EVENT.fetch_one(conn, values),
+            lambda: conn.execute(_INSERT_SECRET_EVENT.clause, values),
+        ):
+            with pytest.raises(IntegrityError) as raised:
+                run()
+            conn.rollback()
+            log.error("task failed", exc_info=raised.value)
+            assert "outbox.events" in str(raised.value)
+            assert _SECRET not in str(raised.value)
+            assert _SECRET not in repr(raised.value)
+    assert "INSERT INTO outbox.events" in caplog.text
+    assert _SECRET not in caplog.text
