@@ -17,6 +17,10 @@ from outbox.errors import ConfigError
 #: Slack between "the last byte a dispatcher may send" and "a request can no longer land":
 #: covers scheduling delays and the remote's own queueing.
 INFLIGHT_MARGIN_S = 5.0
+#: Clock skew allowed between the database and a remote with a dedup window, in the floor of
+#: ``dedup margin_s``: NTP keeps servers within milliseconds, and 30 s is a week of a broken
+#: sync at a typical quartz drift of 50 ppm.
+DEDUP_SKEW_ALLOWANCE_S = 30.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,8 +29,10 @@ class DedupContract:
 
     #: How long after the first request the remote remembers a key.
     window_s: float
-    #: Safety margin taken off the window's end: covers clock skew between the database
-    #: and the remote, and the replay's own travel time.
+    #: Safety margin taken off the window's end: covers the replay's own travel time (a
+    #: replay committed `sent` just before the end may leave ``send_deadline_s`` later and
+    #: land ``timeout_s`` after that) and clock skew between the database and the remote:
+    #: at least ``send_deadline_s + timeout_s + DEDUP_SKEW_ALLOWANCE_S``.
     margin_s: float = 300.0
     #: True if the remote also deduplicates *concurrent* same-key requests, so a replay may
     #: leave while the previous attempt could still be in flight.
@@ -75,14 +81,27 @@ class ToolContract:
                 f"send_deadline_s + timeout_s + {INFLIGHT_MARGIN_S:g}s margin ({floor:g}): "
                 "before that a request may still be on its way"
             )
-        if self.dedup is not None:
-            if self.dedup.margin_s < 0:
-                yield f"dedup margin_s must not be negative, not {self.dedup.margin_s:g}"
-            if self.dedup.window_s <= self.dedup.margin_s:
-                yield (
-                    f"dedup window_s ({self.dedup.window_s:g}) must exceed its margin_s "
-                    f"({self.dedup.margin_s:g})"
-                )
+        yield from self._dedup_problems()
+
+    def _dedup_problems(self) -> Iterator[str]:
+        dedup = self.dedup
+        if dedup is None:
+            return
+        if dedup.margin_s < 0:
+            yield f"dedup margin_s must not be negative, not {dedup.margin_s:g}"
+        floor = self.send_deadline_s + self.timeout_s + DEDUP_SKEW_ALLOWANCE_S
+        if 0 <= dedup.margin_s < floor:
+            yield (
+                f"dedup margin_s ({dedup.margin_s:g}) must be at least send_deadline_s "
+                f"({self.send_deadline_s:g}) + timeout_s ({self.timeout_s:g}) + "
+                f"{DEDUP_SKEW_ALLOWANCE_S:g}s clock-skew allowance ({floor:g}): a replay "
+                "leaving at the end of the window must land before the remote forgets the key"
+            )
+        if dedup.window_s <= dedup.margin_s:
+            yield (
+                f"dedup window_s ({dedup.window_s:g}) must exceed its margin_s "
+                f"({dedup.margin_s:g})"
+            )
 
 
 @dataclass

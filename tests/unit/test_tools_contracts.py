@@ -242,6 +242,15 @@ def test_a_second_lookup_is_refused() -> None:
         ({"timeout": 30, "inflight_horizon": 20}, "inflight_horizon_s (20) must be at least"),
         ({"dedup": Dedup(window_s=100, margin_s=300)}, "dedup window_s (100) must exceed"),
         ({"dedup": Dedup(window_s=100, margin_s=-1)}, "margin_s must not be negative"),
+        (
+            {"dedup": Dedup(window_s=86400, margin_s=0)},
+            "dedup margin_s (0) must be at least send_deadline_s (2) + timeout_s (10) + 30s "
+            "clock-skew allowance (42)",
+        ),
+        (
+            {"timeout": 60, "inflight_horizon": 600, "dedup": Dedup(window_s=86400, margin_s=60)},
+            "dedup margin_s (60) must be at least send_deadline_s (2) + timeout_s (60)",
+        ),
     ],
 )
 def test_contradictory_values_are_refused_at_decoration(knobs: dict[str, Any], field: str) -> None:
@@ -357,6 +366,11 @@ def test_toml_defaults_come_from_the_contract(write_toml: Callable[[str], Path])
         ('lookup_remote_ref = "id"', "lookup_remote_ref has no effect without lookup_url"),
         ("dedup_margin_s = 10", "dedup_margin_s has no effect without dedup_window_s"),
         ("dedup_window_s = 100", "dedup window_s (100) must exceed its margin_s (300)"),
+        (
+            "dedup_window_s = 3600\ndedup_margin_s = 0",
+            f'tools."{NAME}": dedup margin_s (0) must be at least send_deadline_s (2) + '
+            "timeout_s (10) + 30s clock-skew allowance (42)",
+        ),
         ('headers = { "Bad Name" = "v" }', "'Bad Name' is not an HTTP header name"),
         ('headers = { idempotency-key = "v" }', "set more than once"),
         ('remote_ref = "data..id"', "is not a dotted path"),
