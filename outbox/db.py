@@ -8,13 +8,16 @@ from contextlib import contextmanager
 
 import psycopg.errors
 import sqlalchemy
-from sqlalchemy import Engine
+from sqlalchemy import Engine, event
+from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
+from sqlalchemy.pool import ConnectionPoolEntry, PoolResetState
 
 from outbox import embedded
 from outbox.config import Settings, get_settings
 from outbox.errors import DatabaseUnavailable, SchemaNotReady
+from outbox.locks import SESSION_LOCKS_INFO
 
 _DRIVER = "postgresql+psycopg"
 
@@ -51,7 +54,37 @@ def create_engine(url: str, **options: object) -> Engine:
     """
     options.setdefault("pool_pre_ping", True)
     options["hide_parameters"] = True
-    return sqlalchemy.create_engine(normalize_url(url), **options)
+    engine = sqlalchemy.create_engine(normalize_url(url), **options)
+    event.listen(engine, "reset", _release_session_locks)
+    return engine
+
+
+def _release_session_locks(
+    dbapi_connection: DBAPIConnection,
+    record: ConnectionPoolEntry | None,
+    state: PoolResetState,
+) -> None:
+    """Release the session advisory locks of a connection going back to the pool, if it may
+    hold any (:data:`outbox.locks.SESSION_LOCKS_INFO`).
+
+    A rollback releases none, so a lock left by a step that failed after it was granted would
+    stay with the pooled connection: its operation would read "lock busy" until that
+    connection's next user, and a sweep drawing it would take the lock again re-entrantly.
+    Only connections so marked pay the round trip, and the lock holders' own unlock removes
+    the mark: the dispatcher's checkins cost nothing more. If this fails, SQLAlchemy
+    invalidates the connection (the server then drops its locks with it).
+    """
+    if record is None or not record.info.pop(SESSION_LOCKS_INFO, False):
+        return
+    if state.terminate_only or not state.asyncio_safe:
+        return  # closed or dropped, not pooled: the server frees its locks
+    dbapi_connection.rollback()  # out of a failed transaction, if any
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SELECT pg_advisory_unlock_all()")
+    finally:
+        cursor.close()
+    dbapi_connection.rollback()
 
 
 @functools.cache

@@ -32,6 +32,7 @@ POINTS: dict[str, str] = {
     "relay_before_publish": "relay: rows claimed (locked), nothing published yet",
     "relay_after_publish": "relay: messages published and confirmed, published_at not committed",
     "relay_after_commit": "relay: published_at committed",
+    "lock_granted": "locks: an advisory lock granted, its lock step (durability, commit) not done",
     "after_lock": "dispatch: advisory lock taken, nothing written",
     "after_sent_commit": "dispatch: `sent` committed, nothing sent to the remote",
     "after_call": "dispatch: the remote answered, the outcome not committed",

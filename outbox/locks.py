@@ -24,6 +24,11 @@ def advisory_key(namespace: str, name: str) -> int:
 
 MIGRATION_LOCK_KEY = advisory_key(MIGRATION_NAMESPACE, "schema")
 
+#: Set in a pooled connection's ``info`` before a session-level advisory lock is asked for on
+#: it, removed once ``pg_advisory_unlock_all()`` ran there: while it is set, the pool's reset
+#: runs the unlock itself (``outbox.db``), so no lock outlives the checkout that took it.
+SESSION_LOCKS_INFO = "outbox.session_locks"
+
 
 def operation_lock_key(operation_id: object) -> int:
     """The advisory-lock key owning one operation's next move (dispatch, sweep, resolve)."""

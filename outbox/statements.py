@@ -18,6 +18,7 @@ from uuid import UUID
 from sqlalchemy import (
     Boolean,
     ColumnElement,
+    Connection,
     Integer,
     Text,
     bindparam,
@@ -37,6 +38,7 @@ from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 
 from outbox import storable
 from outbox.driver import DriverStatement
+from outbox.locks import SESSION_LOCKS_INFO
 from outbox.models import Event, Executor, Operation
 from outbox.schema import events, operations, waiters
 from outbox.states import SETTLED_STATES, TERMINAL_STATES, Actor, Effects, State
@@ -567,12 +569,14 @@ def forget_silent_relays(executor: Executor, *, older_than_s: float) -> int:
 
 def try_lock(executor: Executor, key: int) -> bool:
     """Take the session-level advisory lock ``key`` without waiting; whether it was taken."""
+    _may_hold_session_locks(executor)
     row = executor.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": key})
     return bool(row.scalar_one())
 
 
 def try_lock_durable(executor: Executor, key: int) -> tuple[bool, str]:
     """:func:`try_lock`, and the session's ``synchronous_commit``, in one round trip."""
+    _may_hold_session_locks(executor)
     row = executor.execute(_TRY_LOCK_DURABLE, {"key": key}).one()
     return bool(row.taken), str(row.synchronous_commit)
 
@@ -595,6 +599,15 @@ def set_synchronous_commit(executor: Executor) -> None:
 def unlock_all(executor: Executor) -> None:
     """Release every session-level advisory lock this connection holds."""
     executor.execute(text("SELECT pg_advisory_unlock_all()"))
+    if isinstance(executor, Connection):
+        executor.info.pop(SESSION_LOCKS_INFO, None)
+
+
+def _may_hold_session_locks(executor: Executor) -> None:
+    # Marked before the lock is asked for: a statement or step that fails after the lock was
+    # granted leaves it held, and the pool's reset must then release it (outbox.db).
+    if isinstance(executor, Connection):
+        executor.info[SESSION_LOCKS_INFO] = True
 
 
 def require_synchronous_commit(executor: Executor) -> None:
@@ -688,6 +701,7 @@ def try_lock_and_read(
     lock's previous holder, exactly as a read in a statement of its own would.
     ``unlock_first``: release every advisory lock this session holds before taking this one.
     """
+    _may_hold_session_locks(executor)
     row = _LOCK_AND_READ.fetch_one(
         executor, {"key": key, "id": operation_id, "unlock_first": unlock_first}
     )

@@ -2,7 +2,9 @@
 
 A session-level lock on a connection used by nothing else while it is held, released with
 ``pg_advisory_unlock_all()`` before the connection returns to the pool (or the connection is
-discarded if that fails), so no lock ever outlives its holder's work. A process that dies
+discarded if that fails), also when the lock step itself fails after the lock was granted, so
+no lock ever outlives its holder's work; the pool's reset unlocks any connection that may
+still hold one (``outbox.db``), whoever forgot. A process that dies
 drops its connection, and PostgreSQL frees the lock with it.
 """
 
@@ -15,7 +17,7 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import statements
+from outbox import faults, statements
 from outbox.locks import operation_lock_key
 from outbox.models import Operation
 
@@ -110,6 +112,9 @@ class DispatchLocks:
                 taken = _take_durably(conn, take)
             except DBAPIError:
                 self.close()  # the previous lock goes with the connection; start afresh
+            except BaseException:
+                self.close()  # this lock may have been granted: released with the previous
+                raise
             else:
                 return conn, taken
         conn, taken = _locked_connection(self.engine, take, autocommit=True)
@@ -132,21 +137,32 @@ def _locked_connection(engine: Engine, take: _Take, *, autocommit: bool) -> tupl
                 conn.execution_options(isolation_level="AUTOCOMMIT")
             taken = _take_durably(conn, take)
         except DBAPIError as exc:
-            conn.close()
+            _discard(conn)
             if retry or not exc.connection_invalidated:
                 raise
             continue
         except BaseException:
-            conn.close()
+            _discard(conn)
             raise
         return conn, taken
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _discard(conn: Connection) -> None:
+    """Return a connection whose lock step failed: the lock may have been granted before the
+    failure (a later step of ``_take_durably``, the read after it), and a rollback does not
+    release a session lock. Unlocked here; the pool's reset (``outbox.db``) would too."""
+    if not conn.invalidated:
+        release(conn)
+    conn.close()
 
 
 def _take_durably(conn: Connection, take: _Take) -> bool:
     """``take`` the lock; if taken and the session's ``synchronous_commit`` was read and is
     not ``on``, set it (every later commit on the connection then waits for the WAL flush)."""
     taken, synchronous_commit = take(conn)
+    if taken:
+        faults.point("lock_granted")
     if taken and synchronous_commit not in (None, "on"):
         statements.set_synchronous_commit(conn)
     conn.commit()
