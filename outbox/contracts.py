@@ -99,8 +99,7 @@ class ToolContract:
             )
         if dedup.window_s <= dedup.margin_s:
             yield (
-                f"dedup window_s ({dedup.window_s:g}) must exceed its margin_s "
-                f"({dedup.margin_s:g})"
+                f"dedup window_s ({dedup.window_s:g}) must exceed its margin_s ({dedup.margin_s:g})"
             )
 
 

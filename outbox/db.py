@@ -9,8 +9,8 @@ from contextlib import contextmanager
 import psycopg.errors
 import sqlalchemy
 from sqlalchemy import Engine, event
-from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.engine import make_url
+from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 from sqlalchemy.pool import ConnectionPoolEntry, PoolResetState
 

@@ -151,7 +151,7 @@ def test_an_engine_on_another_driver_runs_the_statement_through_sqlalchemy(
     assert operation_count(engine) == 1
 
 
-_SECRET = "sk-live-4f1c9e0d7a"
+_SECRET = "sk-live-4f1c9e0d7a"  # noqa: S105 -- a fake secret the errors must not show
 _INSERT_SECRET_EVENT = DriverStatement.of(
     text(
         "INSERT INTO outbox.events (operation_id, from_state, to_state, attempt, actor, reason) "
