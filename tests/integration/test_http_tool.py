@@ -587,3 +587,47 @@ def test_run_dispatch_refuses_to_block_a_running_event_loop(registry: ToolRegist
     with pytest.raises(RuntimeError, match="not from inside a running event loop"):
         asyncio.run(inside())
     assert not called.is_set()
+
+
+# --- hosts chosen by the agent's values ------------------------------------------------------
+
+
+def host_placeholder_tool(tmp_path: Path, port: int) -> HttpTool:
+    """A tool whose host is the target, on the local server's port, allowed for localhost."""
+    path = tmp_path / "hosts.toml"
+    path.write_text(
+        f'[tools."{NAME}"]\n'
+        'kind = "http"\n'
+        f'url = "http://{{target}}:{port}/releases"\n'
+        'idempotency_header = "Idempotency-Key"\n'
+        'remote_ref = "id"\n'
+        f'lookup_url = "http://{{target}}:{port}/by-key/{{operation_id}}"\n'
+        'lookup_remote_ref = "id"\n'
+        "lookup_not_applied_statuses = [404]\n"
+        'allowed_hosts = ["localhost", "*.localhost"]\n',
+        encoding="utf-8",
+    )
+    (loaded,) = load_http_tools(path)
+    return loaded
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1", "169.254.169.254", "localhost.evil.example"])
+def test_a_host_outside_allowed_hosts_is_refused_before_any_request(
+    remote: Remote, tmp_path: Path, target: str
+) -> None:
+    """A target rendering the host to an address outside allowed_hosts is Rejected (dispatch)
+    or Inconclusive (lookup), without a connection: the local server, where 127.0.0.1 would
+    have gone, receives nothing; an allowed host gets through."""
+    tool_ = host_placeholder_tool(tmp_path, remote.port)
+    dispatched = run_dispatch(tool_, make_call(target=target))
+    assert isinstance(dispatched, Rejected)
+    assert f"host {target!r} is not in tool {NAME!r}'s allowed_hosts" in dispatched.reason
+    assert "nothing was sent" in dispatched.reason
+    looked_up = run_lookup(tool_, make_call(target=target))
+    assert isinstance(looked_up, Inconclusive)
+    assert "the lookup was not sent" in looked_up.reason
+    assert remote.seen == []
+    assert run_dispatch(tool_, make_call(target="localhost")) == Applied(
+        "rel-1", result={"id": "rel-1"}
+    )
+    assert [seen.path for seen in remote.seen] == ["/releases"]

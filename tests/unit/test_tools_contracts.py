@@ -400,6 +400,8 @@ def test_invalid_tables_are_refused_naming_the_key(
         ("http://user:pw@h/projects/{target}", "credentials do not belong in the URL"),
         ("http://h/my projects/{target}", "use 'http://h/my%20projects/x'"),
         ("http://h/a/../projects/{target}", "no '.' or '..' segments"),
+        ("http://h:{target}/projects", "has a placeholder in its port; write it out"),
+        ("{target}://h/projects", "has a placeholder in its scheme; write it out"),
     ],
 )
 def test_bad_urls_are_refused_at_load(
@@ -411,6 +413,52 @@ def test_bad_urls_are_refused_at_load(
         load_http_tools(write_toml(table))
     assert message in str(error.value)
     assert "pw" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "template"),
+    [
+        ("url", "http://{target}/releases"),
+        ("url", "http://{target}.example.com:8443/releases"),
+        ("lookup_url", "https://{target}/by-key/{operation_id}"),
+    ],
+)
+def test_a_placeholder_in_the_host_needs_allowed_hosts(
+    write_toml: Callable[[str], Path], key: str, template: str
+) -> None:
+    """A host the agent's values choose is refused at load, naming the tool and the key,
+    unless the tool declares allowed_hosts."""
+    lookup = 'lookup_remote_ref = "id"\nlookup_not_applied_statuses = [404]'
+    table = with_line(MINIMAL_TABLE, f'{key} = "{template}"')
+    if key == "lookup_url":
+        table += lookup + "\n"
+    with pytest.raises(ConfigError) as error:
+        load_http_tools(write_toml(table))
+    assert f'tools."{NAME}": {key}: a placeholder in the host' in str(error.value)
+    assert "declare allowed_hosts" in str(error.value)
+    hosts = '["*.example.com", "localhost", "127.0.0.1"]'
+    allowed = with_line(table, f"allowed_hosts = {hosts}")
+    (loaded,) = load_http_tools(write_toml(allowed))
+    assert loaded.spec.allowed_hosts == ["*.example.com", "localhost", "127.0.0.1"]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("allowed_hosts = []", "allowed_hosts: must name at least one host"),
+        ('allowed_hosts = ["API.example.com"]', "is not a lower-case host name"),
+        ('allowed_hosts = ["*"]', "is not a lower-case host name"),
+        ('allowed_hosts = ["h:80"]', "is not a lower-case host name"),
+        ('allowed_hosts = ["example.com"]', "url: host '127.0.0.1' is not in allowed_hosts"),
+    ],
+)
+def test_bad_allowed_hosts_are_refused(
+    write_toml: Callable[[str], Path], line: str, message: str
+) -> None:
+    """An empty or malformed allow-list, or one that leaves out the URL's own host, is refused."""
+    with pytest.raises(ConfigError) as error:
+        load_http_tools(write_toml(with_line(MINIMAL_TABLE, line)))
+    assert message in str(error.value)
 
 
 def test_the_operation_id_must_reach_the_remote(write_toml: Callable[[str], Path]) -> None:

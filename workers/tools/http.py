@@ -72,6 +72,8 @@ _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 header field na
 _HEADER_VALUE = re.compile(r"[\x20-\x7e\t]*")  # visible ASCII: no CR/LF smuggling
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _EXCERPT_CHARS = 200
+# A rendered host an allow-list may admit: DNS labels or a dotted IPv4 (nothing encoded).
+_PLAIN_HOST = re.compile(r"(?:[a-z0-9-]+\.)*[a-z0-9-]+")
 _KEY_IN_USE = 409
 
 HttpStatus = Annotated[int, Field(ge=100, le=599)]
@@ -101,6 +103,7 @@ class HttpToolSpec(BaseModel):
     dedup_concurrent_safe: bool | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     env_headers: dict[str, str] = Field(default_factory=dict)
+    allowed_hosts: list[str] | None = None
 
     @field_validator("method")
     @classmethod
@@ -114,6 +117,20 @@ class HttpToolSpec(BaseModel):
     def _valid_url(cls, value: str | None) -> str | None:
         if value is not None:
             check_url_template(value)
+        return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_patterns(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("must name at least one host (or be left out)")
+        for pattern in value:
+            if not _PLAIN_HOST.fullmatch(pattern.removeprefix("*.")) or pattern != pattern.lower():
+                raise ValueError(
+                    f"{pattern!r} is not a lower-case host name, IPv4 address or '*.domain'"
+                )
         return value
 
     @field_validator("remote_ref", "lookup_remote_ref")
@@ -166,7 +183,12 @@ class HttpToolSpec(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> HttpToolSpec:
-        problems = [*self._key_problems(), *self._lookup_problems(), *self._dedup_problems()]
+        problems = [
+            *self._key_problems(),
+            *self._lookup_problems(),
+            *self._dedup_problems(),
+            *self._host_problems(),
+        ]
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -218,6 +240,25 @@ class HttpToolSpec(BaseModel):
         ]
         return [f"{key} has no effect without dedup_window_s" for key in stray]
 
+    def _host_problems(self) -> list[str]:
+        # A placeholder in the host sends the request wherever the agent's value says (the
+        # cloud metadata address, an internal service): only inside a declared allow-list.
+        problems = []
+        for key in ("url", "lookup_url"):
+            template = getattr(self, key)
+            if template is None:
+                continue
+            if self.allowed_hosts is None and "{" in _url_part(template, "host"):
+                problems.append(
+                    f"{key}: a placeholder in the host sends the request wherever the value "
+                    "says; declare allowed_hosts (host names or '*.domain') to allow it"
+                )
+            elif self.allowed_hosts is not None and "{" not in _url_part(template, "host"):
+                host = _url_part(template, "host").lower()
+                if not host_allowed(host, self.allowed_hosts):
+                    problems.append(f"{key}: host {host!r} is not in allowed_hosts")
+        return problems
+
     def contract(self, name: str) -> ToolContract:
         """The :class:`ToolContract` this table declares (raises ConfigError if contradictory)."""
         knobs = {
@@ -260,6 +301,10 @@ class HttpTool(Tool):
 
     async def dispatch(self, call: ToolCall) -> DispatchResult:
         """Send the request once (body: the payload as JSON) and classify the answer."""
+        url = render_url(self.spec.url, call)
+        if not self._host_allowed(url):
+            # Refused before any connection: provably not sent, and never sendable.
+            return Rejected(f"{self._host_refusal(url)}; nothing was sent")
         body = json.dumps(call.payload, ensure_ascii=False, separators=(",", ":")).encode()
         headers = self._request_headers(call)
         headers["Content-Type"] = "application/json"
@@ -268,7 +313,7 @@ class HttpTool(Tool):
                 answer = await _send(
                     client,
                     self.spec.method,
-                    render_url(self.spec.url, call),
+                    url,
                     headers=headers,
                     body=body,
                     timeout=self._timeout(call),
@@ -284,12 +329,15 @@ class HttpTool(Tool):
         """Ask ``lookup_url`` whether the operation's effect exists (GET, no body)."""
         if self.spec.lookup_url is None:
             return Inconclusive(f"tool {self.name!r} has no lookup_url")
+        url = render_url(self.spec.lookup_url, call)
+        if not self._host_allowed(url):
+            return Inconclusive(f"{self._host_refusal(url)}; the lookup was not sent")
         try:
             async with _http_client() as client:
                 answer = await _send(
                     client,
                     "GET",
-                    render_url(self.spec.lookup_url, call),
+                    url,
                     headers=self._request_headers(call),
                     body=None,
                     timeout=self._timeout(call),
@@ -297,6 +345,13 @@ class HttpTool(Tool):
         except Exception as exc:  # noqa: BLE001 - an unanswered lookup proves nothing
             return Inconclusive(_exception_text(exc))
         return self._classify_lookup(answer)
+
+    def _host_allowed(self, url: URL) -> bool:
+        allowed = self.spec.allowed_hosts
+        return allowed is None or host_allowed((url.raw_host or "").lower(), allowed)
+
+    def _host_refusal(self, url: URL) -> str:
+        return f"host {url.raw_host!r} is not in tool {self.name!r}'s allowed_hosts"
 
     def _classify_dispatch(self, response: _Answer) -> DispatchResult:
         status = response.status
@@ -405,6 +460,9 @@ def check_url_template(template: str) -> None:
                 f"unknown placeholder {{{field}}}; use {', '.join(sorted(PLACEHOLDERS))} "
                 "(written {target}, without format specs)"
             )
+    for part in ("scheme", "port"):
+        if "{" in _url_part(template, part):
+            raise ValueError(f"{template!r} has a placeholder in its {part}; write it out")
     sample = template.format(**dict.fromkeys(PLACEHOLDERS, "x"))
     try:
         url = URL(sample, encoded=True)
@@ -421,6 +479,34 @@ def check_url_template(template: str) -> None:
             f"{template!r} is not written as it is sent: use {str(normalised)!r} "
             "(percent-encoded, no '.' or '..' segments)"
         )
+
+
+def host_allowed(host: str, allowed_hosts: list[str]) -> bool:
+    """Whether lower-case ``host`` is one of ``allowed_hosts``: an exact name or address, or
+    ``*.domain`` for any name under ``domain`` (not ``domain`` itself)."""
+    if not _PLAIN_HOST.fullmatch(host):
+        return False  # percent-encoded or bracketed: never what a pattern means
+    for pattern in allowed_hosts:
+        if pattern.startswith("*."):
+            if host.endswith(pattern[1:]):
+                return True
+        elif host == pattern:
+            return True
+    return False
+
+
+def _url_part(template: str, part: str) -> str:
+    """The ``scheme``, ``host`` or ``port`` text of a URL template, placeholders as written.
+
+    Placeholders render percent-encoded, so the template's own ``://``, ``:`` and ``/`` are
+    where the rendered URL's parts begin and end.
+    """
+    scheme, _, rest = template.partition("://")
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0].rpartition("@")[2]
+    host, colon, port = authority.rpartition(":")
+    if not colon or (host.startswith("[") and not host.endswith("]")):
+        host, port = authority, ""
+    return {"scheme": scheme, "host": host, "port": port}[part]
 
 
 def render_url(template: str, call: ToolCall) -> URL:
