@@ -89,6 +89,14 @@ class Settings(BaseSettings):
     max_payload_bytes: int = Field(
         default=256 * 1024, gt=0, description="Largest canonical payload accepted by enqueue."
     )
+    allow_async_replicas: bool = Field(
+        default=False,
+        description=(
+            "Let dispatch workers start on a primary whose streaming standbys are all "
+            "asynchronous: a failover to one may roll back a committed `sent` and send the "
+            "operation again (docs/deploy.md)."
+        ),
+    )
     webhook_url: HttpUrl | None = Field(
         default=None, description="Where escalations are POSTed (http or https)."
     )

@@ -27,6 +27,19 @@ class DatabaseUnavailable(OutboxError):
     """The database cannot be reached."""
 
 
+class AsyncReplicas(OutboxError):
+    """The database streams to standbys and none is synchronous: a failover to one may roll
+    back a committed `sent` whose request already left, and the operation would be sent
+    again. Make a standby synchronous (synchronous_standby_names), or set
+    OUTBOX_ALLOW_ASYNC_REPLICAS=true to accept the risk.
+
+    ``standbys`` and ``synchronous_standby_names`` are what the server reported.
+    """
+
+    standbys: int
+    synchronous_standby_names: str
+
+
 class BrokerUnavailable(OutboxError):
     """The broker cannot be reached or did not confirm a batch; nothing was marked published."""
 

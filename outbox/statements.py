@@ -730,6 +730,47 @@ def lock_holder_pid(executor: Executor, key: int) -> int | None:
     return int(row.pid) if row is not None else None
 
 
+@dataclass(frozen=True)
+class Replication:
+    """What the server says of its streaming standbys (:func:`replication`)."""
+
+    #: Physical standbys streaming from this server (logical walsenders are not standbys).
+    standbys: int
+    #: Of those, the ones a commit waits for (``sync_state`` ``sync`` or ``quorum``).
+    synchronous: int
+    #: The server's ``synchronous_standby_names`` (empty: no commit waits for a standby).
+    synchronous_standby_names: str
+
+    @property
+    def asynchronous_only(self) -> bool:
+        """Standbys stream, and a failover to one may lose commits this server acknowledged."""
+        return self.standbys > 0 and (
+            self.synchronous == 0 or not self.synchronous_standby_names.strip()
+        )
+
+
+_REPLICATION = text(
+    """
+    SELECT count(*) AS standbys,
+           count(*) FILTER (WHERE r.sync_state IN ('sync', 'quorum')) AS synchronous,
+           current_setting('synchronous_standby_names') AS names
+    FROM pg_stat_replication AS r
+    WHERE NOT EXISTS (SELECT FROM pg_replication_slots AS s
+                      WHERE s.active_pid = r.pid AND s.slot_type = 'logical')
+    """
+)
+
+
+def replication(executor: Executor) -> Replication:
+    """The server's standbys as ``pg_stat_replication`` shows them to this role.
+
+    A role without ``pg_read_all_stats`` sees the standbys but not their ``sync_state``, so
+    they count as asynchronous: the safe reading.
+    """
+    row = executor.execute(_REPLICATION).one()
+    return Replication(int(row.standbys), int(row.synchronous), str(row.names))
+
+
 # --- reconciler ---------------------------------------------------------------------------
 
 _STALE_SENT = text(

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 
 from celery.signals import worker_init, worker_process_init
+from celery.worker import WorkController
 from sqlalchemy import Engine
+from sqlalchemy.pool import NullPool
 
 from outbox.config import get_settings
-from outbox.db import create_engine, database_url
+from outbox.db import create_engine, database_errors, database_url
+from outbox.errors import AsyncReplicas, DatabaseUnavailable
+from outbox.replicas import check_replicas
+
+log = logging.getLogger(__name__)
 
 #: How long a thread may run Python before handing the interpreter lock to a waiting one.
 #: A worker's threads mostly wait on I/O, and a thread woken by a message (or by its
@@ -42,3 +49,29 @@ def _forget_parent_engine(**_: object) -> None:
 @worker_init.connect  # type: ignore[untyped-decorator]
 def _short_switch_interval(**_: object) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
+@worker_init.connect  # type: ignore[untyped-decorator]
+def _refuse_async_replicas(sender: object = None, **_: object) -> None:
+    """Stop a starting worker, with one line, if the database's standbys are all asynchronous
+    (:mod:`outbox.replicas`) and ``OUTBOX_ALLOW_ASYNC_REPLICAS`` does not accept it.
+
+    Every worker checks, whatever its queues: any may dispatch (the default consumes every
+    queue, and Celery's ``add_consumer`` can add the dispatch queue to a running worker).
+    Sent once, in the main process before the pool starts (``celery -A`` or ``outbox worker``);
+    Celery logs and ignores a handler's exception, so the refusal is a ``SystemExit``.
+    """
+    if not isinstance(sender, WorkController):
+        return  # the signal sent by hand (tests), not by a starting worker
+    settings = get_settings()
+    url = database_url(settings)
+    # A throw-away connection: a forked pool child must inherit no pooled one.
+    probe = create_engine(url, poolclass=NullPool)
+    try:
+        with database_errors(url):
+            check_replicas(probe, allow_async=settings.allow_async_replicas)
+    except (AsyncReplicas, DatabaseUnavailable) as exc:
+        log.error("refusing to start: %s", exc, extra={"action": "worker_refused"})  # noqa: TRY400 -- one line, no traceback
+        raise SystemExit(f"outbox worker: refusing to start: {exc}") from None
+    finally:
+        probe.dispose()

@@ -8,6 +8,8 @@ apply) with trust authentication, and full durability (``fsync``, ``synchronous_
 
 ``crash()`` is ``pg_ctl stop -m immediate``: every backend is killed without a checkpoint, and
 the next ``start()`` runs crash recovery from the WAL, as after a power cut.
+``start_standby()`` adds a streaming standby of a running cluster (``pg_basebackup -R``),
+asynchronous until ``synchronous_standby_names`` names it.
 """
 
 from __future__ import annotations
@@ -70,6 +72,28 @@ class LocalCluster:
             "-w", "-t", str(int(timeout_s)), "-o", options, "-l", str(self.log_path), "start"
         )
         self._wait_accepting(timeout_s)
+
+    def start_standby(self, root: Path, timeout_s: float = 60.0) -> LocalCluster:
+        """A streaming standby of this running cluster under ``root``, started: a base backup
+        (``pg_basebackup -R``: it follows this cluster with the WAL it streams), asynchronous
+        until ``synchronous_standby_names`` here names it (``walreceiver``, or ``*``)."""
+        standby = LocalCluster(root, max_connections=self.max_connections)
+        standby.root.mkdir(parents=True, exist_ok=True)
+        standby._own(standby.root)
+        args = ("-D", str(standby.pgdata), "-R", "-X", "stream", "-c", "fast")
+        address = ("-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres")
+        try:
+            self._server_module.pgexec(
+                "pg_basebackup",
+                (*args, *address),
+                bin_path=self._server.bin_path,
+                user=self._server.system_user,
+                timeout=timeout_s,
+            )
+        except subprocess.SubprocessError as exc:
+            raise DatabaseUnavailable(f"pg_basebackup from port {self.port} failed: {exc}") from exc
+        standby.start(timeout_s)
+        return standby
 
     def crash(self) -> None:
         """Stop at once, without a checkpoint (the next start recovers from the WAL)."""
