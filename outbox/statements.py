@@ -926,6 +926,7 @@ def try_sweep_claim(executor: Executor, key: int) -> bool:
     its own, which no dispatcher takes and :func:`lock_holder_pid` does not read, so a sweep
     that finds it taken knows another sweep is probing that operation, not its dispatcher.
     """
+    _may_hold_session_locks(executor)
     row = executor.execute(text("SELECT pg_try_advisory_lock(:hi, :lo)"), _claim_halves(key))
     return bool(row.scalar_one())
 
