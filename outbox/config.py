@@ -86,6 +86,14 @@ class Settings(BaseSettings):
             "publishes: a little less latency and broker load (docs/performance.md)."
         ),
     )
+    task_time_limit_slack: Seconds = Field(
+        default=30.0,
+        description=(
+            "A dispatch message's hard time limit is the slowest tool's send deadline + "
+            "timeout plus this; an operation that would not end inside it waits for a new "
+            "message instead of being started."
+        ),
+    )
     max_payload_bytes: int = Field(
         default=256 * 1024, gt=0, description="Largest canonical payload accepted by enqueue."
     )

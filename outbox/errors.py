@@ -107,6 +107,17 @@ class ReplayDeadlinePassed(StaleTransition):
     """The dedup window closed before the replay left: the replay deadline has passed."""
 
 
+class SendDeadlinePassed(OutboxError):
+    """The send deadline passed before the request left: nothing was sent.
+
+    Raised by :meth:`ToolCall.check_send_deadline` (and the HTTP transport) at the last
+    moment before the first byte; the dispatcher moves the attempt back to ``planned``
+    ("not sent"). ``late_by_s``: how far past the deadline the check ran.
+    """
+
+    late_by_s: float
+
+
 class NotCancellable(TransitionError):
     """The operation cannot be cancelled: an attempt may already have reached the remote."""
 

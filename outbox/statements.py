@@ -341,6 +341,18 @@ def _move_statement(shape: _MoveShape) -> DriverStatement:
         conditions.append(
             or_(o.replay_deadline.is_(None), func.statement_timestamp() < o.replay_deadline)
         )
+        # Never wait on a row lock here (a relay's claim, an agent's open cancel): sent_at is
+        # the statement's start, so a wait inside it would eat the send deadline and stretch
+        # the in-flight horizon. A held row raises lock_not_available at once, nothing
+        # written; the dispatcher waits with wait_for_row_lock (no attempt yet) and tries again.
+        row = operations.alias("row_lock")
+        conditions.append(
+            o.id.in_(
+                select(row.c.id)
+                .where(row.c.id == bindparam("operation_id", type_=PG_UUID(as_uuid=True)))
+                .with_for_update(nowait=True, key_share=True)
+            )
+        )
     if shape.to_state is State.CANCELLED:
         conditions.append(o.maybe_applied.is_(False))
     moved = (
@@ -585,6 +597,33 @@ _TRY_LOCK_DURABLE = text(
     "SELECT pg_try_advisory_lock(:key) AS taken, "
     "current_setting('synchronous_commit') AS synchronous_commit"
 )
+
+
+#: SQLSTATE lock_not_available: a NOWAIT lock or a lock_timeout that found the row held.
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
+def is_row_lock_busy(exc: BaseException) -> bool:
+    """Whether ``exc`` (a DBAPIError) is a row lock that was held by another transaction."""
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) == _LOCK_NOT_AVAILABLE
+
+
+def wait_for_row_lock(executor: Executor, operation_id: UUID, *, timeout_s: float) -> None:
+    """Wait until no other transaction holds ``operation_id``'s row (at most ``timeout_s``).
+
+    Takes a share lock on the row, released when the statement's transaction ends (on an
+    autocommit connection, at once): a way to wait for a relay's claim to commit. Raises a
+    DBAPIError for which :func:`is_row_lock_busy` is true if the row stayed held.
+    ``lock_timeout`` is set for this statement's transaction only, before the lock is asked.
+    """
+    executor.execute(
+        text(
+            "WITH cfg AS MATERIALIZED (SELECT set_config('lock_timeout', :ms, true) AS v) "
+            "SELECT count(*) FROM cfg, LATERAL (SELECT 1 FROM outbox.operations o "
+            "WHERE o.id = :id AND cfg.v IS NOT NULL FOR SHARE OF o) AS r"
+        ),
+        {"id": operation_id, "ms": str(max(1, round(timeout_s * 1000)))},
+    )
 
 
 def set_synchronous_commit(executor: Executor) -> None:

@@ -30,7 +30,9 @@ ESCALATE_TASK = "outbox.escalate"
 BROKER_QUEUE_TABLE = "outbox_kombu_queue"
 BROKER_MESSAGE_TABLE = "outbox_kombu_message"
 
-#: Seconds a task may run beyond its tool's send deadline + timeout before Celery kills it.
+#: Seconds a task may run beyond its tool's send deadline + timeout before Celery kills it
+#: (default of ``OUTBOX_TASK_TIME_LIMIT_SLACK``). The limit is per message, but a message
+#: starts an operation only if its whole attempt fits in what is left (workers/tasks.py).
 TIME_LIMIT_SLACK_S = 30.0
 #: RabbitMQ's default consumer_timeout is 30 minutes; a hard limit far below it means an
 #: unacknowledged message is never taken back from a worker that is merely slow.
@@ -93,10 +95,10 @@ def celery_settings(settings: Settings, *, time_limit_s: float | None = None) ->
     return conf
 
 
-def time_limit_for(contract_timeouts: list[float]) -> float:
+def time_limit_for(contract_timeouts: list[float], slack_s: float = TIME_LIMIT_SLACK_S) -> float:
     """A hard task time limit covering the slowest tool's send deadline plus its timeout."""
     slowest = max(contract_timeouts, default=0.0)
-    return min(slowest + TIME_LIMIT_SLACK_S, MAX_TIME_LIMIT_S)
+    return min(slowest + slack_s, MAX_TIME_LIMIT_S)
 
 
 class OutboxCelery(Celery):  # type: ignore[misc]
@@ -111,7 +113,8 @@ class OutboxCelery(Celery):  # type: ignore[misc]
         load_tools(settings)
         contracts = [CONTRACTS.get(name) for name in CONTRACTS.names()]
         limit = time_limit_for(
-            [c.send_deadline_s + c.timeout_s for c in contracts if c is not None]
+            [c.send_deadline_s + c.timeout_s for c in contracts if c is not None],
+            settings.task_time_limit_slack,
         )
         self.conf.update(celery_settings(settings, time_limit_s=limit))
 

@@ -5,7 +5,12 @@
 2. On that connection, compare-and-set ``planned → sent`` with ``synchronous_commit=on``,
    committed before any byte leaves. A row found in ``sent`` means its dispatcher is gone:
    it moves to ``unknown`` and the remote is never called from here.
-3. The send deadline, then the tool call under one total deadline, no retries inside.
+   The compare-and-set never waits on a row lock (a relay's claim still open): the wait
+   happens before it, outside the attempt, so it neither counts as an attempt nor eats the
+   send deadline.
+3. The send deadline (from the start of the `sent` commit), then the tool call under one
+   total deadline, no retries inside; the call carries the deadline, checked again by the
+   transport (or a Python tool) right before its first byte.
 4. The outcome, classified and committed fenced by the attempt number; a write that misses
    (the sweep moved on) is kept as a "late outcome" event, and confirms the operation if it
    still waits at that attempt for a verdict.
@@ -46,7 +51,14 @@ from outbox.states import NO_EFFECTS, Actor, Effects, State, transition
 from workers.locking import DispatchLocks, Found
 from workers.tools import REGISTRY, Tool, ToolCall, run_dispatch
 from workers.tools.registry import ToolRegistry
-from workers.tools.results import Ambiguous, Applied, DispatchResult, NotDelivered, Rejected
+from workers.tools.results import (
+    Ambiguous,
+    Applied,
+    DispatchResult,
+    NotDelivered,
+    NotSent,
+    Rejected,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +67,7 @@ class Outcome(enum.StrEnum):
     """How one :func:`dispatch` call ended."""
 
     LOCK_BUSY = "lock_busy"  #: another component holds the operation: try again shortly
+    DEFERRED = "deferred"  #: no time left in this message for a whole attempt: nothing written
     GONE = "gone"  #: no such operation (deleted)
     NOT_DUE = "not_due"  #: still backing off; the relay publishes it again when due
     NOT_PLANNED = "not_planned"  #: a duplicate message: someone already moved it on
@@ -86,6 +99,13 @@ class DispatchConfig:
     base_backoff_s: float = 1.0
     #: Ceiling of that backoff, so a remote back from an outage is retried promptly.
     max_backoff_s: float = 60.0
+    #: Longest wait, before an attempt, for the operation's row while another transaction
+    #: holds it (a relay whose claim is not committed yet: milliseconds as a rule); past
+    #: it the message is put back (LOCK_BUSY), no attempt counted.
+    row_lock_wait_s: float = 5.0
+    #: Time an attempt needs beyond its tool's send deadline and timeout (the commits
+    #: around the call), when a message checks it still has room for one (``finish_by``).
+    attempt_margin_s: float = 2.0
 
 
 def dispatch(
@@ -95,12 +115,16 @@ def dispatch(
     registry: ToolRegistry = REGISTRY,
     config: DispatchConfig | None = None,
     locks: DispatchLocks | None = None,
+    finish_by: float | None = None,
 ) -> DispatchReport:
     """Make at most one attempt of one operation, by the dispatch protocol.
 
     ``locks``: the :class:`DispatchLocks` of the message this operation came in, so the
     previous operation's lock is released in the statement that takes this one (default:
     a connection of its own, released on return).
+    ``finish_by``: a ``time.monotonic()`` instant the attempt must end by (the message's
+    hard time limit); an attempt that could not (send deadline + timeout + margin) is not
+    started: :attr:`Outcome.DEFERRED`, nothing written.
     """
     op_id = UUID(str(operation_id))
     config = config or DispatchConfig()
@@ -112,7 +136,9 @@ def dispatch(
             return DispatchReport(op_id, Outcome.LOCK_BUSY)
         faults.point("after_lock")
         conn, found = locked
-        return _attempt(engine, conn, op_id, found, registry=registry, config=config)
+        return _attempt(
+            engine, conn, op_id, found, registry=registry, config=config, finish_by=finish_by
+        )
 
 
 def _attempt(
@@ -123,6 +149,7 @@ def _attempt(
     *,
     registry: ToolRegistry,
     config: DispatchConfig,
+    finish_by: float | None,
 ) -> DispatchReport:
     if found is None:
         return DispatchReport(op_id, Outcome.GONE)
@@ -130,11 +157,11 @@ def _attempt(
     if isinstance(ready, DispatchReport):
         return ready
     op, tool = ready
-    started = time.monotonic()
-    sent = _commit_sent(conn, op)
-    if isinstance(sent, DispatchReport):
-        return sent
-    if time.monotonic() - started > tool.contract.send_deadline_s:
+    committed = _commit_sent(conn, op, tool.contract, config, finish_by)
+    if isinstance(committed, DispatchReport):
+        return committed
+    sent, send_by = committed
+    if time.monotonic() > send_by:
         return _not_sent(conn, sent, tool.contract)
     result = run_dispatch(
         tool,
@@ -146,11 +173,12 @@ def _attempt(
             payload=sent.payload,
             attempt=sent.attempts,
             timeout_s=tool.contract.timeout_s,
+            send_by=send_by,
         ),
     )
     faults.point("after_call")
     try:
-        report = _record_outcome(conn, sent, result, config)
+        report = _settle(conn, sent, result, tool.contract, config)
     except DBAPIError as exc:
         if not exc.connection_invalidated:
             raise
@@ -159,9 +187,23 @@ def _attempt(
         # the attempt number exactly as before; if the sweep got there first it is kept as
         # a late outcome.
         with engine.connect() as fresh:
-            report = _record_outcome(fresh, sent, result, config)
+            report = _settle(fresh, sent, result, tool.contract, config)
     faults.point("after_outcome_commit")
     return report
+
+
+def _settle(
+    conn: Connection,
+    sent: Operation,
+    result: DispatchResult,
+    contract: ToolContract,
+    config: DispatchConfig,
+) -> DispatchReport:
+    """Commit what the call ended in: "not sent" when the send deadline stopped it before
+    its first byte, otherwise the classified outcome."""
+    if isinstance(result, NotSent):
+        return _not_sent(conn, sent, contract, f"{result.reason} (checked before the first byte)")
+    return _record_outcome(conn, sent, result, config)
 
 
 def _ready_to_send(  # noqa: PLR0911 -- one return per reason not to send, in order
@@ -188,25 +230,54 @@ def _ready_to_send(  # noqa: PLR0911 -- one return per reason not to send, in or
     return op, tool
 
 
-def _commit_sent(conn: Connection, op: Operation) -> Operation | DispatchReport:
-    """Compare-and-set `planned -> sent`, durably committed before anything is sent."""
-    try:
-        # One statement, committed by itself with synchronous_commit=on (checked with the
-        # lock): when it returns, the row says `sent` on disk.
-        with _atomic(conn, State.PLANNED, State.SENT):
-            sent = transition(
-                conn,
-                op.id,
-                from_state=State.PLANNED,
-                to_state=State.SENT,
-                actor=Actor.DISPATCHER,
-                reason=f"dispatching attempt {op.attempts + 1}",
-                attempt=op.attempts,
-            )
-    except ReplayDeadlinePassed:
-        return _to_human(conn, op, _deadline_reason(op))
-    except StaleTransition as exc:
-        return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(exc))
+def _commit_sent(
+    conn: Connection,
+    op: Operation,
+    contract: ToolContract,
+    config: DispatchConfig,
+    finish_by: float | None,
+) -> tuple[Operation, float] | DispatchReport:
+    """Compare-and-set `planned -> sent`, durably committed before anything is sent: the
+    operation as sent and the monotonic instant its first byte must leave by.
+
+    The deadline runs from the start of the statement that committed, which writes
+    ``sent_at`` as its own start (``statement_timestamp()``): measured from there, the last
+    byte may leave no later than ``sent_at + send_deadline_s``, which the in-flight horizon
+    covers. That statement never waits on a row lock (it fails at once instead); the wait
+    for another transaction's row lock (a relay's claim not yet committed) happens between
+    tries, outside the attempt, so it neither eats the deadline nor counts as an attempt.
+    """
+    wait_until = time.monotonic() + config.row_lock_wait_s
+    while True:
+        started = time.monotonic()
+        needed = contract.send_deadline_s + contract.timeout_s + config.attempt_margin_s
+        if finish_by is not None and started + needed > finish_by:
+            return DispatchReport(op.id, Outcome.DEFERRED, op.attempts, "no time left")
+        try:
+            # One statement, committed by itself with synchronous_commit=on (checked with
+            # the lock): when it returns, the row says `sent` on disk.
+            with _atomic(conn, State.PLANNED, State.SENT):
+                sent = transition(
+                    conn,
+                    op.id,
+                    from_state=State.PLANNED,
+                    to_state=State.SENT,
+                    actor=Actor.DISPATCHER,
+                    reason=f"dispatching attempt {op.attempts + 1}",
+                    attempt=op.attempts,
+                )
+        except ReplayDeadlinePassed:
+            return _to_human(conn, op, _deadline_reason(op))
+        except StaleTransition as exc:
+            return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(exc))
+        except DBAPIError as exc:
+            if not statements.is_row_lock_busy(exc):
+                raise
+            if not _row_freed(conn, op.id, wait_until - time.monotonic()):
+                reason = "its row stayed locked by another transaction"
+                return DispatchReport(op.id, Outcome.LOCK_BUSY, op.attempts, reason)
+            continue
+        break
     faults.point("after_sent_commit")
     log.info(
         "attempt %d of %s committed as sent",
@@ -214,7 +285,22 @@ def _commit_sent(conn: Connection, op: Operation) -> Operation | DispatchReport:
         op.id,
         extra={"action": "dispatch_sent", "operation_id": str(op.id), "tool": op.tool},
     )
-    return sent
+    return sent, started + contract.send_deadline_s
+
+
+def _row_freed(conn: Connection, op_id: UUID, timeout_s: float) -> bool:
+    """Wait (at most ``timeout_s``) for another transaction's lock on the row to go."""
+    if timeout_s <= 0:
+        return False
+    try:
+        statements.wait_for_row_lock(conn, op_id, timeout_s=timeout_s)
+    except DBAPIError as exc:
+        conn.rollback()
+        if statements.is_row_lock_busy(exc):
+            return False
+        raise
+    conn.commit()
+    return True
 
 
 def _deadline_reason(op: Operation) -> str:
@@ -293,8 +379,12 @@ def _to_human(conn: Connection, op: Operation, reason: str) -> DispatchReport:
     return DispatchReport(op.id, Outcome.NEEDS_HUMAN, op.attempts, reason)
 
 
-def _not_sent(conn: Connection, sent: Operation, contract: ToolContract) -> DispatchReport:
-    reason = f"not sent: more than send_deadline_s ({contract.send_deadline_s:g}s) since sent"
+def _not_sent(
+    conn: Connection, sent: Operation, contract: ToolContract, reason: str | None = None
+) -> DispatchReport:
+    reason = reason or (
+        f"not sent: more than send_deadline_s ({contract.send_deadline_s:g}s) since sent"
+    )
     effects = Effects(last_error=reason)
     if missed := _move(conn, sent, State.SENT, State.PLANNED, reason, effects=effects):
         return DispatchReport(sent.id, Outcome.LATE, sent.attempts, str(missed))

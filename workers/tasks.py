@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 from celery import Task
 
@@ -36,19 +37,36 @@ def dispatch_task(
     taken in turn on one connection, used by one attempt at a time); one
     that raises does not stop the others (the first error is raised at the end, so the
     message shows as failed). Operations whose lock was busy are put back as one message.
+
+    The hard time limit is the message's, but it is each attempt that must fit in it: an
+    operation after the first starts only if its whole attempt (send deadline + timeout +
+    margin) ends before the limit; the ones that would not are handed back as a new message
+    (:func:`hand_back`), nothing written for them.
     """
     del tool, target, tools
+    began = time.monotonic()
     ids = [operation_id] if operation_id is not None else list(operation_ids or [])
+    limit = _hard_time_limit(self)
+    finish_by = None if limit is None else began + limit
     outcomes: list[str] = []
     busy: list[str] = []
+    deferred: list[str] = []
     error: Exception | None = None
     engine = runtime.engine()
     # One connection takes the operations' locks in turn (each released as the next is
     # taken): never two attempts on it at once, one round trip and checkout fewer each.
     with DispatchLocks(engine) as locks:
-        for one in ids:
+        for index, one in enumerate(ids):
+            if deferred:  # keep the message's order: once one waits, the rest wait too
+                deferred.append(one)
+                outcomes.append(Outcome.DEFERRED.value)
+                continue
             try:
-                report = dispatch(one, engine=engine, locks=locks)
+                # The first operation always gets its attempt (the limit covers one of the
+                # slowest tool's), so a handed-back message always makes progress.
+                report = dispatch(
+                    one, engine=engine, locks=locks, finish_by=finish_by if index else None
+                )
             except Exception as exc:  # the others still get their attempt
                 log.exception(
                     "dispatching %s failed",
@@ -61,6 +79,10 @@ def dispatch_task(
             outcomes.append(report.outcome.value)
             if report.outcome is Outcome.LOCK_BUSY:
                 busy.append(one)
+            elif report.outcome is Outcome.DEFERRED:
+                deferred.append(one)
+    if deferred:
+        hand_back(self, deferred)
     if busy:
         if self.request.retries < LOCK_BUSY_RETRIES:
             raise self.retry(
@@ -76,3 +98,32 @@ def dispatch_task(
     if error is not None:
         raise error
     return ", ".join(outcomes)
+
+
+def hand_back(task: Task, operation_ids: list[str]) -> None:
+    """Publish ``operation_ids`` as a new message (a fresh time limit, no retry counted).
+
+    If the broker refuses, they stay `planned` with their message marked published: the
+    relay publishes them again after its republish delay, so nothing is lost either way.
+    """
+    try:
+        task.apply_async(kwargs={"operation_ids": operation_ids}, retry=False)
+    except Exception:  # the relay republishes them; this message still acks
+        log.exception(
+            "handing %d operations back to the broker failed",
+            len(operation_ids),
+            extra={"action": "dispatch_hand_back_failed", "operations": len(operation_ids)},
+        )
+        return
+    log.info(
+        "%d operations handed back as a new message: no time left in this one",
+        len(operation_ids),
+        extra={"action": "dispatch_handed_back", "operations": len(operation_ids)},
+    )
+
+
+def _hard_time_limit(task: Task) -> float | None:
+    """The hard time limit this message runs under (its own, else the app's), in seconds."""
+    own = (task.request.timelimit or (None, None))[0]
+    limit = own if own is not None else task.app.conf.task_time_limit
+    return float(limit) if limit else None

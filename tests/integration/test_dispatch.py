@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import aiohttp
 import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
@@ -22,7 +23,7 @@ from outbox.testing import DeployService
 from outbox.testing.deploy_service import FaultMode
 from tests.factories import age, events_of, make_operation, reload
 from tests.tool_configs import http_registry
-from workers.dispatch import Outcome, dispatch
+from workers.dispatch import DispatchConfig, Outcome, dispatch
 from workers.locking import DispatchLocks
 from workers.tools import (
     Ambiguous,
@@ -32,6 +33,7 @@ from workers.tools import (
     Rejected,
     ToolCall,
     ToolRegistry,
+    close_thread_loop,
     tool,
 )
 
@@ -764,3 +766,127 @@ def test_the_operations_of_a_message_share_one_lock_connection(
     assert len(pids) == 3
     assert len(set(pids)) == 1  # one backend, holding exactly one lock during each call
     assert all(_free(engine, op.id) for op in ops)
+
+
+def _hold_row_like_a_relay(
+    engine: Engine, operation_id: uuid.UUID, hold_s: float
+) -> threading.Thread:
+    """A relay's claim on another connection: the row locked FOR UPDATE while it publishes
+    (``hold_s``), then marked published and committed. Returns once the lock is held."""
+    held = threading.Event()
+
+    def claim() -> None:
+        with engine.begin() as conn:
+            conn.execute(
+                text("SELECT id FROM outbox.operations WHERE id = :id FOR UPDATE"),
+                {"id": operation_id},
+            )
+            held.set()
+            time.sleep(hold_s)
+            statements.mark_published(conn, [operation_id])
+
+    holder = threading.Thread(target=claim)
+    holder.start()
+    assert held.wait(10), "the relay-like transaction never got the row"
+    return holder
+
+
+def test_waiting_for_a_relay_s_claim_is_not_an_attempt(
+    engine: Engine, registry: ToolRegistry
+) -> None:
+    """A row held by a relay's open claim (1 s) is waited for outside the attempt: with a
+    0.5 s send deadline and max_attempts 2 the operation is sent once and confirmed."""
+    remote = Remote()
+    tool(
+        TOOL, timeout=2, send_deadline=0.5, inflight_horizon=60, max_attempts=2, registry=registry
+    )(remote)
+    op = make_operation(engine)
+    outcomes = []
+    for _ in range(3):  # one more round than max_attempts: enough to escalate if waits counted
+        holder = _hold_row_like_a_relay(engine, op.id, 1.0)
+        try:
+            report = dispatch(op.id, engine=engine, registry=registry)
+        finally:
+            holder.join()
+        outcomes.append(report.outcome)
+        if report.outcome is not Outcome.NOT_SENT:
+            break
+    assert outcomes == [Outcome.CONFIRMED]
+    done = reload(engine, op.id)
+    assert done.state is State.CONFIRMED
+    assert done.attempts == 1
+    assert [call.operation_id for call in remote.calls] == [str(op.id)]
+    assert not [e for e in events_of(engine, op.id) if "not sent" in e.reason]
+
+
+def test_a_row_held_past_the_wait_is_put_back_with_nothing_written(
+    engine: Engine, registry: ToolRegistry, remote: Remote
+) -> None:
+    """A row still held after the dispatcher's row-lock wait gives LOCK_BUSY: no attempt
+    counted, no event, the remote not called."""
+    op = make_operation(engine)
+    before = events_of(engine, op.id)
+    holder = _hold_row_like_a_relay(engine, op.id, 1.5)
+    try:
+        report = dispatch(
+            op.id, engine=engine, registry=registry, config=DispatchConfig(row_lock_wait_s=0.3)
+        )
+    finally:
+        holder.join()
+    assert report.outcome is Outcome.LOCK_BUSY
+    assert remote.calls == []
+    still = reload(engine, op.id)
+    assert (still.state, still.attempts) == (State.PLANNED, 0)
+    assert events_of(engine, op.id) == before
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.CONFIRMED
+
+
+def test_a_python_tool_past_its_send_deadline_sends_nothing(
+    engine: Engine, registry: ToolRegistry
+) -> None:
+    """A Python tool paused past its send deadline after the dispatcher's check is refused
+    by call.check_send_deadline(): its remote sees nothing and the attempt goes back to
+    planned as "not sent"."""
+    ledger: list[str] = []
+
+    def paused_tool(call: ToolCall) -> DispatchResult:
+        time.sleep(0.5)  # a GC pause, a SIGSTOP, a busy thread pool… after the dispatcher's check
+        call.check_send_deadline()
+        ledger.append(call.operation_id)
+        return Applied(f"ref-{call.operation_id}")
+
+    tool(TOOL, timeout=2, send_deadline=0.2, inflight_horizon=60, registry=registry)(paused_tool)
+    op = make_operation(engine)
+    report = dispatch(op.id, engine=engine, registry=registry)
+    assert report.outcome is Outcome.NOT_SENT
+    assert ledger == []
+    back = reload(engine, op.id)
+    assert (back.state, back.attempts, back.maybe_applied) == (State.PLANNED, 1, False)
+    assert events_of(engine, op.id)[-1].reason.startswith("not sent")
+
+
+def test_an_http_call_connected_past_its_send_deadline_sends_nothing(
+    engine: Engine, service: DeployService, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the worker pauses past the send deadline after its check, here once connected
+    (a GC pause, a SIGSTOP, a blocked loop), the HTTP tool writes no byte: the service's
+    ledger stays empty and the attempt goes back to planned as "not sent"."""
+    create_connection = aiohttp.TCPConnector._create_connection
+
+    async def paused_connect(self: aiohttp.TCPConnector, *args: Any, **kwargs: Any) -> Any:
+        connected = await create_connection(self, *args, **kwargs)
+        time.sleep(0.6)  # the whole process stalls: no timer can fire meanwhile
+        return connected
+
+    monkeypatch.setattr(aiohttp.TCPConnector, "_create_connection", paused_connect)
+    registry = http_registry(tmp_path, service.url, send_deadline_s=0.3, timeout_s=2.0)
+    op = make_operation(engine)
+    try:
+        report = dispatch(op.id, engine=engine, registry=registry)
+    finally:
+        close_thread_loop()
+    assert report.outcome is Outcome.NOT_SENT
+    assert service.ledger() == []
+    back = reload(engine, op.id)
+    assert (back.state, back.attempts, back.maybe_applied) == (State.PLANNED, 1, False)
+    assert events_of(engine, op.id)[-1].reason.startswith("not sent")

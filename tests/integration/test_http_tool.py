@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from outbox.contracts import ContractTable
@@ -37,6 +38,7 @@ from workers.tools import (
     tool,
 )
 from workers.tools.http import _env_proxy
+from workers.tools.results import NotSent
 
 NAME = "deploy.create_release"
 OPERATION_ID = "5d0c3f8e-0000-4000-8000-000000000001"
@@ -319,6 +321,46 @@ def test_a_refused_connection_is_not_delivered(refused_port: int, tmp_path: Path
     assert "ClientConnectorError" in result.reason
     assert result.reason.endswith("nothing was sent")
     assert isinstance(run_lookup(http, make_call()), Inconclusive)
+
+
+def test_a_connection_ready_after_the_send_deadline_is_not_written_to(
+    remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process paused after connecting, past the call's send deadline, writes nothing:
+    NotSent, the remote sees no request; the same call in time is sent once."""
+    create_connection = aiohttp.TCPConnector._create_connection
+
+    async def paused_connect(self: aiohttp.TCPConnector, *args: Any, **kwargs: Any) -> Any:
+        connected = await create_connection(self, *args, **kwargs)
+        time.sleep(0.6)  # the whole process stalls after the handshake
+        return connected
+
+    monkeypatch.setattr(aiohttp.TCPConnector, "_create_connection", paused_connect)
+    http = http_tool(tmp_path, remote.port)
+    result = run_dispatch(http, make_call(send_by=time.monotonic() + 0.3))
+    assert isinstance(result, NotSent)
+    assert result.reason.startswith("not sent")
+    assert remote.seen == []
+    assert isinstance(run_dispatch(http, make_call(send_by=time.monotonic() + 5)), Applied)
+    assert len(remote.seen) == 1
+
+
+def test_a_sync_call_given_a_thread_after_its_send_deadline_is_not_made(
+    registry: ToolRegistry,
+) -> None:
+    """A synchronous tool whose thread comes after the call's send deadline is not run."""
+    ran: list[str] = []
+
+    def remote(call: ToolCall) -> DispatchResult:
+        ran.append(call.operation_id)
+        return Applied("r")
+
+    sync_tool = tool(NAME, timeout=2, send_deadline=1, inflight_horizon=60, registry=registry)(
+        remote
+    )
+    result = run_dispatch(sync_tool, make_call(send_by=time.monotonic() - 0.1))
+    assert isinstance(result, NotSent)
+    assert ran == []
 
 
 @pytest.mark.parametrize("method", ["POST", "PUT"])

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import abc
 import inspect
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
 from outbox.api import MAX_TOOL_LENGTH, TOOL_NAME
 from outbox.contracts import ToolContract
-from outbox.errors import ConfigError
+from outbox.errors import ConfigError, SendDeadlinePassed
 from workers.tools.results import DispatchResult, LookupResult
 
 
@@ -38,6 +39,30 @@ class ToolCall:
     attempt: int
     #: The total budget for this call, all phases together, in seconds.
     timeout_s: float
+    #: The ``time.monotonic()`` instant after which no byte of the request may leave: the
+    #: tool's ``send_deadline_s`` counted from the start of the ``sent`` commit (``None``
+    #: for a lookup, which has no such deadline). Check it with :meth:`check_send_deadline`.
+    send_by: float | None = None
+
+    def send_time_left(self) -> float | None:
+        """Seconds left before the send deadline (negative once past; ``None``: none)."""
+        return None if self.send_by is None else self.send_by - time.monotonic()
+
+    def check_send_deadline(self) -> None:
+        """Raise :class:`SendDeadlinePassed` if the send deadline has passed.
+
+        Call it as the very last thing before the request's first byte is written (after
+        connecting, after building the body): the dispatcher then records the attempt as
+        "not sent" and moves it back to ``planned``, fenced on the attempt. What it cannot
+        cover is a pause between this check and the write itself (docs/tools.md).
+        """
+        left = self.send_time_left()
+        if left is not None and left < 0:
+            raise SendDeadlinePassed(
+                f"not sent: the send deadline of operation {self.operation_id} passed "
+                f"{-left:.3f}s before the request could leave",
+                late_by_s=-left,
+            )
 
 
 class Tool(abc.ABC):

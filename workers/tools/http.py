@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import json
 import math
@@ -49,7 +50,7 @@ from yarl import URL
 
 from outbox import storable
 from outbox.contracts import DedupContract, ToolContract
-from outbox.errors import ConfigError
+from outbox.errors import ConfigError, SendDeadlinePassed
 from workers.tools.base import Tool, ToolCall, check_tool_name
 from workers.tools.invoke import is_thread_loop, on_loop_close
 from workers.tools.results import (
@@ -308,6 +309,7 @@ class HttpTool(Tool):
         body = json.dumps(call.payload, ensure_ascii=False, separators=(",", ":")).encode()
         headers = self._request_headers(call)
         headers["Content-Type"] = "application/json"
+        sending = _SENDING.set(call)  # the connector checks its send deadline (see there)
         try:
             async with _http_client() as client:
                 answer = await _send(
@@ -318,11 +320,15 @@ class HttpTool(Tool):
                     body=body,
                     timeout=self._timeout(call),
                 )
+        except SendDeadlinePassed:
+            raise  # connected too late: nothing written; run_dispatch makes it NotSent
         except _NEVER_SENT as exc:
             # The connection never opened, so no byte of the request was written.
             return NotDelivered(f"{_exception_text(exc)}; nothing was sent")
         except Exception as exc:  # noqa: BLE001 - after a byte may have left, all is ambiguous
             return Ambiguous(f"{_exception_text(exc)}; the request may have been applied")
+        finally:
+            _SENDING.reset(sending)
         return self._classify_dispatch(answer)
 
     async def lookup(self, call: ToolCall) -> LookupResult:
@@ -395,13 +401,16 @@ class HttpTool(Tool):
         return headers
 
     def _timeout(self, call: ToolCall) -> aiohttp.ClientTimeout:
-        # Connecting (a new connection, or waiting for a pooled one) may take only the send
-        # deadline: after it the request must not leave. The total deadline is enforced
-        # around the whole call (workers.tools.invoke, which names it in the result); each
-        # read is bounded here too, for a caller awaiting dispatch() on a loop of its own.
-        # No rounding up to whole seconds (aiohttp's default above 5 s): it would stretch
-        # the send deadline.
-        connect = min(self.contract.send_deadline_s, call.timeout_s)
+        # Connecting (a new connection, or waiting for a pooled one) may take only what is
+        # left of the send deadline (all of it for a call that carries none): after it the
+        # request must not leave. _DeadlineConnector checks again once connected. The total
+        # deadline is enforced around the whole call (workers.tools.invoke, which names it
+        # in the result); each read is bounded here too, for a caller awaiting dispatch() on
+        # a loop of its own. No rounding up to whole seconds (aiohttp's default above 5 s):
+        # it would stretch the send deadline.
+        left = call.send_time_left()
+        send_window = self.contract.send_deadline_s if left is None else max(left, 0.001)
+        connect = min(send_window, call.timeout_s)
         return aiohttp.ClientTimeout(
             total=None, connect=connect, sock_read=call.timeout_s, ceil_threshold=math.inf
         )
@@ -725,12 +734,47 @@ def _env_proxy(scheme: str, host: str) -> str | None:
     return urllib.request.getproxies().get(scheme)
 
 
+#: The dispatch call whose request the running task is sending (None for a lookup).
+_SENDING: contextvars.ContextVar[ToolCall | None] = contextvars.ContextVar(
+    "outbox_http_sending", default=None
+)
+
+
+class _DeadlineConnector(aiohttp.TCPConnector):
+    """A connector that hands over a connection only while the call's send deadline holds.
+
+    ``connect()`` is the last point aiohttp gives control before it writes the request:
+    once it returns, the client sets the response parameters and writes the headers with no
+    await in between. So the check sits after the name lookup, the TCP (and TLS, or proxy
+    tunnel) handshake and any wait for a pooled connection, which are where time goes; a
+    pause between this check and the write (the process stopped, the loop blocked) is not
+    covered, and is what the in-flight horizon's margin must absorb. A connection fetched
+    too late is closed unused, and :class:`SendDeadlinePassed` is raised: nothing written.
+    (aiohttp's ``on_connection_create_end`` trace would leak the new connection if it
+    raised, and is not called for a pooled one.)
+    """
+
+    async def connect(
+        self, req: aiohttp.ClientRequest, traces: list[Any], timeout: aiohttp.ClientTimeout
+    ) -> aiohttp.connector.Connection:
+        """A connection for ``req``, or SendDeadlinePassed if the call's deadline passed."""
+        connection = await super().connect(req, traces, timeout)
+        call = _SENDING.get()
+        if call is not None:
+            try:
+                call.check_send_deadline()
+            except SendDeadlinePassed:
+                connection.close()
+                raise
+        return connection
+
+
 def _new_client() -> aiohttp.ClientSession:
     client = aiohttp.ClientSession(
         # Refuse every cookie: one operation's call must not change the next one's.
         cookie_jar=aiohttp.DummyCookieJar(),
         headers={"User-Agent": "agent-outbox"},
-        connector=aiohttp.TCPConnector(timeout_ceil_threshold=math.inf),
+        connector=_DeadlineConnector(timeout_ceil_threshold=math.inf),
     )
     # aiohttp sends an idempotent method (PUT, DELETE) again when a kept-alive connection
     # turns out closed; that second request would be a second call the remote may apply.

@@ -12,6 +12,11 @@ tools run on a small shared thread pool; after the deadline the caller stops wai
 call is abandoned (a thread cannot be stopped): its eventual answer is discarded. A sync call
 that never got a thread before the deadline was provably not made: :class:`NotDelivered`.
 
+A dispatch call carries its send deadline (``ToolCall.send_by``): a call that starts after it
+(its thread came too late, its loop was paused) is not made, and a tool that raises
+:class:`SendDeadlinePassed` (``call.check_send_deadline()``, right before its first byte)
+gives :class:`NotSent`: the dispatcher moves the attempt back to ``planned``.
+
 Call these functions from synchronous code (a Celery task), not from inside an event loop.
 """
 
@@ -27,6 +32,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from outbox.errors import SendDeadlinePassed
 from workers.tools.base import Tool, ToolCall
 from workers.tools.results import (
     Ambiguous,
@@ -37,6 +43,7 @@ from workers.tools.results import (
     LookupResult,
     NotApplied,
     NotDelivered,
+    NotSent,
     Rejected,
 )
 
@@ -55,12 +62,16 @@ def run_dispatch(tool: Tool, call: ToolCall) -> DispatchResult:
 
     Overrunning the deadline, raising, or returning something other than a
     :data:`DispatchResult` gives :class:`Ambiguous` (the request may have been applied); a
-    synchronous call that never got a thread gives :class:`NotDelivered`. The tool's own
+    synchronous call that never got a thread gives :class:`NotDelivered`; a call whose send
+    deadline passed before it could send (see ``ToolCall.check_send_deadline``) gives
+    :class:`NotSent`. The tool's own
     exceptions never escape. Raises ``RuntimeError`` (before calling the tool) when called
     from inside a running event loop.
     """
     outcome = _invoke(tool.dispatch, call, is_async=tool.is_async_dispatch, kind="dispatch")
     if isinstance(outcome, _Failure):
+        if outcome.not_sent:
+            return NotSent(outcome.reason)
         if outcome.never_started:
             return NotDelivered(outcome.reason)
         return Ambiguous(outcome.reason)
@@ -122,6 +133,8 @@ class _Failure:
 
     reason: str
     never_started: bool = False
+    #: The tool refused to send past the call's send deadline: nothing left.
+    not_sent: bool = False
 
 
 _LOOP_FINALIZERS: list[Callable[[], Coroutine[Any, Any, None]]] = []
@@ -154,6 +167,8 @@ def _loop_is_running() -> bool:
 def _invoke_async(method: Callable[[ToolCall], object], call: ToolCall) -> object:
     try:
         return _thread_runner().run(_within_deadline(method, call))
+    except SendDeadlinePassed as exc:
+        return _Failure(str(exc), not_sent=True)
     except Exception as exc:  # noqa: BLE001 - any failure of the tool is an answer, not a crash
         return _Failure(_exception_reason(exc))
 
@@ -162,6 +177,7 @@ async def _within_deadline(method: Callable[[ToolCall], object], call: ToolCall)
     deadline = asyncio.timeout(call.timeout_s)
     try:
         async with deadline:
+            call.check_send_deadline()  # the loop may have been paused since the dispatcher's
             answer = method(call)
             if inspect.isawaitable(answer):
                 answer = await answer
@@ -178,7 +194,7 @@ async def _within_deadline(method: Callable[[ToolCall], object], call: ToolCall)
 
 
 def _invoke_sync(method: Callable[[ToolCall], object], call: ToolCall, *, kind: str) -> object:
-    future = _shared_pool().submit(method, call)
+    future = _shared_pool().submit(_if_still_in_time, method, call)
     done, _ = concurrent.futures.wait([future], timeout=max(call.timeout_s, 0.0))
     if not done:
         if future.cancel():
@@ -196,6 +212,8 @@ def _invoke_sync(method: Callable[[ToolCall], object], call: ToolCall, *, kind: 
         )
         return _Failure(_deadline_reason(call))
     exc = future.exception()
+    if isinstance(exc, SendDeadlinePassed):
+        return _Failure(str(exc), not_sent=True)
     if exc is not None:
         return _Failure(_exception_reason(exc))
     answer = future.result()
@@ -205,6 +223,12 @@ def _invoke_sync(method: Callable[[ToolCall], object], call: ToolCall, *, kind: 
         answer.close()
         return _Failure(f"{kind} returned a coroutine from a function not declared async def")
     return answer
+
+
+def _if_still_in_time(method: Callable[[ToolCall], object], call: ToolCall) -> object:
+    # A saturated pool may hand the call a thread after its send deadline: then not at all.
+    call.check_send_deadline()
+    return method(call)
 
 
 def _thread_runner() -> asyncio.Runner:

@@ -46,6 +46,16 @@ class NotDelivered:
 
 
 @dataclass(frozen=True)
+class NotSent(NotDelivered):
+    """The send deadline passed before the first byte: the request was not made.
+
+    Produced by :func:`workers.tools.run_dispatch` when the tool raised
+    :class:`outbox.errors.SendDeadlinePassed`; the dispatcher moves the attempt back to
+    ``planned`` ("not sent", no backoff), as when its own check before the call fails.
+    """
+
+
+@dataclass(frozen=True)
 class NotApplied:
     """Lookup: the remote declares it has no effect for this operation."""
 
