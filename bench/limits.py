@@ -78,8 +78,8 @@ PER_S = "/s"
 #: bound as parameters, into a table shaped like ``outbox.operations`` (its indexes too;
 #: ``{table}``: without its CHECK constraints, or with them).
 _RAW_INSERT = (
-    "INSERT INTO {table} (id, intent_key, tool, target, payload, payload_hash, metadata) "
-    "VALUES (gen_random_uuid(), %s, %s, %s, %s::jsonb, %s, %s::jsonb)"
+    "INSERT INTO {table} (id, intent_key, tool, target, payload, payload_hash, intent_hash, "
+    "metadata) VALUES (gen_random_uuid(), %s, %s, %s, %s::jsonb, %s, %s, %s::jsonb)"
 )
 _RAW_TABLE, _CHECKED_TABLE = "bench_raw", "bench_raw_checked"
 #: Intents per enqueue_many() call in the batch case.
@@ -173,7 +173,7 @@ class Limits:
                 payload = f'{{"version":"1.0.{i}"}}'
                 conn.execute(
                     statement,
-                    (f"raw-{tag}-{i}", "bench.tool", "web", payload, "a" * 64, "{}"),
+                    (f"raw-{tag}-{i}", "bench.tool", "web", payload, "a" * 64, "b" * 64, "{}"),
                 )
                 conn.commit()
 
@@ -244,11 +244,12 @@ class Limits:
             rows = conn.execute(
                 text(
                     "INSERT INTO outbox.operations (intent_key, tool, target, payload, "
-                    "payload_hash) SELECT :tag || '-' || g, :tool, 'web', "
-                    "jsonb_build_object('version', g), repeat('a', 64) "
+                    "payload_hash, intent_hash) SELECT :tag || '-' || g, :tool, 'web', "
+                    "'{\"v\": 1}', :h, outbox.intent_hash(:tool, 'web', :h) "
                     "FROM generate_series(1, :n) g RETURNING id"
                 ),
-                {"tag": f"rows-{tag}", "tool": tool, "n": self.ops},
+                # The payload and hashes dispatch() checks before sending.
+                {"tag": f"rows-{tag}", "tool": tool, "n": self.ops, "h": _payload_hash({"v": 1})},
             )
             return [row.id for row in rows]
 
@@ -324,14 +325,6 @@ class Limits:
             return Applied(remote_ref=f"ref-{call.operation_id}")
 
         ids = self._planned_rows("bench.noop")
-        with self.engine.begin() as conn:  # the hash dispatch() checks before sending
-            conn.execute(
-                text(
-                    "UPDATE outbox.operations SET payload = '{\"v\": 1}', payload_hash = :h "
-                    "WHERE tool = 'bench.noop' AND state = 'planned'"
-                ),
-                {"h": _payload_hash({"v": 1})},
-            )
 
         def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
             def op(i: int) -> None:

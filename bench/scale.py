@@ -175,9 +175,10 @@ _UUID_V7_AT = (
 _LOAD_TERMINAL = text(
     f"""
     INSERT INTO outbox.operations
-        (id, intent_key, tool, target, payload, payload_hash, state, attempts, checks,
-         maybe_applied, remote_ref, result, last_error, metadata, requested_by, created_at,
-         updated_at, available_at, published_at, first_sent_at, sent_at, resolved_at)
+        (id, intent_key, tool, target, payload, payload_hash, intent_hash, state, attempts,
+         checks, maybe_applied, remote_ref, result, last_error, metadata, requested_by,
+         created_at, updated_at, available_at, published_at, first_sent_at, sent_at,
+         resolved_at)
     SELECT {_UUID_V7_AT.format(ts="t.created")},
            'conversation-' || (g / 7) || '/step-' || (g % 7) || '/' || g,
            (ARRAY['deploy.create_release', 'billing.charge', 'email.send', 'tickets.open'])
@@ -185,6 +186,11 @@ _LOAD_TERMINAL = text(
            'project-' || (g % 50),
            p.payload,
            encode(sha256(convert_to(p.payload::text, 'UTF8')), 'hex'),
+           outbox.intent_hash(
+               (ARRAY['deploy.create_release', 'billing.charge', 'email.send', 'tickets.open'])
+                   [1 + g % 4],
+               'project-' || (g % 50),
+               encode(sha256(convert_to(p.payload::text, 'UTF8')), 'hex')),
            k.state, k.attempts, k.checks, k.checks > 0,
            CASE WHEN k.state = 'confirmed' THEN 'rel_' || substr(md5(g::text), 1, 20) END,
            CASE k.state
@@ -261,11 +267,13 @@ _LOAD_EVENTS = text(
 _LOAD_LIVE = text(
     """
     INSERT INTO outbox.operations
-        (intent_key, tool, target, payload, payload_hash, state, attempts, maybe_applied,
-         created_at, updated_at, available_at, published_at, first_sent_at, sent_at,
-         next_check_at)
+        (intent_key, tool, target, payload, payload_hash, intent_hash, state, attempts,
+         maybe_applied, created_at, updated_at, available_at, published_at, first_sent_at,
+         sent_at, next_check_at)
     SELECT 'live-' || :kind || '-' || g, :tool, 'project-' || (g % 50), p.payload,
            encode(sha256(convert_to(p.payload::text, 'UTF8')), 'hex'),
+           outbox.intent_hash(:tool, 'project-' || (g % 50),
+                              encode(sha256(convert_to(p.payload::text, 'UTF8')), 'hex')),
            :kind, CASE WHEN :kind = 'planned' THEN 0 ELSE 1 END, :kind = 'unknown',
            t.at, t.at, t.at,
            CASE WHEN :kind = 'planned' THEN NULL ELSE t.at END,
@@ -307,11 +315,13 @@ _LOAD_LIVE_EVENTS = text(
 _LOAD_WAITING = text(
     """
     INSERT INTO outbox.operations
-        (intent_key, tool, target, payload, payload_hash, state, attempts, maybe_applied,
-         created_at, updated_at, available_at, published_at, first_sent_at, sent_at,
-         next_check_at)
+        (intent_key, tool, target, payload, payload_hash, intent_hash, state, attempts,
+         maybe_applied, created_at, updated_at, available_at, published_at, first_sent_at,
+         sent_at, next_check_at)
     SELECT 'waiting-' || :kind || '-' || g, :tool, 'project-' || (g % 50), p.payload,
            encode(sha256(convert_to(p.payload::text, 'UTF8')), 'hex'),
+           outbox.intent_hash(:tool, 'project-' || (g % 50),
+                              encode(sha256(convert_to(p.payload::text, 'UTF8')), 'hex')),
            :kind, 1, :kind = 'unknown',
            now() - interval '10 minutes', now(),
            CASE WHEN :kind = 'planned' THEN now() + interval '10 minutes'

@@ -9,6 +9,7 @@ from outbox.api import Intent, cancel, enqueue, enqueue_many, find, get, wait
 from outbox.errors import (
     ConfigError,
     DatabaseUnavailable,
+    IntentAlreadyDone,
     IntentConflict,
     InvalidIntent,
     NotCancellable,
@@ -23,7 +24,7 @@ from outbox.errors import (
     TransitionNotAllowed,
     WaitTimeout,
 )
-from outbox.models import Event, Operation
+from outbox.models import Event, Operation, PrunedIntent
 from outbox.resolve import resolve
 from outbox.states import Actor, State
 
@@ -33,6 +34,7 @@ __all__ = [
     "DatabaseUnavailable",
     "Event",
     "Intent",
+    "IntentAlreadyDone",
     "IntentConflict",
     "InvalidIntent",
     "NotCancellable",
@@ -40,6 +42,7 @@ __all__ = [
     "OperationBusy",
     "OperationNotFound",
     "OutboxError",
+    "PrunedIntent",
     "ResolutionRefused",
     "SchemaNotReady",
     "StaleResolution",

@@ -18,18 +18,19 @@ from uuid import UUID
 from sqlalchemy import Engine, text
 
 from outbox import statements
-from outbox.canonical import NotCanonicalizable, canonical_json, payload_hash
+from outbox.canonical import NotCanonicalizable, canonical_json, intent_hash, payload_hash
 from outbox.config import get_settings
 from outbox.contracts import CONTRACTS
 from outbox.db import get_engine
 from outbox.errors import (
+    IntentAlreadyDone,
     IntentConflict,
     InvalidIntent,
     NotCancellable,
     OperationNotFound,
     WaitTimeout,
 )
-from outbox.models import Executor, Operation
+from outbox.models import Executor, Operation, PrunedIntent
 from outbox.states import Actor, State, transition
 
 #: Dotted names of letters, digits, ``_`` and ``-``: ``deploy.create_release``.
@@ -63,7 +64,10 @@ def enqueue(
     id). Calling again with the same key and the same tool, target and payload returns the
     existing operation, whatever its state; with any of them different it raises
     :class:`IntentConflict` naming what differs, and writes nothing. Concurrent callers with
-    one key end with one operation.
+    one key end with one operation. A key whose operation finished and was pruned
+    (``outbox db prune``) is still remembered: the same intent again raises
+    :class:`IntentAlreadyDone` (carrying the operation's id, final state and remote_ref)
+    and writes nothing, so it never happens twice; a different one, :class:`IntentConflict`.
 
     The payload must be a JSON object; it is canonicalised (RFC 8785) and its sha256 stored,
     and it never changes afterwards. Malformed input raises :class:`InvalidIntent` naming
@@ -78,6 +82,7 @@ def enqueue(
             target=one.target,
             canonical_payload=one.canonical_payload,
             payload_hash=one.payload_hash,
+            intent_hash=one.intent_hash,
             metadata=one.metadata,
             requested_by=one.requested_by,
         )
@@ -88,6 +93,10 @@ def enqueue(
         if existing is not None:
             _check_same_intent(existing, tool=tool, target=target, digest=one.payload_hash)
             return existing
+        # Not live: pruned, or (rarely) its row was deleted between the two statements, in
+        # which case the prune's trigger wrote the pruned intent in the same transaction.
+        for pruned in statements.find_pruned_intents(session, [str(intent_key)]):
+            _refuse_pruned(pruned, tool=tool, target=target, digest=one.payload_hash)
     raise IntentConflict(
         f"intent key {intent_key!r} is being used and removed concurrently; try again",
         intent_key=intent_key,
@@ -114,6 +123,7 @@ class _Checked:
     target: str
     canonical_payload: str
     payload_hash: str
+    intent_hash: str
     metadata: dict[str, Any]
     requested_by: str | None
 
@@ -126,8 +136,9 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
     commits. Every intent is checked before anything is written (:class:`InvalidIntent`
     names the intent's position and field). A key already recorded with the same tool,
     target and payload gives back the existing operation (so does a key repeated inside
-    the batch); any difference raises :class:`IntentConflict` and writes nothing: the
-    batch runs under a savepoint that is rolled back.
+    the batch); any difference raises :class:`IntentConflict` and the key of a pruned
+    operation :class:`IntentAlreadyDone` (see :func:`enqueue`), and either writes nothing:
+    the batch runs under a savepoint that is rolled back.
     """
     checked: list[_Checked] = []
     for position, intent in enumerate(intents):
@@ -151,6 +162,7 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
             targets=[c.target for c in unique],
             canonical_payloads=[c.canonical_payload for c in unique],
             payload_hashes=[c.payload_hash for c in unique],
+            intent_hashes=[c.intent_hash for c in unique],
             metadata=[json.dumps(c.metadata) for c in unique],
             requested_by=[c.requested_by for c in unique],
         )
@@ -158,10 +170,15 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
         taken = [c.intent_key for c in unique if c.intent_key and c.intent_key not in by_key]
         for existing in statements.find_operations(session, taken) if taken else []:
             by_key[existing.intent_key] = existing
+        gone = [key for key in taken if key not in by_key]
+        pruned = {p.intent_key: p for p in statements.find_pruned_intents(session, gone)}
         for one in unique:
             if one.intent_key is None:
                 continue
             found = by_key.get(one.intent_key)
+            if found is None and one.intent_key in pruned:
+                done = pruned[one.intent_key]
+                _refuse_pruned(done, tool=one.tool, target=one.target, digest=one.payload_hash)
             if found is None:
                 raise IntentConflict(
                     f"intent key {one.intent_key!r} is being used and removed concurrently; "
@@ -184,12 +201,14 @@ def _check(intent: Intent) -> _Checked:
     _check_target(intent.target)
     _check_intent_key(intent.intent_key)
     canonical = _canonical_payload(intent.payload)
+    digest = payload_hash(canonical)
     return _Checked(
         intent_key=intent.intent_key,
         tool=intent.tool,
         target=intent.target,
         canonical_payload=canonical.decode(),
-        payload_hash=payload_hash(canonical),
+        payload_hash=digest,
+        intent_hash=intent_hash(intent.tool, intent.target, digest),
         metadata=_checked_metadata(intent.metadata),
         requested_by=intent.requested_by,
     )
@@ -385,7 +404,26 @@ def _checked_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         raise InvalidIntent(f"metadata is not JSON: {exc}", field="metadata") from exc
 
 
-def _check_same_intent(existing: Operation, *, tool: str, target: str, digest: str) -> None:
+def _refuse_pruned(pruned: PrunedIntent, *, tool: str, target: str, digest: str) -> None:
+    """Raise for a key whose operation was pruned: a conflict, or "already done"."""
+    _check_same_intent(pruned, tool=tool, target=target, digest=digest)
+    ref = f", remote_ref {pruned.remote_ref!r}" if pruned.remote_ref else ""
+    raise IntentAlreadyDone(
+        f"intent key {pruned.intent_key!r} was already done: operation {pruned.operation_id} "
+        f"ended {pruned.state.value}{ref} at {pruned.resolved_at.isoformat()} and was pruned; "
+        "nothing was written",
+        intent_key=pruned.intent_key,
+        operation_id=pruned.operation_id,
+        state=pruned.state,
+        remote_ref=pruned.remote_ref,
+        resolved_at=pruned.resolved_at,
+        intent=pruned,
+    )
+
+
+def _check_same_intent(
+    existing: Operation | PrunedIntent, *, tool: str, target: str, digest: str
+) -> None:
     differences = tuple(
         name
         for name, same in (
@@ -396,10 +434,13 @@ def _check_same_intent(existing: Operation, *, tool: str, target: str, digest: s
         if not same
     )
     if differences:
+        operation_id = existing.id if isinstance(existing, Operation) else existing.operation_id
+        pruned = "" if isinstance(existing, Operation) else " (finished and pruned)"
         raise IntentConflict(
             f"intent key conflict: {existing.intent_key!r} already names operation "
-            f"{existing.id} with a different {', '.join(differences)}; nothing was written",
+            f"{operation_id}{pruned} with a different {', '.join(differences)}; "
+            "nothing was written",
             intent_key=existing.intent_key,
-            operation_id=existing.id,
+            operation_id=operation_id,
             differences=differences,
         )

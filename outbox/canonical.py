@@ -67,3 +67,13 @@ def _refuse_unsafe_floats(value: Any) -> None:
 def payload_hash(canonical: bytes) -> str:
     """The sha256 hex digest that identifies a canonical payload."""
     return hashlib.sha256(canonical).hexdigest()
+
+
+def intent_hash(tool: str, target: str, payload_hash: str) -> str:
+    """The sha256 hex digest of what an operation does: its tool, target and payload hash.
+
+    UTF-8 bytes separated by a NUL byte, which PostgreSQL text cannot hold, so two different
+    triples never share an encoding; the SQL function ``outbox.intent_hash`` (migration
+    0010) computes the same digest.
+    """
+    return hashlib.sha256(b"\0".join(v.encode() for v in (tool, target, payload_hash))).hexdigest()

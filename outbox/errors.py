@@ -71,6 +71,25 @@ class IntentConflict(OutboxError):
     differences: tuple[str, ...]
 
 
+class IntentAlreadyDone(OutboxError):
+    """The intent key names an operation that finished and was pruned; nothing was written.
+
+    Raised by ``enqueue`` (and ``enqueue_many``) when the same intent (key, tool, target and
+    payload) is enqueued again after ``outbox db prune`` deleted its operation: it already
+    happened, or was refused or cancelled, and must not happen twice. ``operation_id``,
+    ``state`` (``confirmed``, ``failed`` or ``cancelled``), ``remote_ref`` and
+    ``resolved_at`` are the pruned operation's; ``intent`` is the whole
+    :class:`outbox.models.PrunedIntent`.
+    """
+
+    intent_key: str
+    operation_id: object
+    state: object
+    remote_ref: str | None
+    resolved_at: object
+    intent: object
+
+
 class OperationNotFound(OutboxError):
     """No operation has this id."""
 

@@ -54,6 +54,8 @@ class Operation:
     replay_deadline: datetime | None
     resolved_at: datetime | None
     attempt_budget_base: int
+    #: sha256 of (tool, target, payload_hash), written at enqueue (the dispatcher checks it).
+    intent_hash: str
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> Operation:
@@ -133,3 +135,29 @@ class Event:
             "detail": self.detail,
             "at": _iso(self.at),
         }
+
+
+@dataclass(frozen=True, slots=True)
+class PrunedIntent:
+    """What is kept of an operation deleted by retention (``outbox.pruned_intents``): enough
+    to tell a re-enqueue of its intent key that it was already done, never its payload."""
+
+    intent_key: str
+    operation_id: UUID
+    tool: str
+    target: str
+    payload_hash: str
+    state: State
+    remote_ref: str | None
+    attempts: int
+    created_at: datetime
+    first_sent_at: datetime | None
+    resolved_at: datetime
+    pruned_at: datetime
+
+    @classmethod
+    def from_row(cls, row: Mapping[Any, Any]) -> PrunedIntent:
+        """Build one from a mapping holding every column of ``outbox.pruned_intents``."""
+        values = {field.name: row[field.name] for field in fields(cls)}
+        values["state"] = State(values["state"])
+        return cls(**values)

@@ -3,7 +3,9 @@
 These SQLAlchemy Core tables are the canonical shape: the Alembic migrations must produce
 exactly them (``tests/integration/test_migrations.py`` compares the two). Invariants live here
 as CHECK constraints (the operation row's in a function of migration 0009, each rule named),
-so a bug in any component cannot store an impossible row.
+so a bug in any component cannot store an impossible row; triggers (migrations 0010, 0011)
+keep an operation's identity unchanged, its events as long as it lives, and its intent
+remembered in ``pruned_intents`` once it is deleted.
 Every timestamp defaults to ``clock_timestamp()``: the database clock decides, never a host's.
 """
 
@@ -82,6 +84,9 @@ operations = Table(
     _timestamp("resolved_at"),
     # Attempts before this count no more against max_attempts: set by an operator's replay.
     Column("attempt_budget_base", Integer, nullable=False, server_default="0"),
+    # sha256 of (tool, target, payload_hash), written at enqueue: the dispatcher checks it
+    # before every send (outbox.canonical.intent_hash; migration 0010).
+    Column("intent_hash", Text, nullable=False),
     UniqueConstraint("intent_key"),
     # The row's twelve invariants (the state machine's, the key's and the hash's shapes), in
     # one PL/pgSQL function that names the rule a bad row breaks (ck_operations_state_known,
@@ -136,6 +141,28 @@ events = Table(
 
 #: The states in which some component still has work to do; used by monitoring queries.
 LIVE_STATE_VALUES = tuple(sorted(state.value for state in LIVE_STATES))
+
+#: What identifies each deleted (pruned) operation, written by a trigger in the statement that
+#: deletes it (migration 0011): ``enqueue`` of its key returns "already done" instead of a
+#: second operation. Never the payload: the hash identifies it.
+pruned_intents = Table(
+    "pruned_intents",
+    metadata,
+    Column("intent_key", Text, primary_key=True),
+    Column("operation_id", UUID(as_uuid=True), nullable=False),
+    Column("tool", Text, nullable=False),
+    Column("target", Text, nullable=False),
+    Column("payload_hash", Text, nullable=False),
+    Column("state", Text, nullable=False),
+    Column("remote_ref", Text),
+    Column("attempts", Integer, nullable=False),
+    _timestamp("created_at", nullable=False),
+    _timestamp("first_sent_at"),
+    _timestamp("resolved_at", nullable=False),
+    _timestamp("pruned_at", nullable=False, now=True),
+    # Their own retention (`outbox db prune --forget-intents-older-than`).
+    Index("ix_pruned_intents_resolved_at", "resolved_at"),
+)
 
 #: Running relays. ``idle`` says one sleeps on LISTEN, so ``enqueue`` rings the bell only then.
 relays = Table(

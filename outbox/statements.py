@@ -39,8 +39,8 @@ from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 from outbox import storable
 from outbox.driver import DriverStatement
 from outbox.locks import SESSION_LOCKS_INFO
-from outbox.models import Event, Executor, Operation
-from outbox.schema import events, operations, waiters
+from outbox.models import Event, Executor, Operation, PrunedIntent
+from outbox.schema import events, operations, pruned_intents, waiters
 from outbox.states import SETTLED_STATES, TERMINAL_STATES, Actor, Effects, State
 
 #: NOTIFY channel announcing that an operation settled; its payload is the operation id.
@@ -56,10 +56,14 @@ _INSERT_INTENT = DriverStatement.of(
     WITH new AS (SELECT outbox.uuid_v7() AS id),
     inserted AS (
         INSERT INTO outbox.operations
-            (id, intent_key, tool, target, payload, payload_hash, metadata, requested_by)
+            (id, intent_key, tool, target, payload, payload_hash, intent_hash, metadata,
+             requested_by)
         SELECT new.id, coalesce(:intent_key, new.id::text), :tool, :target,
-               CAST(:payload AS jsonb), :payload_hash, CAST(:metadata AS jsonb), :requested_by
+               CAST(:payload AS jsonb), :payload_hash, :intent_hash, CAST(:metadata AS jsonb),
+               :requested_by
         FROM new
+        -- A key whose operation was pruned is done: one primary-key probe, in this statement.
+        WHERE NOT EXISTS (SELECT FROM outbox.pruned_intents WHERE intent_key = :intent_key)
         ON CONFLICT (intent_key) DO NOTHING
         RETURNING *
     ),
@@ -90,10 +94,12 @@ def insert_intent(
     target: str,
     canonical_payload: str,
     payload_hash: str,
+    intent_hash: str,
     metadata: Mapping[str, Any],
     requested_by: str | None,
 ) -> Operation | None:
-    """Insert a ``planned`` operation and its first event; ``None`` if the key is taken.
+    """Insert a ``planned`` operation and its first event; ``None`` if the key is taken
+    (by an operation, or by a pruned one: :func:`find_pruned_intent`).
 
     A concurrent transaction inserting the same key makes this wait for its outcome
     (``ON CONFLICT DO NOTHING``), so racing agents end with one row and no IntegrityError.
@@ -106,6 +112,7 @@ def insert_intent(
             "target": target,
             "payload": canonical_payload,
             "payload_hash": payload_hash,
+            "intent_hash": intent_hash,
             "metadata": json.dumps(dict(metadata)),
             "requested_by": requested_by,
         },
@@ -138,6 +145,7 @@ def insert_intent(
         replay_deadline=None,
         resolved_at=None,
         attempt_budget_base=0,
+        intent_hash=intent_hash,
     )
 
 
@@ -147,17 +155,22 @@ _INSERT_INTENTS = text(
         SELECT * FROM unnest(
             CAST(:intent_keys AS text[]), CAST(:tools AS text[]), CAST(:targets AS text[]),
             CAST(:payloads AS jsonb[]), CAST(:payload_hashes AS text[]),
-            CAST(:metadata AS jsonb[]), CAST(:requested_by AS text[])
+            CAST(:intent_hashes AS text[]), CAST(:metadata AS jsonb[]),
+            CAST(:requested_by AS text[])
         ) WITH ORDINALITY
-          AS i(intent_key, tool, target, payload, payload_hash, metadata, requested_by, n)
+          AS i(intent_key, tool, target, payload, payload_hash, intent_hash, metadata,
+               requested_by, n)
     ),
     new AS (SELECT outbox.uuid_v7() AS id, input.* FROM input),
     inserted AS (
         INSERT INTO outbox.operations
-            (id, intent_key, tool, target, payload, payload_hash, metadata, requested_by)
+            (id, intent_key, tool, target, payload, payload_hash, intent_hash, metadata,
+             requested_by)
         SELECT id, coalesce(intent_key, id::text), tool, target, payload, payload_hash,
-               metadata, requested_by
-        FROM new ORDER BY n
+               intent_hash, metadata, requested_by
+        FROM new
+        WHERE NOT EXISTS (SELECT FROM outbox.pruned_intents p WHERE p.intent_key = new.intent_key)
+        ORDER BY n
         ON CONFLICT (intent_key) DO NOTHING
         RETURNING *
     ),
@@ -184,14 +197,15 @@ def insert_intents(
     targets: Sequence[str],
     canonical_payloads: Sequence[str],
     payload_hashes: Sequence[str],
+    intent_hashes: Sequence[str],
     metadata: Sequence[str],
     requested_by: Sequence[str | None],
 ) -> dict[int, Operation]:
     """Insert many ``planned`` operations and their first events in one statement.
 
     Keys already taken (or being inserted by a concurrent transaction, which this waits
-    for) are skipped: the result maps the position (from 0) of each intent this statement
-    inserted to its operation.
+    for), and keys of pruned operations, are skipped: the result maps the position (from 0)
+    of each intent this statement inserted to its operation.
     """
     rows = executor.execute(
         _INSERT_INTENTS,
@@ -201,6 +215,7 @@ def insert_intents(
             "targets": list(targets),
             "payloads": list(canonical_payloads),
             "payload_hashes": list(payload_hashes),
+            "intent_hashes": list(intent_hashes),
             "metadata": list(metadata),
             "requested_by": list(requested_by),
         },
@@ -212,6 +227,12 @@ def find_operations(executor: Executor, intent_keys: Sequence[str]) -> list[Oper
     """The operations recorded under these intent keys (those that exist)."""
     query = select(operations).where(operations.c.intent_key.in_(list(intent_keys)))
     return [Operation.from_row(row) for row in executor.execute(query).mappings()]
+
+
+def find_pruned_intents(executor: Executor, intent_keys: Sequence[str]) -> list[PrunedIntent]:
+    """What is kept of the pruned operations recorded under these intent keys (those pruned)."""
+    query = select(pruned_intents).where(pruned_intents.c.intent_key.in_(list(intent_keys)))
+    return [PrunedIntent.from_row(row) for row in executor.execute(query).mappings()]
 
 
 def get_operation(executor: Executor, operation_id: UUID) -> Operation | None:
@@ -1000,24 +1021,44 @@ _TERMINAL_VALUES = ", ".join(f"'{state.value}'" for state in sorted(TERMINAL_STA
 # Terminal rows resolved before the cutoff, judged by the database clock. `resolved_at < …`
 # implies the predicate of ix_operations_resolved_at, so the rows are read from that index,
 # oldest first. The state test restates `ck_operations_terminal_iff_resolved`: a live row
-# (planned, sent, unknown, needs_human) can never qualify. A row whose webhook is still
-# pending is kept until the deliverer delivers or abandons it, so no webhook is lost.
-_PRUNABLE = f"""
-    FROM outbox.operations o
+# (planned, sent, unknown, needs_human) can never qualify (and the delete guard of migration
+# 0010 refuses one). A row is kept while its webhook is still pending (until the deliverer
+# delivers or abandons it, so no webhook is lost), while its tool is not registered here (its
+# dedup window is unknown), and while its tool's dedup window, from its first send, is open:
+# the remote still remembers its key.
+_TOOLS = """
+    WITH tools AS (
+        SELECT * FROM unnest(CAST(:tools AS text[]), CAST(:windows AS float8[]))
+          AS t(tool, window_s)
+    )
+"""
+_FINISHED = f"""
+    FROM outbox.operations o LEFT JOIN tools t ON t.tool = o.tool
     WHERE o.resolved_at < now() - make_interval(secs => :older_than)
       AND o.state IN ({_TERMINAL_VALUES})
-      AND NOT EXISTS (SELECT FROM outbox.webhook_deliveries d
-                      WHERE d.operation_id = o.id AND d.status = 'pending')
 """
+_UNKNOWN_TOOL = "t.tool IS NULL"
+_IN_WINDOW = (
+    "(o.first_sent_at IS NOT NULL AND t.window_s IS NOT NULL"
+    " AND o.first_sent_at + make_interval(secs => t.window_s) > now())"
+)
+_WEBHOOK_PENDING = (
+    "EXISTS (SELECT FROM outbox.webhook_deliveries d"
+    " WHERE d.operation_id = o.id AND d.status = 'pending')"
+)
 
 _PRUNE_BATCH = text(
     f"""
-    WITH doomed AS (
-        SELECT o.id {_PRUNABLE}
+    {_TOOLS},
+    doomed AS (
+        SELECT o.id {_FINISHED}
+          AND t.tool IS NOT NULL AND NOT {_IN_WINDOW} AND NOT {_WEBHOOK_PENDING}
         ORDER BY o.resolved_at
         LIMIT :limit
         FOR UPDATE OF o SKIP LOCKED
     ),
+    -- Each deleted row's intent is remembered in outbox.pruned_intents by the trigger
+    -- operations_remember_intent, in this statement (migration 0011).
     deleted AS (
         DELETE FROM outbox.operations AS gone USING doomed WHERE gone.id = doomed.id
         RETURNING 1
@@ -1026,23 +1067,88 @@ _PRUNE_BATCH = text(
     """  # noqa: S608 -- constant fragments
 )
 
-_COUNT_PRUNABLE = text(f"SELECT count(*) {_PRUNABLE}")
-
-
-def prune_terminal(executor: Executor, *, older_than_s: float, limit: int) -> int:
-    """Delete up to ``limit`` terminal operations resolved more than ``older_than_s`` ago,
-    oldest first; returns how many went.
-
-    Their events and webhook deliveries go with them (``ON DELETE CASCADE``). Rows locked by
-    another transaction are skipped (``SKIP LOCKED``), so two prunes never wait on each other.
-    One batch per call, in the caller's transaction (never commits): keep batches small so
-    each transaction, and the locks and WAL it holds, stays short.
+_COUNT_PRUNABLE = text(
+    f"""
+    {_TOOLS}
+    SELECT count(*) FILTER (WHERE t.tool IS NOT NULL AND NOT {_IN_WINDOW}
+                              AND NOT {_WEBHOOK_PENDING}) AS prunable,
+           count(*) FILTER (WHERE {_UNKNOWN_TOOL}) AS unknown_tool,
+           count(*) FILTER (WHERE t.tool IS NOT NULL AND {_IN_WINDOW}) AS in_window,
+           count(*) FILTER (WHERE t.tool IS NOT NULL AND NOT {_IN_WINDOW}
+                              AND {_WEBHOOK_PENDING}) AS webhook_pending
+    {_FINISHED}
     """
-    row = executor.execute(_PRUNE_BATCH, {"older_than": older_than_s, "limit": limit})
-    return int(row.scalar_one())
+)
 
 
-def count_prunable(executor: Executor, *, older_than_s: float) -> int:
-    """How many operations :func:`prune_terminal` would delete now, batches aside."""
-    row = executor.execute(_COUNT_PRUNABLE, {"older_than": older_than_s})
+@dataclass(frozen=True)
+class DedupWindows:
+    """The registered tools and their dedup windows (``None``: the tool has no dedup contract),
+    which retention must respect: an operation of a tool not listed here is never pruned."""
+
+    windows: Mapping[str, float | None]
+
+    def params(self) -> dict[str, list[Any]]:
+        names = sorted(self.windows)
+        return {"tools": names, "windows": [self.windows[name] for name in names]}
+
+
+@dataclass(frozen=True)
+class PruneCount:
+    """Finished operations old enough to prune: how many would go, and how many are kept
+    and why (each kept row counted once, under the first reason in this order)."""
+
+    prunable: int
+    unknown_tool: int
+    in_window: int
+    webhook_pending: int
+
+
+def prune_terminal(
+    executor: Executor, *, older_than_s: float, limit: int, windows: DedupWindows
+) -> int:
+    """Delete up to ``limit`` terminal operations resolved more than ``older_than_s`` ago,
+    oldest first, outside their tool's dedup window; returns how many went.
+
+    Their events and webhook deliveries go with them (``ON DELETE CASCADE``), and what
+    identifies each one stays in ``outbox.pruned_intents`` (a trigger, same statement). Rows
+    locked by another transaction are skipped (``SKIP LOCKED``), so two prunes never wait on
+    each other. One batch per call, in the caller's transaction (never commits): keep
+    batches small so each transaction, and the locks and WAL it holds, stays short.
+    """
+    params = {"older_than": older_than_s, "limit": limit, **windows.params()}
+    return int(executor.execute(_PRUNE_BATCH, params).scalar_one())
+
+
+def count_prunable(executor: Executor, *, older_than_s: float, windows: DedupWindows) -> PruneCount:
+    """What :func:`prune_terminal` would delete now (batches aside), and what it keeps."""
+    row = executor.execute(_COUNT_PRUNABLE, {"older_than": older_than_s, **windows.params()})
+    found = row.mappings().one()
+    return PruneCount(
+        prunable=int(found["prunable"]),
+        unknown_tool=int(found["unknown_tool"]),
+        in_window=int(found["in_window"]),
+        webhook_pending=int(found["webhook_pending"]),
+    )
+
+
+_FORGET_INTENTS = text(
+    """
+    WITH forgotten AS (
+        DELETE FROM outbox.pruned_intents
+        WHERE intent_key IN (
+            SELECT intent_key FROM outbox.pruned_intents
+            WHERE resolved_at < now() - make_interval(secs => :older_than)
+            ORDER BY resolved_at LIMIT :limit FOR UPDATE SKIP LOCKED)
+        RETURNING 1
+    )
+    SELECT count(*) FROM forgotten
+    """
+)
+
+
+def forget_pruned_intents(executor: Executor, *, older_than_s: float, limit: int) -> int:
+    """Delete up to ``limit`` pruned intents whose operation ended more than ``older_than_s``
+    ago; returns how many went. From then on their keys can be enqueued anew."""
+    row = executor.execute(_FORGET_INTENTS, {"older_than": older_than_s, "limit": limit})
     return int(row.scalar_one())

@@ -83,6 +83,18 @@ def age(engine: Engine, operation_id: UUID, seconds: float, *columns: str) -> No
         )
 
 
+def tamper(engine: Engine, operation_id: UUID, assignments: str, **params: Any) -> None:
+    """Change an operation's immutable columns as someone with DDL rights could: the trigger
+    that refuses it (migration 0010) disabled for this one transaction, then enabled again."""
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE outbox.operations DISABLE TRIGGER operations_immutable"))
+        conn.execute(
+            text(f"UPDATE outbox.operations SET {assignments} WHERE id = :id"),
+            {"id": operation_id, **params},
+        )
+        conn.execute(text("ALTER TABLE outbox.operations ENABLE TRIGGER operations_immutable"))
+
+
 def event_count(engine: Engine, operation_id: UUID | None = None) -> int:
     """How many audit rows exist (for one operation, or in all)."""
     query = "SELECT count(*) FROM outbox.events"

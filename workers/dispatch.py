@@ -43,7 +43,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from outbox import faults, statements, webhooks
-from outbox.canonical import canonical_json, payload_hash
+from outbox.canonical import canonical_json, intent_hash, payload_hash
 from outbox.contracts import ToolContract
 from outbox.errors import ReplayDeadlinePassed, StaleTransition
 from outbox.models import Operation
@@ -221,13 +221,26 @@ def _ready_to_send(  # noqa: PLR0911 -- one return per reason not to send, in or
         return _to_human(conn, op, f"max_attempts ({tool.contract.max_attempts}) reached")
     if not due:
         return DispatchReport(op.id, Outcome.NOT_DUE, op.attempts)
-    if payload_hash(canonical_json(op.payload)) != op.payload_hash:
-        # The payload never changes after enqueue; if the row says otherwise, someone edited
-        # it by hand, and a replay would send different input under the same key.
-        return _to_human(conn, op, "the stored payload no longer matches its payload hash")
+    if (tampered := _tampered(op)) is not None:
+        return _to_human(conn, op, tampered)
     if replay_expired:
         return _to_human(conn, op, _deadline_reason(op))
     return op, tool
+
+
+def _tampered(op: Operation) -> str | None:
+    """Why the row is not the intent that was enqueued, or ``None`` if it is.
+
+    Tool, target and payload never change after enqueue (the database refuses it: migration
+    0010); if the row says otherwise, someone with the rights to drop that trigger edited it,
+    and a send would do something else under the same key.
+    """
+    digest = payload_hash(canonical_json(op.payload))
+    if digest != op.payload_hash:
+        return "the stored payload no longer matches its payload hash"
+    if intent_hash(op.tool, op.target, digest) != op.intent_hash:
+        return "the stored tool or target no longer matches the intent hash written at enqueue"
+    return None
 
 
 def _commit_sent(

@@ -21,7 +21,7 @@ from outbox.locks import operation_lock_key
 from outbox.states import Actor, Effects, State, transition
 from outbox.testing import DeployService
 from outbox.testing.deploy_service import FaultMode
-from tests.factories import age, events_of, make_operation, reload
+from tests.factories import age, events_of, make_operation, reload, tamper
 from tests.tool_configs import http_registry
 from workers.dispatch import DispatchConfig, Outcome, dispatch
 from workers.locking import DispatchLocks
@@ -510,14 +510,39 @@ def test_a_payload_edited_by_hand_is_never_sent(
 ) -> None:
     """A stored payload that no longer matches its hash goes to a human instead of the remote."""
     op = make_operation(engine, payload={"version": "1.0.0"})
-    with engine.begin() as conn:
-        conn.execute(
-            text('UPDATE outbox.operations SET payload = \'{"version": "6.6.6"}\' WHERE id = :id'),
-            {"id": op.id},
-        )
+    tamper(engine, op.id, """payload = '{"version": "6.6.6"}'""")
     assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.NEEDS_HUMAN
     assert remote.calls == []
     assert "no longer matches its payload hash" in events_of(engine, op.id)[-1].reason
+
+
+@pytest.mark.parametrize(
+    ("assignments", "params"),
+    [("tool = :other", {"other": "deploy.delete_release"}), ("target = 'project-z'", {})],
+)
+def test_a_tool_or_target_edited_by_hand_is_never_sent(
+    engine: Engine,
+    registry: ToolRegistry,
+    remote: Remote,
+    assignments: str,
+    params: dict[str, Any],
+) -> None:
+    """A row whose tool or target was changed (the immutability trigger dropped, as someone
+    with DDL rights could) goes to a human at dispatch instead of to the remote."""
+    tool(
+        "deploy.delete_release",
+        timeout=2,
+        send_deadline=2,
+        inflight_horizon=60,
+        max_attempts=3,
+        registry=registry,
+    )(remote)
+    op = make_operation(engine, payload={"version": "1.0.0"})
+    tamper(engine, op.id, assignments, **params)
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.NEEDS_HUMAN
+    assert remote.calls == []
+    assert "no longer matches the intent hash" in events_of(engine, op.id)[-1].reason
+    assert reload(engine, op.id).state is State.NEEDS_HUMAN
 
 
 # --- the autocommit lock connection ---------------------------------------------------------

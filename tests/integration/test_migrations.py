@@ -114,6 +114,8 @@ def test_upgrade_from_empty_matches_create_all(
     initial = importlib.import_module("outbox.migrations.versions.0001_initial")
     lock_and_read = importlib.import_module("outbox.migrations.versions.0007_lock_and_read")
     invariants = importlib.import_module("outbox.migrations.versions.0009_invariants_function")
+    identity = importlib.import_module("outbox.migrations.versions.0010_immutable_identity")
+    pruned = importlib.import_module("outbox.migrations.versions.0011_pruned_intents")
     reference = create_engine(databases.create())
     try:
         with reference.begin() as conn:
@@ -123,6 +125,10 @@ def test_upgrade_from_empty_matches_create_all(
             metadata.create_all(conn)
             conn.exec_driver_sql(initial.APPEND_ONLY)
             conn.exec_driver_sql(lock_and_read.OPERATION_IF_LOCKED)
+            for ddl in (identity.INTENT_HASH, identity.IMMUTABLE, identity.DELETE_GUARD):
+                conn.exec_driver_sql(ddl)
+            conn.exec_driver_sql(identity.EVENTS_KEPT)
+            conn.exec_driver_sql(pruned.REMEMBER)
         expected = catalog(reference)
     finally:
         reference.dispose()

@@ -13,6 +13,7 @@ from sqlalchemy import Engine, text
 from outbox import migrate, statements
 from outbox.cli.db import parse_duration, prune_batches
 from outbox.db import create_engine
+from outbox.statements import DedupWindows
 from outbox.states import LIVE_STATES, TERMINAL_STATES, State
 from tests.conftest import Databases
 from tests.factories import age, make_operation
@@ -21,6 +22,8 @@ DAY = 86400
 MONTH = 30 * DAY
 TERMINAL = sorted(TERMINAL_STATES)
 LIVE = sorted(LIVE_STATES)
+#: The tools these tests' operations use, registered without a dedup window.
+WINDOWS = DedupWindows({"deploy.create_release": None, "t.x": None})
 
 
 def _deliver(engine: Engine, operation_id: UUID, status: str) -> None:
@@ -82,7 +85,14 @@ def _orphans(engine: Engine) -> tuple[int, int]:
 
 
 def _prune_all(engine: Engine, older_than_s: float, batch_size: int = 1000) -> list[int]:
-    return list(prune_batches(engine, older_than_s=older_than_s, batch_size=batch_size))
+    return list(
+        prune_batches(engine, older_than_s=older_than_s, batch_size=batch_size, windows=WINDOWS)
+    )
+
+
+def _prunable(engine: Engine, older_than_s: float) -> int:
+    with engine.connect() as conn:
+        return statements.count_prunable(conn, older_than_s=older_than_s, windows=WINDOWS).prunable
 
 
 def test_prune_removes_exactly_the_old_finished_operations(engine: Engine) -> None:
@@ -101,8 +111,7 @@ def test_prune_removes_exactly_the_old_finished_operations(engine: Engine) -> No
     before = _counts(engine)
     assert all(events > 0 and deliveries == 1 for events, deliveries in before.values())
 
-    with engine.connect() as conn:
-        assert statements.count_prunable(conn, older_than_s=MONTH) == len(old_terminal)
+    assert _prunable(engine, MONTH) == len(old_terminal)
     assert _prune_all(engine, MONTH) == [len(old_terminal)]
 
     after = _counts(engine)
@@ -151,7 +160,7 @@ def test_batches_delete_the_oldest_first_each_in_its_own_transaction(engine: Eng
     ids = [_finished(engine, TERMINAL[n % 3], (31 + n) * DAY) for n in range(7)]
     oldest_first = ids[::-1]
     with engine.begin() as conn:
-        assert statements.prune_terminal(conn, older_than_s=MONTH, limit=3) == 3
+        assert statements.prune_terminal(conn, older_than_s=MONTH, limit=3, windows=WINDOWS) == 3
     assert set(_counts(engine)) == set(oldest_first[3:])
 
     # The remaining four: a full batch of 3, then a short batch of 1 ends the run.
@@ -168,7 +177,7 @@ def test_committed_batches_stay_when_a_run_stops_halfway(engine: Engine) -> None
     """Stopped between batches, what was deleted stays deleted and the rest waits."""
     for n in range(5):
         _finished(engine, State.FAILED, (31 + n) * DAY)
-    batches = prune_batches(engine, older_than_s=MONTH, batch_size=2)
+    batches = prune_batches(engine, older_than_s=MONTH, batch_size=2, windows=WINDOWS)
     assert next(batches) == 2
     batches.close()
     assert len(_counts(engine)) == 3
@@ -182,9 +191,8 @@ def test_dry_run_counts_and_deletes_nothing(engine: Engine) -> None:
         _finished(engine, state, DAY)
     make_operation(engine, State.NEEDS_HUMAN)
     before = _counts(engine)
-    with engine.connect() as conn:
-        assert statements.count_prunable(conn, older_than_s=MONTH) == 3
-        assert statements.count_prunable(conn, older_than_s=DAY // 2) == 6
+    assert _prunable(engine, MONTH) == 3
+    assert _prunable(engine, DAY // 2) == 6
     assert _counts(engine) == before
 
 
@@ -198,7 +206,9 @@ def test_a_row_locked_elsewhere_is_skipped_not_waited_for(engine: Engine) -> Non
         )
         with engine.begin() as conn:
             conn.execute(text("SET LOCAL lock_timeout = '2s'"))
-            assert statements.prune_terminal(conn, older_than_s=MONTH, limit=10) == 1
+            assert (
+                statements.prune_terminal(conn, older_than_s=MONTH, limit=10, windows=WINDOWS) == 1
+            )
         holder.rollback()
     assert set(_counts(engine)) == {locked}
     assert free not in _counts(engine)
@@ -210,16 +220,20 @@ def test_the_batch_reads_the_resolved_at_index(engine: Engine) -> None:
     with engine.begin() as conn:
         conn.execute(
             text(
-                "INSERT INTO outbox.operations (intent_key, tool, target, payload, payload_hash)"
-                " SELECT 'live-' || g, 't.x', 'a', '{}', repeat('0', 64)"
+                "INSERT INTO outbox.operations"
+                " (intent_key, tool, target, payload, payload_hash, intent_hash)"
+                " SELECT 'live-' || g, 't.x', 'a', '{}', repeat('0', 64),"
+                " outbox.intent_hash('t.x', 'a', repeat('0', 64))"
                 " FROM generate_series(1, 20000) g"
             )
         )
         conn.execute(
             text(
                 "INSERT INTO outbox.operations"
-                " (intent_key, tool, target, payload, payload_hash, state, resolved_at)"
-                " SELECT 'done-' || g, 't.x', 'a', '{}', repeat('0', 64), 'cancelled',"
+                " (intent_key, tool, target, payload, payload_hash, intent_hash, state,"
+                " resolved_at)"
+                " SELECT 'done-' || g, 't.x', 'a', '{}', repeat('0', 64),"
+                " outbox.intent_hash('t.x', 'a', repeat('0', 64)), 'cancelled',"
                 " clock_timestamp() - make_interval(days => g)"
                 " FROM generate_series(1, 200) g"
             )
@@ -228,7 +242,7 @@ def test_the_batch_reads_the_resolved_at_index(engine: Engine) -> None:
         conn.execute(text("ANALYZE outbox.operations"))
         conn.execute(text("ANALYZE outbox.webhook_deliveries"))
         conn.commit()
-        params = {"older_than": MONTH, "limit": 1000}
+        params = {"older_than": MONTH, "limit": 1000, **WINDOWS.params()}
         from outbox.statements import (  # noqa: PLC0415 -- the statements' own SQL
             _COUNT_PRUNABLE,
             _PRUNE_BATCH,
@@ -243,7 +257,7 @@ def test_the_batch_reads_the_resolved_at_index(engine: Engine) -> None:
         conn.rollback()
     with engine.begin() as conn:
         assert (
-            statements.prune_terminal(conn, older_than_s=MONTH, limit=1000) == 171
+            statements.prune_terminal(conn, older_than_s=MONTH, limit=1000, windows=WINDOWS) == 171
         )  # days 30 to 200
 
 
