@@ -101,7 +101,7 @@ def engine(_session_engine: Engine) -> Engine:
         conn.execute(
             text(
                 "TRUNCATE outbox.operations, outbox.events, outbox.relays, "
-                "outbox.webhook_deliveries, outbox.waiters"
+                "outbox.webhook_deliveries, outbox.waiters, outbox.pruned_intents"
             )
         )
         if conn.execute(text("SELECT to_regclass(:t)"), {"t": BROKER_MESSAGE_TABLE}).scalar():

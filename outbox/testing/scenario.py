@@ -221,7 +221,7 @@ def _run(
 ) -> ScenarioReport:
     migrate.upgrade(engine)
     with engine.begin() as conn:
-        conn.execute(text("TRUNCATE outbox.operations CASCADE"))
+        conn.execute(text("TRUNCATE outbox.operations, outbox.pruned_intents CASCADE"))
     workdir = workdir or Path(tempfile.mkdtemp(prefix=f"outbox-scenario-{mode}-"))
     secret = "whsec_" + b64encode(secrets.token_bytes(24)).decode()
     rates = {fault: share * ambiguous_rate for fault, share in AMBIGUOUS_MIX.items()}

@@ -11,8 +11,26 @@ from outbox.states import State
 from tests.acceptance.conftest import CLI, clean_environment, run_outbox
 from tests.conftest import Databases
 from tests.factories import age, make_operation
+from tests.tool_configs import http_tool_toml
 
 DAY = 86400
+PRUNED = "with their events and webhook deliveries; their intents are remembered"
+
+
+@pytest.fixture
+def cli_env(database_url: str, tmp_path: Path) -> dict[str, str]:
+    """The CLI on the test database, with the tools' contracts as the workers load them:
+    deploy.create_release without a dedup window, billing.charge with one of 90 days."""
+    config = tmp_path / "tools.toml"
+    url = "http://127.0.0.1:9"
+    config.write_text(
+        http_tool_toml(url)
+        + http_tool_toml(url, "billing.charge", dedup_window_s=90 * DAY, dedup_margin_s=300),
+        encoding="utf-8",
+    )
+    return clean_environment(
+        OUTBOX_DATABASE_URL=database_url, OUTBOX_HOME=str(tmp_path), OUTBOX_CONFIG=str(config)
+    )
 
 
 def _assert_one_line_error(stderr: str, *fragments: str) -> None:
@@ -88,7 +106,7 @@ def test_prune_deletes_the_old_finished_operations_in_batches(
         "pruned 1 operation so far",
         "pruned 2 operations so far",
         "pruned 3 operations so far",
-        "pruned 3 operations resolved more than 30d ago, with their events and webhook deliveries",
+        f"pruned 3 operations resolved more than 30d ago, {PRUNED}",
     ]
     operations, events = _rows(engine)
     assert operations == history["operations"] - 3
@@ -100,8 +118,43 @@ def test_prune_deletes_the_old_finished_operations_in_batches(
     again = outbox_cli("db", "prune", "--older-than", "30d")
     assert again.code == 0, again.stderr
     assert again.stdout.splitlines() == [
-        "pruned 0 operations resolved more than 30d ago, with their events and webhook deliveries"
+        f"pruned 0 operations resolved more than 30d ago, {PRUNED}"
     ]
+
+
+def test_the_output_says_what_was_kept_and_why(
+    outbox_cli: CLI, engine: Engine, history: dict[str, int]
+) -> None:
+    """An operation inside its tool's dedup window and one of a tool not registered are kept,
+    and both the dry run and the prune say so; the pruned intents can be forgotten later."""
+    charged = make_operation(engine, State.CONFIRMED, tool="billing.charge")
+    age(engine, charged.id, 40 * DAY, "resolved_at", "first_sent_at", "sent_at")
+    legacy = make_operation(engine, State.FAILED, tool="legacy.tool")
+    age(engine, legacy.id, 40 * DAY, "resolved_at")
+    kept = [
+        "kept 1 operation inside their tool's dedup window (the remote still remembers the key)",
+        "kept 1 operation of tools not registered here, whose dedup window is unknown (set "
+        "OUTBOX_TOOLS / OUTBOX_CONFIG as the workers do)",
+    ]
+
+    dry = outbox_cli("db", "prune", "--older-than", "30d", "--dry-run")
+    assert dry.code == 0, dry.stderr
+    flat = " ".join(dry.stdout.split())  # the console wraps long lines
+    assert flat.startswith("dry run: would prune 3 operations resolved more than 30d ago"), flat
+    for line in kept:
+        assert line in flat, dry.stdout
+    assert _rows(engine)[0] == history["operations"] + 2
+
+    real = outbox_cli("db", "prune", "--older-than", "30d", "--forget-intents-older-than", "35d")
+    assert real.code == 0, real.stderr
+    flat = " ".join(real.stdout.split())
+    assert f"pruned 3 operations resolved more than 30d ago, {PRUNED}" in flat
+    for line in kept:
+        assert line in flat, real.stdout
+    assert "forgot 3 pruned intents whose operation ended more than 35d ago" in flat
+    with engine.connect() as conn:
+        left = set(conn.execute(text("SELECT id FROM outbox.operations")).scalars())
+    assert {charged.id, legacy.id} <= left
 
 
 def test_prune_on_an_unmigrated_database_says_to_upgrade(

@@ -130,7 +130,8 @@ _AGE_ALL = text(
     + ", ".join(f"{c} = {c} - make_interval(secs => :s)" for c in TIMESTAMPS)
 )
 _TRUNCATE = text(
-    "TRUNCATE outbox.operations, outbox.events, outbox.relays, outbox.webhook_deliveries"
+    "TRUNCATE outbox.operations, outbox.events, outbox.relays, outbox.webhook_deliveries, "
+    "outbox.pruned_intents"
 )
 _SNAPSHOT = text(
     "SELECT id, state, attempts, payload, payload_hash, remote_ref, next_check_at "
