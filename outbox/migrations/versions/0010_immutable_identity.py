@@ -5,13 +5,18 @@ Revision ID: 0010
 Revises: 0009
 Create Date: 2026-12-01
 
-* ``operations_immutable``: a ``BEFORE UPDATE OF`` trigger refusing a change to any column
-  written once at enqueue (``IMMUTABLE_COLUMNS``) with SQLSTATE 23000
+* ``operations_immutable``: an ``AFTER UPDATE OF`` row trigger refusing a change to any
+  column written once at enqueue (``IMMUTABLE_COLUMNS``) with SQLSTATE 23000
   (integrity_constraint_violation), the column named in the message and in the error's
-  ``column`` field. ``UPDATE OF`` fires only for statements that name one of those columns
-  in their SET list, which no move does: the state machine's hot path pays nothing
-  (``docs/performance.md``). Setting a column to the value it holds is allowed (nothing
-  changes); the payload is compared as text, so even ``1`` into ``1.0`` is refused.
+  ``column`` field; the error aborts the statement, so nothing is written. ``UPDATE OF``
+  queues the trigger only for statements that name one of those columns in their SET list,
+  which no move does. AFTER, not BEFORE: PostgreSQL locks the row for *any* BEFORE UPDATE
+  row trigger before it looks at the trigger's columns (a tuple lock and its WAL record on
+  every move: -18% single-row updates/s with pgbench), while an AFTER trigger whose columns
+  are not set costs a move nothing measurable (``docs/performance.md``). Setting a column
+  to the value it holds is allowed (nothing changes); the payload is compared as text, so
+  even ``1`` into ``1.0`` is refused. A new ``id`` is refused first by the events' foreign
+  key (SQLSTATE 23503: its trigger sorts first, and every operation has an event).
 * ``operations_delete_guard``: deleting a live operation (anything but ``confirmed``,
   ``failed`` or ``cancelled``) is refused: retention prunes finished operations only.
 * ``events_kept``: an event can be deleted only once its operation is gone, which happens
@@ -83,11 +88,11 @@ BEGIN
       MESSAGE = 'outbox.operations.' || changed || ' is immutable: an operation''s identity '
         || 'never changes after enqueue (operation ' || OLD.id || ')';
   END IF;
-  RETURN NEW;
+  RETURN NULL;
 END
 $$;
 CREATE TRIGGER operations_immutable
-  BEFORE UPDATE OF {", ".join(IMMUTABLE_COLUMNS)} ON outbox.operations
+  AFTER UPDATE OF {", ".join(IMMUTABLE_COLUMNS)} ON outbox.operations
   FOR EACH ROW EXECUTE FUNCTION outbox.operations_immutable();
 """
 
