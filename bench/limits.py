@@ -396,7 +396,7 @@ def relay_publisher(url: str, messages: int, batch: int = 200) -> float:
     from workers.publish import CeleryPublisher  # noqa: PLC0415
 
     app = Celery("bench-relay")
-    app.conf.update(celery_settings(load_settings(broker_url=url)))
+    app.conf.update(celery_settings(load_settings(broker_url=url), deployment="bench-limits"))
     publisher = CeleryPublisher(app)
     try:
         out = [
@@ -415,7 +415,7 @@ def relay_publisher(url: str, messages: int, batch: int = 200) -> float:
         publisher.close()
     with app.connection_for_write() as connection:
         channel = connection.default_channel
-        for name in ("dispatch", "celeryev"):
+        for name in (app.amqp.queues["dispatch"].name, "celeryev"):
             with contextlib.suppress(Exception):
                 channel.queue_purge(name)
     return messages / elapsed

@@ -8,6 +8,7 @@ program at start-up with a message naming the variable (:func:`load_settings`).
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +23,9 @@ ENV_PREFIX = "OUTBOX_"
 WEBHOOK_EVENT_NAMES = frozenset({"needs_human", "resolved", "confirmed", "failed"})
 
 Seconds = Annotated[float, Field(gt=0)]
+
+#: A deployment name: what every broker allows in a queue or exchange name.
+DEPLOYMENT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
 def _split_commas(value: Any) -> Any:
@@ -46,6 +50,13 @@ class Settings(BaseSettings):
     broker_url: SecretStr | None = Field(
         default=None,
         description="Celery broker URL; unset: the database itself (kombu's SQLAlchemy transport).",
+    )
+    deployment: str | None = Field(
+        default=None,
+        description=(
+            "Name of this deployment in its broker queues and exchanges; unset: derived from "
+            "the database's identity. Set it alike on every process of a deployment."
+        ),
     )
     config: Path | None = Field(default=None, description="TOML file declaring HTTP tools.")
     tools: Annotated[list[str], NoDecode] = Field(
@@ -126,6 +137,16 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"unknown event(s) {', '.join(unknown)}; "
                 f"choose from {', '.join(sorted(WEBHOOK_EVENT_NAMES))}"
+            )
+        return value
+
+    @field_validator("deployment")
+    @classmethod
+    def _deployment_name(cls, value: str | None) -> str | None:
+        if value is not None and not DEPLOYMENT_PATTERN.fullmatch(value):
+            raise ValueError(
+                "must be 1 to 63 letters, digits, '.', '_' or '-', starting with a letter "
+                "or a digit"
             )
         return value
 

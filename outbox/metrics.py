@@ -50,6 +50,7 @@ from prometheus_client.core import (
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
+from outbox import statements
 from outbox.states import ALLOWED, State
 from outbox.webhooks import DeliveryStatus
 
@@ -178,6 +179,7 @@ class OutboxCollector:
         statement_timeout_s: float = 5.0,
         gap_grace_s: float = 600.0,
         max_gaps: int = 10_000,
+        unknown_operations: UnknownOperationListener | None = None,
     ) -> None:
         if event_batch < 1 or max_gaps < 0 or statement_timeout_s <= 0 or gap_grace_s < 0:
             raise ValueError("event_batch must be >= 1, the timeout > 0, the gap limits >= 0")
@@ -186,6 +188,9 @@ class OutboxCollector:
         self.statement_timeout_s = statement_timeout_s
         self.gap_grace_s = gap_grace_s
         self.max_gaps = max_gaps
+        #: The workers' reports of messages for operations not in this database (None: not
+        #: counted by this collector).
+        self.unknown_operations = unknown_operations
         self._lock = threading.Lock()
         #: The highest event id folded; ``None`` until the database first answered.
         self._cursor: int | None = None
@@ -352,6 +357,9 @@ class OutboxCollector:
         for move, count in sorted(self._transitions.items()):
             families["transitions"].add_metric(list(move), float(count))
         families["escalations"].add_metric([], float(self._escalations))
+        if self.unknown_operations is not None:
+            for task, count in sorted(self.unknown_operations.counts().items()):
+                families["unknown_operations"].add_metric([task], float(count))
         for outcome in sorted(self._dispatch):
             histogram = self._dispatch[outcome]
             families["dispatch"].add_metric(list(outcome), histogram.buckets(), histogram.total)
@@ -394,6 +402,13 @@ def _families() -> dict[str, Any]:
         "escalations": CounterMetricFamily(
             "outbox_escalations",
             "Moves into needs_human since the exporter started.",
+        ),
+        "unknown_operations": CounterMetricFamily(
+            "outbox_unknown_operation_messages",
+            "Messages naming an operation this database does not have (another deployment's, "
+            "through a broker queue both consume, or a pruned operation's), dropped by the "
+            "workers, by task; reported while the exporter listened.",
+            labels=["task"],
         ),
         "dispatch": HistogramMetricFamily(
             "outbox_dispatch_seconds",
@@ -460,6 +475,89 @@ def _log_failure(exc: BaseException) -> None:
     )
 
 
+# --- the workers' reports -----------------------------------------------------------------
+
+
+class UnknownOperationListener:
+    """Counts the workers' reports of a message naming an operation this database does not
+    have (``NOTIFY outbox_unknown_operation``), on a connection of its own, in a thread.
+
+    No table keeps them (the operation is not here to hang an event on), so the count is of
+    the reports made while this exporter listened: like the event counters it starts at 0
+    with the exporter, and it misses reports made while it was down or reconnecting (the
+    workers' log lines, action ``dispatch_unknown_operation`` / ``lookup_unknown_operation``,
+    are the full record). Every listening exporter receives every report.
+    """
+
+    #: The tasks that report; any other payload is counted as ``other``.
+    TASKS = ("dispatch", "lookup")
+
+    def __init__(self, engine: Engine, *, poll_s: float = 0.5, retry_s: float = 5.0) -> None:
+        self.engine = engine
+        self.poll_s = poll_s
+        self.retry_s = retry_s
+        #: Set while the connection LISTENs (reports from then on are counted).
+        self.listening = threading.Event()
+        self._counts: Counter[str] = Counter(dict.fromkeys(self.TASKS, 0))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="outbox-metrics-unknown-operations", daemon=True
+        )
+
+    def start(self) -> None:
+        """Start listening in the background (reconnecting after any failure)."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop listening and wait for the thread."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def counts(self) -> dict[str, int]:
+        """Reports received so far, by task."""
+        with self._lock:
+            return dict(self._counts)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._listen()
+            except Exception as exc:  # noqa: BLE001 -- the exporter outlives any outage
+                log.warning(
+                    "cannot listen for unknown-operation reports: %s",
+                    _first_line(exc),
+                    extra={"action": "metrics_listen_failed"},
+                )
+            self.listening.clear()
+            self._stop.wait(self.retry_s)
+
+    def _listen(self) -> None:
+        conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            conn.execute(text(f"LISTEN {statements.UNKNOWN_OPERATION_CHANNEL}"))
+            driver = conn.connection.driver_connection
+            self.listening.set()
+            log.info(
+                "counting unknown-operation reports",
+                extra={
+                    "action": "metrics_listening",
+                    "channel": statements.UNKNOWN_OPERATION_CHANNEL,
+                },
+            )
+            while not self._stop.is_set():
+                for notify in driver.notifies(timeout=self.poll_s):  # type: ignore[union-attr]
+                    task = notify.payload if notify.payload in self.TASKS else "other"
+                    with self._lock:
+                        self._counts[task] += 1
+        finally:
+            # Never back to the pool: a pooled session still listening would queue every
+            # report until some scrape happened to read on it.
+            conn.invalidate()
+            conn.close()
+
+
 # --- serving ------------------------------------------------------------------------------
 
 
@@ -468,6 +566,7 @@ class MetricsServer:
     """A running metrics endpoint (prometheus_client's threaded WSGI server)."""
 
     collector: OutboxCollector
+    listener: UnknownOperationListener
     registry: CollectorRegistry
     server: WSGIServer
     thread: threading.Thread
@@ -493,6 +592,7 @@ class MetricsServer:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=10)
+        self.listener.stop()
 
 
 def serve_metrics(
@@ -506,9 +606,17 @@ def serve_metrics(
     Starts counting events now (or at the first scrape that reaches the database). Returns
     the handle; call ``shutdown()`` to stop. Raises ``OSError`` if the port cannot be bound.
     """
-    collector = OutboxCollector(engine, **collector_options)
+    listener = UnknownOperationListener(engine)
+    collector = OutboxCollector(engine, unknown_operations=listener, **collector_options)
     collector.baseline()
     registry = CollectorRegistry()
     registry.register(collector)
-    server, thread = start_http_server(port, addr=host, registry=registry)
-    return MetricsServer(collector=collector, registry=registry, server=server, thread=thread)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError:
+        listener.stop()
+        raise
+    listener.start()
+    return MetricsServer(
+        collector=collector, listener=listener, registry=registry, server=server, thread=thread
+    )

@@ -597,6 +597,33 @@ def forget_silent_relays(executor: Executor, *, older_than_s: float) -> int:
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
+# --- deployment ---------------------------------------------------------------------------
+
+#: NOTIFY channel on which a worker reports a message naming an operation this database does
+#: not have; its payload is the task (``dispatch``, ``lookup``). ``outbox metrics`` counts them.
+UNKNOWN_OPERATION_CHANNEL = "outbox_unknown_operation"
+
+
+def database_identity(executor: Executor) -> tuple[int, int]:
+    """(the cluster's system identifier, this database's OID): the same for every session on
+    this database, a physical standby included, and different for any other database."""
+    row = executor.execute(
+        text(
+            "SELECT (SELECT system_identifier FROM pg_control_system()) AS cluster, "
+            "(SELECT oid::bigint FROM pg_database WHERE datname = current_database()) AS database"
+        )
+    ).one()
+    return int(row.cluster), int(row.database)
+
+
+def notify_unknown_operation(executor: Executor, task: str) -> None:
+    """Tell whoever counts (``outbox metrics``) that a ``task`` message named an operation
+    this database does not have. Sent with the caller's commit (now, in autocommit mode)."""
+    executor.execute(
+        select(func.pg_notify(UNKNOWN_OPERATION_CHANNEL, task)),
+    )
+
+
 # --- dispatch -----------------------------------------------------------------------------
 
 

@@ -42,7 +42,7 @@ class LookupOutcome(enum.StrEnum):
     """How one :func:`lookup` ended."""
 
     LOCK_BUSY = "lock_busy"
-    GONE = "gone"
+    GONE = "gone"  #: no such operation (another deployment's, or deleted): logged, counted
     NOT_UNKNOWN = "not_unknown"  #: already decided; nothing asked
     CONFIRMED = "confirmed"
     FAILED = "failed"
@@ -99,13 +99,27 @@ def facts_for(conn: Connection, op_id: UUID, contract: ToolContract) -> Reconcil
     return facts
 
 
+def _unknown_operation(conn: Connection, op_id: UUID) -> LookupReport:
+    """A lookup message for an operation this database does not have: another deployment's
+    (a broker queue shared by mistake) or one pruned since. Dropped, but never silently."""
+    log.warning(
+        "a lookup message names %s, which is not in this database: another deployment's "
+        "message (do two share the broker's queues?), or an operation pruned since",
+        op_id,
+        extra={"action": "lookup_unknown_operation", "operation_id": str(op_id)},
+    )
+    statements.notify_unknown_operation(conn, "lookup")
+    conn.commit()
+    return LookupReport(op_id, LookupOutcome.GONE)
+
+
 def _inspect(
     conn: Connection, op_id: UUID, registry: ToolRegistry, config: LookupConfig
 ) -> LookupReport:
     current = statements.get_operation(conn, op_id)
     conn.commit()
     if current is None:
-        return LookupReport(op_id, LookupOutcome.GONE)
+        return _unknown_operation(conn, op_id)
     tool = registry.get(current.tool)
     if current.state is not State.UNKNOWN:
         return LookupReport(op_id, LookupOutcome.NOT_UNKNOWN, current.state.value)

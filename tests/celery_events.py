@@ -1,4 +1,5 @@
-"""Celery's task events as Flower reads them: a queue on the event exchange of a real broker."""
+"""Celery's task events as Flower reads them: a queue on a deployment's event exchange of a
+real broker."""
 
 from __future__ import annotations
 
@@ -8,17 +9,28 @@ from typing import Any
 
 from kombu import Connection, Exchange, Queue
 
+from outbox.config import load_settings
+from outbox.deployment import deployment_name
+from workers.app import celery_settings
+
 Event = dict[str, Any]
 
 
-class TaskEvents:
-    """A queue bound to Celery's event exchange for task events, declared on entry (so it
-    sees every event sent after that) and deleted with its connection on exit."""
+def event_exchange(database_url: str) -> str:
+    """The event exchange of the deployment on ``database_url`` (each has its own)."""
+    settings = load_settings(database_url=database_url)
+    return str(celery_settings(settings, deployment=deployment_name(settings))["event_exchange"])
 
-    def __init__(self, broker_url: str) -> None:
+
+class TaskEvents:
+    """A queue bound to a deployment's event exchange (:func:`event_exchange`) for task
+    events, declared on entry (so it sees every event sent after that) and deleted with its
+    connection on exit."""
+
+    def __init__(self, broker_url: str, exchange: str) -> None:
         self._connection = Connection(broker_url)
         self._queue = Queue(
-            exchange=Exchange("celeryev", type="topic"),
+            exchange=Exchange(exchange, type="topic"),
             routing_key="task.#",
             exclusive=True,
             auto_delete=True,

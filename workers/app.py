@@ -15,9 +15,11 @@ from kombu import Exchange, Queue
 from outbox.config import Settings, get_settings
 from outbox.contracts import CONTRACTS
 from outbox.db import database_url
+from outbox.deployment import deployment_name
 from workers import dbbroker
 
-#: Durable queues, one per kind of work.
+#: Durable queues, one per kind of work: the names code and ``-Q`` use (each the alias of
+#: the deployment's own queue, see :func:`task_queues`).
 QUEUES = ("dispatch", "lookup", "human", "reconcile")
 
 #: Task names (stable: they are in messages in flight during an upgrade).
@@ -25,6 +27,9 @@ DISPATCH_TASK = "outbox.dispatch"
 LOOKUP_TASK = "outbox.lookup"
 SWEEP_TASK = "outbox.sweep"
 ESCALATE_TASK = "outbox.escalate"
+
+#: The app's setting holding its deployment's name (for log lines; Celery ignores it).
+OUTBOX_DEPLOYMENT_KEY = "outbox_deployment"
 
 #: The database broker's tables (kombu's SQLAlchemy transport), named so nobody mistakes them.
 BROKER_QUEUE_TABLE = "outbox_kombu_queue"
@@ -52,8 +57,25 @@ def uses_database_broker(url: str) -> bool:
     return url.startswith(f"{dbbroker.ALIAS}+")
 
 
-def celery_settings(settings: Settings, *, time_limit_s: float | None = None) -> dict[str, Any]:
-    """The Celery configuration for ``settings`` (a plain dict, for tests and docs)."""
+def task_queues(deployment: str) -> list[Queue]:
+    """The deployment's queues, ``outbox.<deployment>.<kind>``, each aliased by its kind.
+
+    Two deployments sharing a broker (one RabbitMQ vhost) then never consume each other's
+    messages. The alias is what routes, ``-Q`` and ``apply_async(queue=...)`` name, so only
+    this function knows the names on the broker.
+    """
+    queues = []
+    for kind in QUEUES:
+        name = f"outbox.{deployment}.{kind}"
+        queues.append(Queue(name, Exchange(name), routing_key=name, alias=kind))
+    return queues
+
+
+def celery_settings(
+    settings: Settings, *, deployment: str, time_limit_s: float | None = None
+) -> dict[str, Any]:
+    """The Celery configuration for ``settings`` in ``deployment`` (a plain dict, for tests
+    and docs; :func:`outbox.deployment.deployment_name` gives the deployment)."""
     conf: dict[str, Any] = {
         "broker_url": broker_url(settings),
         "broker_connection_retry_on_startup": True,
@@ -70,14 +92,20 @@ def celery_settings(settings: Settings, *, time_limit_s: float | None = None) ->
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        "task_queues": [Queue(name, Exchange(name), routing_key=name) for name in QUEUES],
+        "task_queues": task_queues(deployment),
         "task_default_queue": "dispatch",
         "task_routes": {
-            DISPATCH_TASK: {"queue": "dispatch", "routing_key": "dispatch"},
-            LOOKUP_TASK: {"queue": "lookup", "routing_key": "lookup"},
-            SWEEP_TASK: {"queue": "reconcile", "routing_key": "reconcile"},
-            ESCALATE_TASK: {"queue": "human", "routing_key": "human"},
+            DISPATCH_TASK: {"queue": "dispatch"},
+            LOOKUP_TASK: {"queue": "lookup"},
+            SWEEP_TASK: {"queue": "reconcile"},
+            ESCALATE_TASK: {"queue": "human"},
         },
+        # Remote control (Flower's buttons, `celery inspect`) and task events of their own:
+        # on a shared vhost another deployment's Flower neither sees nor commands these
+        # workers, and two workers named alike (celery@host) do not fight for one pidbox.
+        "control_exchange": f"outbox.{deployment}",
+        "event_exchange": f"outbox.{deployment}.celeryev",
+        OUTBOX_DEPLOYMENT_KEY: deployment,
         "task_time_limit": min(time_limit_s or MAX_TIME_LIMIT_S, MAX_TIME_LIMIT_S),
         "worker_hijack_root_logger": False,
         # Flower's task pages read these events; each costs a publish per task and state
@@ -116,7 +144,9 @@ class OutboxCelery(Celery):  # type: ignore[misc]
             [c.send_deadline_s + c.timeout_s for c in contracts if c is not None],
             settings.task_time_limit_slack,
         )
-        self.conf.update(celery_settings(settings, time_limit_s=limit))
+        self.conf.update(
+            celery_settings(settings, deployment=deployment_name(settings), time_limit_s=limit)
+        )
 
 
 app = OutboxCelery("outbox", include=["workers.tasks"])

@@ -68,7 +68,7 @@ class Outcome(enum.StrEnum):
 
     LOCK_BUSY = "lock_busy"  #: another component holds the operation: try again shortly
     DEFERRED = "deferred"  #: no time left in this message for a whole attempt: nothing written
-    GONE = "gone"  #: no such operation (deleted)
+    GONE = "gone"  #: no such operation (another deployment's, or deleted): logged, counted
     NOT_DUE = "not_due"  #: still backing off; the relay publishes it again when due
     NOT_PLANNED = "not_planned"  #: a duplicate message: someone already moved it on
     DISPATCHER_LOST = "dispatcher_lost"  #: found in `sent`: moved to `unknown`, not called
@@ -152,7 +152,7 @@ def _attempt(
     finish_by: float | None,
 ) -> DispatchReport:
     if found is None:
-        return DispatchReport(op_id, Outcome.GONE)
+        return _unknown_operation(conn, op_id)
     ready = _ready_to_send(conn, *found, registry)
     if isinstance(ready, DispatchReport):
         return ready
@@ -204,6 +204,19 @@ def _settle(
     if isinstance(result, NotSent):
         return _not_sent(conn, sent, contract, f"{result.reason} (checked before the first byte)")
     return _record_outcome(conn, sent, result, config)
+
+
+def _unknown_operation(conn: Connection, op_id: UUID) -> DispatchReport:
+    """A message for an operation this database does not have: another deployment's (a
+    broker queue shared by mistake) or one pruned since. Dropped, but never silently."""
+    log.warning(
+        "a dispatch message names %s, which is not in this database: another deployment's "
+        "message (do two share the broker's queues?), or an operation pruned since",
+        op_id,
+        extra={"action": "dispatch_unknown_operation", "operation_id": str(op_id)},
+    )
+    statements.notify_unknown_operation(conn, "dispatch")
+    return DispatchReport(op_id, Outcome.GONE)
 
 
 def _ready_to_send(  # noqa: PLR0911 -- one return per reason not to send, in order

@@ -142,8 +142,7 @@ class CeleryPublisher:
             DISPATCH_TASK,
             kwargs=kwargs,
             producer=producer,
-            queue="dispatch",
-            routing_key="dispatch",
+            queue="dispatch",  # the alias of this deployment's dispatch queue
             retry=False,
         )
 

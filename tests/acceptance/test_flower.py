@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from outbox import api
 from outbox.states import State
 from tests.acceptance.conftest import CLI, clean_environment, run_outbox
-from tests.celery_events import TaskEvents, types
+from tests.celery_events import TaskEvents, event_exchange, types
 from tests.processes import Services, wait_until
 from tests.tool_configs import TOOL
 
@@ -96,13 +96,13 @@ def test_flower_help_says_where_the_truth_is() -> None:
 @pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
 @pytest.mark.parametrize("task_events", ["true", "false"])
 def test_the_workers_send_task_events_only_when_told(
-    engine: Engine, services: Services, broker: str, task_events: str
+    engine: Engine, services: Services, broker: str, database_url: str, task_events: str
 ) -> None:
     """A real relay and worker: with OUTBOX_TASK_EVENTS on, the dispatch task's received,
     started and succeeded events reach Celery's event exchange (what Flower reads); off, the
     operation is confirmed just the same and no task event is sent."""
     wanted = {"task-sent", "task-received", "task-started", "task-succeeded"}
-    with TaskEvents(broker) as listener:
+    with TaskEvents(broker, event_exchange(database_url)) as listener:
         env = {"OUTBOX_TASK_EVENTS": task_events}
         services.start("worker", "worker", "-P", "threads", "-c", "2", env=env)
         services.start("relay", "relay", env=env)

@@ -16,6 +16,7 @@ from outbox import faults
 from outbox import statements as outbox_statements
 from outbox.config import load_settings
 from outbox.db import create_engine
+from outbox.deployment import deployment_name
 from outbox.errors import BrokerUnavailable
 from outbox.relay import Relay, RelayConfig
 from outbox.states import State
@@ -29,7 +30,7 @@ from workers.publish import CeleryPublisher
 def _app(database_url: str, broker_url: str | None) -> Celery:
     settings = load_settings(database_url=database_url, broker_url=broker_url)
     app = Celery("outbox-test")
-    app.conf.update(celery_settings(settings))
+    app.conf.update(celery_settings(settings, deployment=deployment_name(settings)))
     return app
 
 
@@ -130,13 +131,13 @@ def test_the_relay_announces_task_sent_events_only_when_task_events_are_on(
         database_url=database_url, broker_url=rabbitmq_url, task_events=task_events
     )
     app = Celery("outbox-test")
-    app.conf.update(celery_settings(settings))
+    app.conf.update(celery_settings(settings, deployment=deployment_name(settings)))
     _drain(app)
 
     def task_sent(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [event for event in events if event.get("type") == "task-sent"]
 
-    with TaskEvents(rabbitmq_url) as listener:
+    with TaskEvents(rabbitmq_url, app.conf.event_exchange) as listener:
         ops = [make_operation(engine, target=f"e{i}") for i in range(3)]
         assert make_relay(app).run_once().published == 3
         events = listener.collect(

@@ -197,11 +197,11 @@ def test_task_events_are_on_by_default_and_can_be_turned_off(
 ) -> None:
     """Flower's task events are sent unless OUTBOX_TASK_EVENTS turns them off, for the
     workers (received, started, succeeded) and the relay (sent) alike."""
-    on = celery_settings(load_settings())
+    on = celery_settings(load_settings(), deployment="unit")
     assert on["worker_send_task_events"] is True
     assert on["task_send_sent_event"] is True
     monkeypatch.setenv("OUTBOX_TASK_EVENTS", "false")
-    off = celery_settings(load_settings())
+    off = celery_settings(load_settings(), deployment="unit")
     assert off["worker_send_task_events"] is False
     assert off["task_send_sent_event"] is False
 
