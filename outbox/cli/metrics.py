@@ -31,8 +31,10 @@ def metrics_command(
 
     Each scrape reads the database: operations by state and tool, how long the oldest
     `planned`, `sent`, `unknown` and `needs_human` operation has waited, webhook deliveries,
-    and the transitions, escalations and dispatch latencies committed since the exporter
-    started. If the database is down a scrape still answers, with `outbox_database_up 0`.
+    the transitions, escalations and dispatch latencies committed since the exporter
+    started, and the messages workers dropped for operations not in this database (reported
+    on a NOTIFY channel while the exporter listens). If the database is down a scrape still
+    answers, with `outbox_database_up 0`.
     Metrics and suggested alert rules: docs/metrics.md. SIGTERM or Ctrl-C exits 0.
     """
     logs.configure(log_level.upper())

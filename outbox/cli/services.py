@@ -51,7 +51,7 @@ def relay_command(
     """
     # Deferred: the CLI sits above the workers layer and imports it only here.
     from outbox.relay import Relay, RelayConfig  # noqa: PLC0415
-    from workers.app import app  # noqa: PLC0415
+    from workers.app import OUTBOX_DEPLOYMENT_KEY, app  # noqa: PLC0415
     from workers.publish import CeleryPublisher  # noqa: PLC0415
 
     logs.configure(log_level.upper())
@@ -74,7 +74,11 @@ def relay_command(
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
-        log.info("relay %s started", relay.name, extra={"action": "relay_started"})
+        log.info(
+            "relay %s started",
+            relay.name,
+            extra={"action": "relay_started", "deployment": app.conf.get(OUTBOX_DEPLOYMENT_KEY)},
+        )
         relay.run_forever()
     log.info("relay stopped", extra={"action": "relay_stopped"})
 

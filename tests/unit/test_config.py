@@ -6,11 +6,19 @@ import os
 from pathlib import Path
 
 import pytest
+from celery import Celery
 
 from outbox.config import WEBHOOK_EVENT_NAMES, load_settings
 from outbox.errors import ConfigError
 from reconcilers.sweep import SweepConfig
-from workers.app import celery_settings
+from workers.app import (
+    DISPATCH_TASK,
+    ESCALATE_TASK,
+    LOOKUP_TASK,
+    QUEUES,
+    SWEEP_TASK,
+    celery_settings,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -211,3 +219,37 @@ def test_task_events_value_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OUTBOX_TASK_EVENTS", "sometimes")
     with pytest.raises(ConfigError, match="OUTBOX_TASK_EVENTS"):
         load_settings()
+
+
+def test_deployment_name_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OUTBOX_DEPLOYMENT takes a broker-safe name and refuses anything else, naming it."""
+    monkeypatch.setenv("OUTBOX_DEPLOYMENT", "prod-eu.1")
+    assert load_settings().deployment == "prod-eu.1"
+    for bad in ("two words", "-leading", "a" * 64, "", "x/y"):
+        monkeypatch.setenv("OUTBOX_DEPLOYMENT", bad)
+        with pytest.raises(ConfigError, match="OUTBOX_DEPLOYMENT"):
+            load_settings()
+
+
+def test_every_queue_and_exchange_is_the_deployments_own() -> None:
+    """Tasks route, and ``-Q`` selects, by kind to ``outbox.<deployment>.<kind>``; remote
+    control and events use exchanges of the deployment's own."""
+    settings = load_settings(broker_url="amqp://guest:guest@127.0.0.1:5672//")
+    app = Celery("unit")
+    app.conf.update(celery_settings(settings, deployment="east"))
+    routes = {
+        DISPATCH_TASK: "dispatch",
+        LOOKUP_TASK: "lookup",
+        SWEEP_TASK: "reconcile",
+        ESCALATE_TASK: "human",
+    }
+    for task, kind in routes.items():
+        assert app.amqp.router.route({}, task)["queue"].name == f"outbox.east.{kind}"
+        assert app.amqp.router.route({"queue": kind}, task)["queue"].name == f"outbox.east.{kind}"
+    assert sorted(app.amqp.queues) == sorted(f"outbox.east.{kind}" for kind in QUEUES)
+    app.amqp.queues.select(["dispatch", "lookup"])
+    assert sorted(app.amqp.queues.consume_from) == ["outbox.east.dispatch", "outbox.east.lookup"]
+    assert app.conf.control_exchange == "outbox.east"
+    assert app.conf.event_exchange == "outbox.east.celeryev"
+    west = celery_settings(settings, deployment="west")
+    assert not {q.name for q in west["task_queues"]} & set(app.amqp.queues)

@@ -1,0 +1,94 @@
+"""A message naming an operation this database does not have: a warning, a report, a count."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import Connection, Engine, text
+
+from outbox import statements
+from outbox.metrics import serve_metrics
+from reconcilers.lookup import LookupOutcome, lookup
+from tests.processes import wait_until
+from workers.dispatch import Outcome, dispatch
+
+COUNTER = "outbox_unknown_operation_messages_total"
+
+
+@pytest.fixture
+def listener(engine: Engine) -> Iterator[Connection]:
+    """A session listening on the workers' report channel, as the exporter does."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f"LISTEN {statements.UNKNOWN_OPERATION_CHANNEL}"))
+        yield conn
+        conn.execute(text("UNLISTEN *"))
+
+
+def _reports(conn: Connection) -> list[str]:
+    driver = conn.connection.driver_connection
+    return [notify.payload for notify in driver.notifies(timeout=2.0, stop_after=1)]  # type: ignore[union-attr]
+
+
+def test_a_dispatch_for_an_unknown_operation_is_a_warning_and_a_report(
+    engine: Engine, listener: Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """dispatch() of an id not in the database drops it with a warning naming it, and
+    reports it on the channel."""
+    op_id = uuid.uuid4()
+    with caplog.at_level(logging.WARNING, logger="workers.dispatch"):
+        report = dispatch(op_id, engine=engine)
+    assert report.outcome is Outcome.GONE
+    [warning] = [
+        r for r in caplog.records if getattr(r, "action", None) == "dispatch_unknown_operation"
+    ]
+    assert warning.levelno == logging.WARNING
+    assert getattr(warning, "operation_id", None) == str(op_id)
+    assert _reports(listener) == ["dispatch"]
+
+
+def test_a_lookup_for_an_unknown_operation_is_a_warning_and_a_report(
+    engine: Engine, listener: Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """lookup() of an id not in the database drops it with a warning naming it, and reports
+    it on the channel."""
+    op_id = uuid.uuid4()
+    with caplog.at_level(logging.WARNING, logger="reconcilers.lookup"):
+        report = lookup(op_id, engine=engine)
+    assert report.outcome is LookupOutcome.GONE
+    [warning] = [
+        r for r in caplog.records if getattr(r, "action", None) == "lookup_unknown_operation"
+    ]
+    assert getattr(warning, "operation_id", None) == str(op_id)
+    assert _reports(listener) == ["lookup"]
+
+
+def _counts(url: str) -> dict[str, float]:
+    return {
+        sample.labels["task"]: sample.value
+        for family in text_string_to_metric_families(httpx.get(url, timeout=5).text)
+        for sample in family.samples
+        if sample.name == COUNTER
+    }
+
+
+def test_the_exporter_counts_the_reports_by_task(engine: Engine) -> None:
+    """Each report heard while the exporter listens is counted by task, from 0."""
+    server = serve_metrics(engine, "127.0.0.1", 0)
+    try:
+        assert server.listener.listening.wait(10)
+        assert _counts(server.url) == {"dispatch": 0, "lookup": 0}
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            for task in ("dispatch", "dispatch", "lookup", "something-else"):
+                statements.notify_unknown_operation(conn, task)
+        wait_until(
+            lambda: _counts(server.url) == {"dispatch": 2, "lookup": 1, "other": 1},
+            timeout=10,
+            what="the reports counted",
+        )
+    finally:
+        server.shutdown()
