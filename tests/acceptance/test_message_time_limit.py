@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from outbox import api
 from outbox.config import load_settings
+from outbox.deployment import deployment_name
 from outbox.relay import OutboundMessage
 from outbox.testing import DeployService
 from tests.acceptance.conftest import clean_environment
@@ -54,8 +55,9 @@ def _enqueue_slow(engine: Engine) -> list[str]:
 
 
 def _publish_as_one_message(database_url: str, broker: str | None, ids: list[str]) -> None:
+    settings = load_settings(database_url=database_url, broker_url=broker)
     app = Celery("outbox-test")
-    app.conf.update(celery_settings(load_settings(database_url=database_url, broker_url=broker)))
+    app.conf.update(celery_settings(settings, deployment=deployment_name(settings)))
     publisher = CeleryPublisher(app, ops_per_message=OPERATIONS, spread=1)
     try:
         messages = [OutboundMessage(UUID(one), TOOL, "project-a") for one in ids]
