@@ -14,6 +14,8 @@ import hashlib
 MIGRATION_NAMESPACE = "outbox.migrate"
 #: One lock per operation: whoever holds it owns the operation's next move.
 OPERATION_NAMESPACE = "outbox.operation"
+#: Locks of the reconciler's periodic runs (one run of a kind at a time).
+RECONCILER_NAMESPACE = "outbox.reconciler"
 
 
 def advisory_key(namespace: str, name: str) -> int:
@@ -23,6 +25,8 @@ def advisory_key(namespace: str, name: str) -> int:
 
 
 MIGRATION_LOCK_KEY = advisory_key(MIGRATION_NAMESPACE, "schema")
+#: Held for the whole of one sweep: a second sweep that finds it taken returns at once.
+SWEEP_LOCK_KEY = advisory_key(RECONCILER_NAMESPACE, "sweep")
 
 #: Set in a pooled connection's ``info`` before a session-level advisory lock is asked for on
 #: it, removed once ``pg_advisory_unlock_all()`` ran there: while it is set, the pool's reset

@@ -1,19 +1,28 @@
-"""Thin Celery tasks of the reconciler, and the beat schedule that drives them."""
+"""Thin Celery tasks of the reconciler, and the beat schedule that drives them.
+
+Beat's messages carry no Celery ``expires`` (see :mod:`reconcilers.periodic`: a host's clock
+must not decide whether a run happens). On RabbitMQ they carry ``expiration`` instead, a
+time-to-live the broker measures on its own clock from the moment it queued the message:
+a periodic message no worker took within one interval is dropped, so the queue holds no
+backlog while the workers are down. The database broker ignores it: a backlog there is
+drained at the transport's pace, each message a sweep that finds little or nothing due.
+"""
 
 from __future__ import annotations
 
 import logging
-import random
 from uuid import UUID
 
 from celery import Task
 
 from outbox.config import get_settings
 from reconcilers.lookup import LookupOutcome, lookup
-from reconcilers.sweep import SweepConfig, Sweeper
+from reconcilers.periodic import sweep_once
+from reconcilers.sweep import SweepConfig
 from reconcilers.webhooks import WebhookDeliverer, deliver_one
 from workers import runtime
 from workers.app import ESCALATE_TASK, LOOKUP_TASK, SWEEP_TASK, app
+from workers.retry import retry_soon
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +39,7 @@ def lookup_task(self: Task, operation_id: str) -> str:
     """Ask the remote about one `unknown` operation."""
     report = lookup(operation_id, engine=runtime.engine())
     if report.outcome is LookupOutcome.LOCK_BUSY and self.request.retries < LOCK_BUSY_RETRIES:
-        raise self.retry(countdown=0.2 + random.random() * 0.3)  # noqa: S311
+        raise retry_soon(self)
     return report.outcome.value
 
 
@@ -40,12 +49,13 @@ def _request_lookup(operation_id: UUID) -> None:
 
 @app.task(name=SWEEP_TASK)  # type: ignore[untyped-decorator]
 def sweep_task() -> dict[str, int]:
-    """One sweep: lost dispatchers to `unknown`, due `unknown` rows routed."""
-    result = Sweeper(
-        runtime.engine(),
-        config=SweepConfig.from_settings(),
-        request_lookup=_request_lookup,
-    ).run_once()
+    """One sweep: lost dispatchers to `unknown`, due `unknown` rows routed; nothing if
+    another sweep is running (a backlog of messages, or a second beat)."""
+    result = sweep_once(
+        runtime.engine(), SweepConfig.from_settings(), request_lookup=_request_lookup
+    )
+    if result is None:
+        return {"skipped": 1}
     counts = dict(vars(result))
     if any(counts.values()):
         log.info("sweep: %s", counts, extra={"action": "sweep_done", **counts})
@@ -57,14 +67,15 @@ app.conf.beat_schedule = {
     "outbox-sweep": {
         "task": SWEEP_TASK,
         "schedule": get_settings().sweep_interval,
-        "options": {"queue": "reconcile", "expires": get_settings().sweep_interval},
+        # RabbitMQ's per-message time-to-live, never Celery's `expires`: see the docstring.
+        "options": {"queue": "reconcile", "expiration": get_settings().sweep_interval},
     },
     # Escalation webhooks due for (re)delivery: each row is also claimed with a lease, so
     # overlapping runs deliver nothing twice.
     "outbox-webhooks": {
         "task": ESCALATE_TASK,
         "schedule": WEBHOOK_INTERVAL_S,
-        "options": {"queue": "human", "expires": WEBHOOK_INTERVAL_S},
+        "options": {"queue": "human", "expiration": WEBHOOK_INTERVAL_S},
     },
 }
 

@@ -9,7 +9,9 @@ across an HTTP call, and a deliverer killed anywhere leaves its rows to be sent 
 the lease ends: delivery is at least once, with the same ``webhook-id`` every time.
 
 Every attempt is signed afresh with the ``standardwebhooks`` library (``webhook-id`` is the
-row id; ``webhook-timestamp`` and ``webhook-signature`` are computed at send time). A 2xx
+row id; ``webhook-timestamp`` and ``webhook-signature`` are computed at send time, the
+timestamp on the database's clock, not this host's: a receiver refuses a timestamp more than
+five minutes off its own clock, so a deliverer whose clock was off would never deliver). A 2xx
 answer delivers; anything else is retried with exponential backoff, and a row still failing
 ``give_up_after_s`` after it was written is abandoned (judged by the database's clock).
 """
@@ -19,8 +21,9 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timedelta
 from types import TracebackType
 from uuid import UUID
 
@@ -94,6 +97,14 @@ class DeliveryResult:
 NOTHING = DeliveryResult(0, 0, 0)
 
 
+def database_now(row: Claimed, config: DeliveryConfig, claimed_at: float) -> datetime:
+    """The time on the database's clock, read without a round trip: the instant ``row`` was
+    claimed (``claim_due`` set its lease to that plus ``lease_s``), advanced by the time this
+    process's monotonic clock has measured since ``claimed_at`` (its reading then)."""
+    at_claim = row.lease - timedelta(seconds=config.lease_s)
+    return at_claim + timedelta(seconds=time.monotonic() - claimed_at)
+
+
 def backoff_s(attempts: int, config: DeliveryConfig) -> float:
     """Seconds before the next try after ``attempts`` failed ones: doubling, jittered, capped."""
     base = config.min_backoff_s * 2.0 ** min(max(attempts - 1, 0), 32)
@@ -144,18 +155,24 @@ class WebhookDeliverer:
             claimed = webhooks.claim_due(
                 conn, limit=self.config.batch_size, lease_s=self.config.lease_s, only=only
             )
+        # The claim's own instant on the database clock (its lease ends lease_s after it),
+        # and this process's monotonic clock then: each POST's timestamp is the one plus the
+        # time measured since on the other.
+        claimed_at = time.monotonic()
         if claimed:
             faults.point("webhook_after_claim")
-        outcomes = [self._attempt(self.endpoint, row) for row in claimed]
+        outcomes = [self._attempt(self.endpoint, row, claimed_at) for row in claimed]
         return DeliveryResult(
             delivered=outcomes.count(DeliveryStatus.DELIVERED),
             retried=outcomes.count(DeliveryStatus.PENDING),
             abandoned=outcomes.count(DeliveryStatus.ABANDONED),
         )
 
-    def _attempt(self, endpoint: Endpoint, row: Claimed) -> DeliveryStatus | None:
+    def _attempt(
+        self, endpoint: Endpoint, row: Claimed, claimed_at: float
+    ) -> DeliveryStatus | None:
         """POST one claimed row and record the outcome; ``None`` if its lease was lost."""
-        status, error = self._post(endpoint, row)
+        status, error = self._post(endpoint, row, database_now(row, self.config, claimed_at))
         faults.point("webhook_after_send")
         retry_in = backoff_s(row.attempts + 1, self.config)
         with self.engine.begin() as conn:
@@ -174,12 +191,15 @@ class WebhookDeliverer:
         _log_outcome(endpoint, row, outcome, http_status=status, error=error, retry_in=retry_in)
         return outcome[0] if outcome is not None else None
 
-    def _post(self, endpoint: Endpoint, row: Claimed) -> tuple[int | None, str | None]:
-        """One signed POST: (HTTP status or ``None``, error or ``None`` when 2xx)."""
+    def _post(
+        self, endpoint: Endpoint, row: Claimed, now: datetime
+    ) -> tuple[int | None, str | None]:
+        """One signed POST at ``now`` (database clock): (HTTP status or ``None``, error or
+        ``None`` when 2xx)."""
         # The receiver compares this with its own clock to refuse replays, so it is taken
         # now, for this attempt: a retry days later must not carry the first try's time.
         # It decides nothing on our side (backoff and give-up are judged by the database).
-        sent_at = datetime.now(UTC).replace(microsecond=0)
+        sent_at = now.replace(microsecond=0)
         msg_id = str(row.id)
         headers = {
             "webhook-id": msg_id,

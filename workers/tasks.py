@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
 import time
 
 from celery import Task
@@ -12,6 +11,7 @@ from workers import runtime
 from workers.app import DISPATCH_TASK, app
 from workers.dispatch import Outcome, dispatch
 from workers.locking import DispatchLocks
+from workers.retry import retry_soon
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +85,7 @@ def dispatch_task(
         hand_back(self, deferred)
     if busy:
         if self.request.retries < LOCK_BUSY_RETRIES:
-            raise self.retry(
-                kwargs={"operation_ids": busy},
-                countdown=0.2 + random.random() * 0.3,  # noqa: S311
-            )
+            raise retry_soon(self, kwargs={"operation_ids": busy})
         for one in busy:
             log.info(
                 "dropping a message for %s: its lock stayed busy",
