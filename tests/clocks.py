@@ -56,6 +56,20 @@ def moved_clock(offset_s: int, library: Path) -> dict[str, str]:
     }
 
 
+def movable_clock(offset_file: Path, offset_s: int, library: Path) -> dict[str, str]:
+    """Like :func:`moved_clock`, but the offset is read from ``offset_file`` at every clock
+    read, so the test can step the clock of the running process (:func:`step_clock`)."""
+    step_clock(offset_file, offset_s)
+    env = moved_clock(offset_s, library)
+    del env["FAKETIME"]  # libfaketime prefers it to the file
+    return env | {"FAKETIME_TIMESTAMP_FILE": str(offset_file), "FAKETIME_NO_CACHE": "1"}
+
+
+def step_clock(offset_file: Path, offset_s: int) -> None:
+    """Set the offset of the processes started with :func:`movable_clock` on ``offset_file``."""
+    offset_file.write_text(f"{offset_s:+d}s", encoding="utf-8")
+
+
 def measured_offset(env: Mapping[str, str]) -> float:
     """How far ahead of this process's clock a Python process started with ``env`` reads
     the time (negative: behind), after checking that it can still sleep."""

@@ -30,11 +30,11 @@ from outbox.deployment import deployment_name
 from outbox.locks import operation_lock_key
 from outbox.states import State
 from outbox.testing import DeployService
-from tests.clocks import libfaketime, measured_offset, moved_clock
+from tests.clocks import libfaketime, measured_offset, movable_clock, moved_clock, step_clock
 from tests.factories import age, make_operation
 from tests.processes import Services, wait_until
 from tests.tool_configs import TOOL, http_tool_toml
-from workers.app import LOOKUP_TASK, celery_settings
+from workers.app import BROKER_MESSAGE_TABLE, LOOKUP_TASK, celery_settings
 
 pytestmark = pytest.mark.slow
 
@@ -292,4 +292,43 @@ def test_a_lookup_put_back_by_a_worker_ahead_runs_at_once_on_a_worker_behind(
         timeout=30,
         interval=0.5,
         what="the worker behind to run the lookup and confirm the operation",
+    )
+
+
+def _published(engine: Engine) -> int:
+    """Messages beat has published on the database broker so far."""
+    with engine.connect() as conn:
+        if conn.execute(text("SELECT to_regclass(:t)"), {"t": BROKER_MESSAGE_TABLE}).scalar():
+            return int(
+                conn.execute(text(f"SELECT count(*) FROM {BROKER_MESSAGE_TABLE}")).scalar_one()
+            )
+    return 0
+
+
+@pytest.mark.parametrize("broker", ["database"], indirect=True)
+def test_beat_keeps_its_schedule_when_its_clock_is_set_back(
+    engine: Engine, services: Services, tmp_path: Path
+) -> None:
+    """Beat's clock set back ten minutes, while it runs and then across a restart (its stored
+    schedule says it last ran ten minutes ahead), delays none of its runs."""
+    library = libfaketime()
+    offset = tmp_path / "faketime"
+    clock = movable_clock(offset, SKEW_S, library)
+    assert abs(measured_offset(clock) - SKEW_S) < 5, "libfaketime did not move the clock"
+    beat = services.start("beat", "beat", env=clock)
+    wait_until(lambda: _published(engine) >= 3, timeout=60, what="beat's first runs")
+    step_clock(offset, -SKEW_S)  # the host's clock steps back ten minutes
+    before = _published(engine)
+    wait_until(
+        lambda: _published(engine) >= before + 3,
+        timeout=20,
+        what="beat to run on after its clock stepped back",
+    )
+    beat.stop()
+    before = _published(engine)
+    services.start("beat-again", "beat", env=clock)
+    wait_until(
+        lambda: _published(engine) >= before + 3,
+        timeout=60,
+        what="beat, restarted with its clock behind its stored schedule, to run",
     )
