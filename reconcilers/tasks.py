@@ -11,9 +11,11 @@ drained at the transport's pace, each message a sweep that finds little or nothi
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from uuid import UUID
 
 from celery import Task
+from celery.schedules import schedule
 
 from outbox.config import get_settings
 from reconcilers.lookup import LookupOutcome, lookup
@@ -22,6 +24,7 @@ from reconcilers.sweep import SweepConfig
 from reconcilers.webhooks import WebhookDeliverer, deliver_one
 from workers import runtime
 from workers.app import ESCALATE_TASK, LOOKUP_TASK, SWEEP_TASK, app
+from workers.beat import steady_now
 from workers.retry import retry_soon
 
 log = logging.getLogger(__name__)
@@ -66,7 +69,7 @@ app.conf.beat_schedule = {
     **(app.conf.beat_schedule or {}),
     "outbox-sweep": {
         "task": SWEEP_TASK,
-        "schedule": get_settings().sweep_interval,
+        "schedule": schedule(timedelta(seconds=get_settings().sweep_interval), nowfun=steady_now),
         # RabbitMQ's per-message time-to-live, never Celery's `expires`: see the docstring.
         "options": {"queue": "reconcile", "expiration": get_settings().sweep_interval},
     },
@@ -74,7 +77,7 @@ app.conf.beat_schedule = {
     # overlapping runs deliver nothing twice.
     "outbox-webhooks": {
         "task": ESCALATE_TASK,
-        "schedule": WEBHOOK_INTERVAL_S,
+        "schedule": schedule(timedelta(seconds=WEBHOOK_INTERVAL_S), nowfun=steady_now),
         "options": {"queue": "human", "expiration": WEBHOOK_INTERVAL_S},
     },
 }
