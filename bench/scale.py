@@ -137,6 +137,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import Connection, Engine, event, text
 from sqlalchemy.engine.interfaces import DBAPICursor
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from outbox import api, statements
@@ -1190,22 +1191,7 @@ class Soak:
 
     def _dispatch(self, conn: Connection, op_id: UUID) -> None:
         fate = op_id.int % 100
-        try:
-            with conn.begin():
-                found = statements.get_for_dispatch(conn, op_id)
-                if found is None or found[0].state is not State.PLANNED:
-                    return  # a duplicate message: the row moved on
-                statements.require_synchronous_commit(conn)
-                transition(
-                    conn,
-                    op_id,
-                    from_state=State.PLANNED,
-                    to_state=State.SENT,
-                    actor=Actor.DISPATCHER,
-                    reason="dispatching attempt 1",
-                    attempt=0,
-                )
-        except StaleTransition:
+        if not self._mark_sent(conn, op_id):
             return
         if fate == 0:
             return  # the dispatcher died after its `sent` commit: the sweep finds it
@@ -1236,6 +1222,36 @@ class Soak:
                     ),
                 )
         self.recorder.done()
+
+    def _mark_sent(self, conn: Connection, op_id: UUID) -> bool:
+        """``planned -> sent`` as the dispatcher makes it: the move never waits on a row lock
+        (a relay's open claim), so a busy row is waited for outside it and the move retried."""
+        for _ in range(3):
+            try:
+                with conn.begin():
+                    found = statements.get_for_dispatch(conn, op_id)
+                    if found is None or found[0].state is not State.PLANNED:
+                        return False  # a duplicate message: the row moved on
+                    statements.require_synchronous_commit(conn)
+                    transition(
+                        conn,
+                        op_id,
+                        from_state=State.PLANNED,
+                        to_state=State.SENT,
+                        actor=Actor.DISPATCHER,
+                        reason="dispatching attempt 1",
+                        attempt=0,
+                    )
+            except StaleTransition:
+                return False
+            except DBAPIError as exc:
+                if not statements.is_row_lock_busy(exc):
+                    raise
+                with conn.begin():
+                    statements.wait_for_row_lock(conn, op_id, timeout_s=5.0)
+                continue
+            return True
+        return False  # held three times over: the relay publishes it again
 
     def _sweep_loop(self) -> None:
         while not self.stop.wait(5.0):

@@ -73,6 +73,7 @@ STAGES: dict[str, Stage] = {
     "relay_before_publish": Stage.RELAY,
     "relay_after_publish": Stage.RELAY,
     "relay_after_commit": Stage.RELAY,
+    "lock_granted": Stage.DISPATCH,  # the first lock a stack takes is a dispatcher's
     "after_lock": Stage.DISPATCH,
     "after_sent_commit": Stage.DISPATCH,
     "after_call": Stage.DISPATCH,
