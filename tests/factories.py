@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from uuid import UUID
 
@@ -156,3 +158,29 @@ def mark_published(engine: Engine, operation_id: UUID) -> None:
             text("UPDATE outbox.operations SET published_at = clock_timestamp() WHERE id = :id"),
             {"id": operation_id},
         )
+
+
+@contextmanager
+def poisoned_updates(engine: Engine, when: str) -> Iterator[None]:
+    """While the block runs, any update that leaves an operation row matching ``when`` (an SQL
+    condition on ``NEW``) raises "poisoned row": a write that fails for a reason of its own,
+    as a broken row, a CHECK or a too-long value would."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE OR REPLACE FUNCTION public.outbox_test_poison() RETURNS trigger "
+                "LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'poisoned row'; END $$"
+            )
+        )
+        conn.execute(
+            text(
+                "CREATE TRIGGER outbox_test_poison BEFORE UPDATE ON outbox.operations "
+                f"FOR EACH ROW WHEN ({when}) EXECUTE FUNCTION public.outbox_test_poison()"
+            )
+        )
+    try:
+        yield
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP TRIGGER outbox_test_poison ON outbox.operations"))
+            conn.execute(text("DROP FUNCTION public.outbox_test_poison()"))

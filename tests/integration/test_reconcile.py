@@ -11,7 +11,7 @@ from typing import Any
 from uuid import UUID
 
 import pytest
-from sqlalchemy import Engine, event, text
+from sqlalchemy import Engine, event
 
 from outbox import statements
 from outbox.contracts import ContractTable
@@ -22,7 +22,7 @@ from outbox.states import Actor, Effects, State, transition
 from outbox.testing import DeployService
 from reconcilers.lookup import LookupOutcome, lookup
 from reconcilers.sweep import SweepConfig, Sweeper, SweepResult
-from tests.factories import age, events_of, make_operation, reload
+from tests.factories import age, events_of, make_operation, poisoned_updates, reload
 from tests.tool_configs import http_registry
 from workers.dispatch import Outcome, dispatch
 from workers.tools import Applied, DispatchResult, LookupResult, ToolCall, ToolRegistry, tool
@@ -391,26 +391,8 @@ def test_an_unknown_tool_is_escalated_by_the_sweep_and_by_a_lookup(
 def _poisoned(engine: Engine, *op_ids: UUID) -> Iterator[None]:
     """Any update that leaves one of ``op_ids`` in `unknown` raises, as a broken row would."""
     ids = ", ".join(f"'{op_id}'" for op_id in op_ids)
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "CREATE OR REPLACE FUNCTION public.outbox_test_poison() RETURNS trigger "
-                "LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'poisoned row'; END $$"
-            )
-        )
-        conn.execute(
-            text(
-                "CREATE TRIGGER outbox_test_poison BEFORE UPDATE ON outbox.operations "
-                f"FOR EACH ROW WHEN (NEW.id IN ({ids}) AND NEW.state = 'unknown') "
-                "EXECUTE FUNCTION public.outbox_test_poison()"
-            )
-        )
-    try:
+    with poisoned_updates(engine, f"NEW.id IN ({ids}) AND NEW.state = 'unknown'"):
         yield
-    finally:
-        with engine.begin() as conn:
-            conn.execute(text("DROP TRIGGER outbox_test_poison ON outbox.operations"))
-            conn.execute(text("DROP FUNCTION public.outbox_test_poison()"))
 
 
 def test_one_poisoned_row_does_not_stop_the_sweep(

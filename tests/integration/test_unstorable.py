@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from outbox import storable
 from outbox.contracts import ContractTable
 from outbox.states import State
 from reconcilers.lookup import LookupOutcome, lookup
-from tests.factories import events_of, make_operation, reload
+from tests.factories import events_of, make_operation, poisoned_updates, reload
 from tests.tool_configs import http_registry
 from workers.dispatch import Outcome, dispatch
 from workers.tools import Ambiguous, DispatchResult, ToolCall, ToolRegistry, close_thread_loop, tool
@@ -81,28 +81,9 @@ def answers() -> Iterator[tuple[Answers, str]]:
 
 @pytest.fixture
 def poison(engine: Engine) -> Iterator[None]:
-    """Refuses any update that leaves an operation row with ``remote_ref = 'poison'``: a write
-    that fails for a reason of its own (as a CHECK or a too-long value would)."""
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "CREATE OR REPLACE FUNCTION public.outbox_test_poison() RETURNS trigger "
-                "LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'poisoned row'; END $$"
-            )
-        )
-        conn.execute(
-            text(
-                "CREATE TRIGGER outbox_test_poison BEFORE UPDATE ON outbox.operations "
-                "FOR EACH ROW WHEN (NEW.remote_ref = 'poison') "
-                "EXECUTE FUNCTION public.outbox_test_poison()"
-            )
-        )
-    try:
+    """Refuses any update that leaves an operation row with ``remote_ref = 'poison'``."""
+    with poisoned_updates(engine, "NEW.remote_ref = 'poison'"):
         yield
-    finally:
-        with engine.begin() as conn:
-            conn.execute(text("DROP TRIGGER outbox_test_poison ON outbox.operations"))
-            conn.execute(text("DROP FUNCTION public.outbox_test_poison()"))
 
 
 # --- lookups ---------------------------------------------------------------------------------
