@@ -150,6 +150,15 @@ def rabbitmq_url() -> Iterator[str]:
     subprocess.run([ctl, "delete_vhost", vhost], check=False, capture_output=True)
 
 
+@pytest.fixture(params=["rabbitmq", "database"])
+def broker(request: pytest.FixtureRequest) -> str | None:
+    """The broker URL: a RabbitMQ vhost's, or ``None`` for the database broker (a test
+    picks one with ``@pytest.mark.parametrize("broker", [...], indirect=True)``)."""
+    if request.param == "rabbitmq":
+        return str(request.getfixturevalue("rabbitmq_url"))
+    return None
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]

@@ -76,14 +76,6 @@ def service() -> Iterator[DeployService]:
         yield running
 
 
-@pytest.fixture(params=["rabbitmq", "database"])
-def broker(request: pytest.FixtureRequest) -> str | None:
-    """The broker URL: a RabbitMQ vhost, or None for the database broker."""
-    if request.param == "rabbitmq":
-        return str(request.getfixturevalue("rabbitmq_url"))
-    return None
-
-
 @pytest.fixture
 def stack_env(
     database_url: str, broker: str | None, service: DeployService, tmp_path: Path

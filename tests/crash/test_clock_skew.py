@@ -121,14 +121,6 @@ def service() -> Iterator[DeployService]:
         yield running
 
 
-@pytest.fixture(params=["rabbitmq", "database"])
-def broker(request: pytest.FixtureRequest) -> str | None:
-    """A RabbitMQ vhost's URL, or ``None`` for the database broker."""
-    if request.param == "rabbitmq":
-        return str(request.getfixturevalue("rabbitmq_url"))
-    return None
-
-
 @pytest.fixture
 def services(
     database_url: str,
