@@ -7,8 +7,6 @@ FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY outbox ./outbox
-COPY workers ./workers
-COPY reconcilers ./reconcilers
 RUN python -m pip wheel --no-cache-dir --disable-pip-version-check --no-deps \
         --wheel-dir /wheels .
 
@@ -24,7 +22,7 @@ RUN groupadd --system --gid 10001 outbox \
         --shell /usr/sbin/nologin outbox \
     && install -d -o outbox -g outbox -m 0750 /var/lib/outbox
 COPY --from=build /wheels /tmp/wheels
-RUN python -m pip install /tmp/wheels/*.whl && rm -rf /tmp/wheels
+RUN python -m pip install "$(ls /tmp/wheels/*.whl)[all]" && rm -rf /tmp/wheels
 
 USER outbox
 WORKDIR /var/lib/outbox

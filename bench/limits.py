@@ -13,9 +13,9 @@ Our own statements, as our code issues them (SQLAlchemy, ``outbox.statements``):
 * the ``sent`` compare-and-set: ``outbox.states.transition`` planned→sent with
   ``synchronous_commit=on`` and its COMMIT, as the dispatcher makes it, on 1 and N connections;
 * the advisory lock round trip: ``statements.try_lock`` + ``statements.unlock`` (autocommit);
-* ``workers.locking.operation_lock`` entered and left, as ``dispatch()`` takes it (pool
+* ``outbox.workers.locking.operation_lock`` entered and left, as ``dispatch()`` takes it (pool
   checkout with pre-ping, lock, commit, rollback, unlock_all, commit);
-* ``workers.dispatch.dispatch()`` with a Python tool that does nothing: every statement a
+* ``outbox.workers.dispatch.dispatch()`` with a Python tool that does nothing: every statement a
   worker makes for one operation, without the broker or an HTTP call, on N threads.
 
 RabbitMQ (a throw-away vhost; skipped when there is no RabbitMQ):
@@ -296,8 +296,8 @@ class Limits:
         return _in_threads(1, self.ops, setup)
 
     def operation_lock(self) -> float:
-        """``workers.locking.operation_lock`` entered and left, as dispatch() does it."""
-        from workers.locking import operation_lock  # noqa: PLC0415 -- the workers layer
+        """``outbox.workers.locking.operation_lock`` entered and left, as dispatch() does it."""
+        from outbox.workers.locking import operation_lock  # noqa: PLC0415 -- the workers layer
 
         ids = [uuid.uuid4() for _ in range(self.ops)]
 
@@ -313,10 +313,10 @@ class Limits:
 
     def dispatch_noop(self, threads: int) -> float:
         """``dispatch()`` with a tool that returns Applied at once: the worker's DB path."""
-        from workers.dispatch import Outcome, dispatch  # noqa: PLC0415
-        from workers.tools.python import tool  # noqa: PLC0415
-        from workers.tools.registry import ToolRegistry  # noqa: PLC0415
-        from workers.tools.results import Applied, DispatchResult  # noqa: PLC0415
+        from outbox.tools.python import tool  # noqa: PLC0415
+        from outbox.tools.registry import ToolRegistry  # noqa: PLC0415
+        from outbox.tools.results import Applied, DispatchResult  # noqa: PLC0415
+        from outbox.workers.dispatch import Outcome, dispatch  # noqa: PLC0415
 
         registry = ToolRegistry(contracts=ContractTable())
 
@@ -392,8 +392,8 @@ def relay_publisher(url: str, messages: int, batch: int = 200) -> float:
 
     from outbox.config import load_settings  # noqa: PLC0415
     from outbox.relay import OutboundMessage  # noqa: PLC0415
-    from workers.app import celery_settings  # noqa: PLC0415
-    from workers.publish import CeleryPublisher  # noqa: PLC0415
+    from outbox.workers.app import celery_settings  # noqa: PLC0415
+    from outbox.workers.publish import CeleryPublisher  # noqa: PLC0415
 
     app = Celery("bench-relay")
     app.conf.update(celery_settings(load_settings(broker_url=url), deployment="bench-limits"))

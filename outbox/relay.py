@@ -52,7 +52,7 @@ class OutboundMessage:
 
 
 class Publisher(Protocol):
-    """Sends dispatch messages to the broker (implemented in ``workers.publish``)."""
+    """Sends dispatch messages to the broker (implemented in ``outbox.workers.publish``)."""
 
     def publish(self, messages: Sequence[OutboundMessage]) -> set[UUID]:
         """Publish ``messages``; return the ids the broker confirmed (may be a subset).

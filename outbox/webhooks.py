@@ -3,7 +3,7 @@
 :func:`record_for_move` runs inside :func:`outbox.states.transition`, in the caller's
 transaction: a move and its delivery rows commit together or not at all, so a committed
 escalation cannot lose its webhook and a rolled-back one never sends one. The deliverer
-(``reconcilers.webhooks``) sends the rows later, signed per Standard Webhooks; the row's id
+(``outbox.reconcilers.webhooks``) sends the rows later, signed per Standard Webhooks; the row's id
 is the ``webhook-id``, the same on every retry, so receivers can deduplicate.
 
 A message never carries a secret, nor the operation's payload (it may hold personal data):
@@ -23,7 +23,6 @@ from urllib.parse import urlsplit
 from uuid import UUID
 
 from sqlalchemy import insert, select, text
-from standardwebhooks import Webhook
 
 from outbox import storable
 from outbox.config import Settings, get_settings
@@ -178,7 +177,9 @@ class Endpoint:
 
     # Kept out of repr: receivers often put a token in the URL's path or query.
     url: str = field(repr=False)
-    signer: Webhook = field(repr=False)
+    #: The ``whsec_`` signing secret, validated; the deliverer signs with it
+    #: (``standardwebhooks``, in the ``[worker]`` extra: the core only records rows).
+    secret: str = field(repr=False)
 
     @property
     def host(self) -> str:
@@ -221,7 +222,7 @@ def check_settings(settings: Settings) -> Endpoint | None:
             "invalid configuration: OUTBOX_WEBHOOK_SECRET: must be 'whsec_' followed by the "
             f"base64 of at least {MIN_SECRET_BYTES} random bytes (see docs/webhooks.md)"
         )
-    return Endpoint(url=str(settings.webhook_url), signer=Webhook(secret))
+    return Endpoint(url=str(settings.webhook_url), secret=secret)
 
 
 # --- statements ----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from kombu import Connection, Exchange, Queue
 
 from outbox.config import load_settings
 from outbox.deployment import deployment_name
-from workers.app import celery_settings
+from outbox.workers.app import celery_settings
 
 Event = dict[str, Any]
 

@@ -21,8 +21,8 @@ from sqlalchemy.orm import Session
 
 from outbox import embedded, migrate
 from outbox.db import create_engine
-from workers.app import BROKER_MESSAGE_TABLE
-from workers.tools import close_thread_loop
+from outbox.tools import close_thread_loop
+from outbox.workers.app import BROKER_MESSAGE_TABLE
 
 REPO = Path(__file__).resolve().parent.parent
 

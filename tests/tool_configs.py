@@ -7,8 +7,8 @@ from typing import Any
 
 from outbox.contracts import ContractTable
 from outbox.testing.tool_config import TOOL, http_tool_toml
-from workers.tools import ToolRegistry
-from workers.tools.http import load_http_tools
+from outbox.tools import ToolRegistry
+from outbox.tools.http import load_http_tools
 
 __all__ = ["TOOL", "http_registry", "http_tool_toml"]
 

@@ -84,7 +84,7 @@ def dedup_windows() -> DedupWindows:
     """The registered tools' dedup windows (``OUTBOX_TOOLS``, ``OUTBOX_CONFIG``): prune keeps
     an operation inside its tool's window, and every operation of a tool not registered."""
     # Deferred: the CLI sits above the workers layer and imports it only where needed.
-    from workers.tools import load_tools  # noqa: PLC0415
+    from outbox.tools import load_tools  # noqa: PLC0415
 
     try:
         load_tools()

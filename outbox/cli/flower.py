@@ -58,8 +58,7 @@ def flower_command(
         )
     if basic_auth and not _CREDENTIALS.match(basic_auth):
         fail("basic auth credentials must look like user:password (comma-separated for several)")
-    # Deferred: the CLI sits above the workers layer and imports Celery only here.
-    from outbox.cli.services import celery_app  # noqa: PLC0415
+    from outbox.cli.services import celery_app  # noqa: PLC0415 -- needs the [worker] extra
 
     settings = get_settings()
     if settings.broker_url is None:
@@ -72,7 +71,7 @@ def flower_command(
             "warning: OUTBOX_TASK_EVENTS is off: Flower will list workers and queues but "
             "no tasks (unset it, or set it to true, for the relay and the workers)"
         )
-    app = celery_app()
+    app = celery_app("flower")
     argv = ["flower", f"--address={address}", f"--port={port}"]
     if url_prefix:
         argv.append(f"--url_prefix={url_prefix}")

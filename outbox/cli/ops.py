@@ -173,7 +173,7 @@ def resolve_command(
 def _load_tools() -> None:
     """Register the tools' contracts, so a resolution knows each tool's in-flight horizon."""
     # Deferred: the CLI sits above the workers layer and imports it only where needed.
-    from workers.tools import load_tools  # noqa: PLC0415
+    from outbox.tools import load_tools  # noqa: PLC0415
 
     try:
         load_tools()

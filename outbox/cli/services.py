@@ -11,6 +11,7 @@ import typer
 
 from outbox import logs
 from outbox.cli.common import connected, require_schema
+from outbox.cli.extras import needs_extra
 from outbox.config import get_settings
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,10 @@ def relay_command(
     with its own lock and attempt; a batch still goes out as at least 16 messages when it
     has that many operations. SIGTERM or Ctrl-C finishes the current batch and exits 0.
     """
-    # Deferred: the CLI sits above the workers layer and imports it only here.
-    from outbox.relay import Relay, RelayConfig  # noqa: PLC0415
-    from workers.app import OUTBOX_DEPLOYMENT_KEY, app  # noqa: PLC0415
-    from workers.publish import CeleryPublisher  # noqa: PLC0415
+    with needs_extra("worker", "relay"):
+        from outbox.relay import Relay, RelayConfig  # noqa: PLC0415 -- see celery_app()
+        from outbox.workers.app import OUTBOX_DEPLOYMENT_KEY, app  # noqa: PLC0415
+        from outbox.workers.publish import CeleryPublisher  # noqa: PLC0415
 
     logs.configure(log_level.upper())
     require_schema()
@@ -83,13 +84,14 @@ def relay_command(
     log.info("relay stopped", extra={"action": "relay_stopped"})
 
 
-def celery_app() -> Any:
-    """The outbox Celery app with every task registered (workers' and reconcilers')."""
-    # Deferred: the CLI sits above the workers and reconcilers layers.
-    from workers.app import app  # noqa: PLC0415
+def celery_app(command: str) -> Any:
+    """The outbox Celery app with every task registered (:mod:`outbox.cli.celery_app`).
 
-    app.loader.import_default_modules()
-    app.loader.import_module("reconcilers.tasks")
+    Imported here, not at the top: the workers and reconcilers layers need the ``[worker]``
+    extra, and ``outbox --help`` or ``outbox enqueue`` must work without it.
+    """
+    with needs_extra("worker", command):
+        from outbox.cli.celery_app import app  # noqa: PLC0415 -- see the docstring
     return app
 
 
@@ -101,13 +103,13 @@ def beat_command(
     Run exactly one beat per deployment (a second one only doubles harmless sweeps). Its
     schedule state lives in OUTBOX_HOME/celerybeat-schedule.
     """
-    app = celery_app()
+    app = celery_app("beat")
     logs.configure(log_level.upper())
     require_schema()
     home = get_settings().home
     home.mkdir(parents=True, exist_ok=True)
     schedule = str(home / "celerybeat-schedule")
-    scheduler = "workers.beat:RecoveringScheduler"  # reconnects after a broker outage
+    scheduler = "outbox.workers.beat:RecoveringScheduler"  # reconnects after a broker outage
     app.start(["beat", "-l", log_level, "-s", schedule, "-S", scheduler])
 
 
@@ -136,7 +138,7 @@ def worker_command(
     Tools come from OUTBOX_TOOLS (Python modules) and OUTBOX_CONFIG (HTTP tools in TOML).
     By default one worker consumes every queue; split them across workers with -Q.
     """
-    app = celery_app()
+    app = celery_app("worker")
     logs.configure(log_level.upper())
     require_schema()
     argv = ["worker", "-Q", queues, "-c", str(concurrency), "-P", pool, "-l", log_level]

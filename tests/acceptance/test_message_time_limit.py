@@ -17,11 +17,11 @@ from outbox.config import load_settings
 from outbox.deployment import deployment_name
 from outbox.relay import OutboundMessage
 from outbox.testing import DeployService
+from outbox.workers.app import celery_settings
+from outbox.workers.publish import CeleryPublisher
 from tests.acceptance.conftest import clean_environment
 from tests.processes import Services, wait_until
 from tests.tool_configs import TOOL, http_tool_toml
-from workers.app import celery_settings
-from workers.publish import CeleryPublisher
 
 pytestmark = pytest.mark.slow
 

@@ -22,11 +22,11 @@ from outbox.config import load_settings
 from outbox.db import create_engine
 from outbox.deployment import deployment_name
 from outbox.testing import DeployService
+from outbox.workers.app import DISPATCH_TASK, LOOKUP_TASK, celery_settings
 from tests.acceptance.conftest import clean_environment
 from tests.conftest import Databases
 from tests.processes import Services, wait_until
 from tests.tool_configs import TOOL, http_tool_toml
-from workers.app import DISPATCH_TASK, LOOKUP_TASK, celery_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -30,11 +30,11 @@ from outbox.deployment import deployment_name
 from outbox.locks import operation_lock_key
 from outbox.states import State
 from outbox.testing import DeployService
+from outbox.workers.app import BROKER_MESSAGE_TABLE, LOOKUP_TASK, celery_settings
 from tests.clocks import libfaketime, measured_offset, movable_clock, moved_clock, step_clock
 from tests.factories import age, make_operation
 from tests.processes import Services, wait_until
 from tests.tool_configs import TOOL, http_tool_toml
-from workers.app import BROKER_MESSAGE_TABLE, LOOKUP_TASK, celery_settings
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ from outbox import migrate
 from outbox.db import create_engine
 from outbox.testing.pgcluster import LocalCluster
 from outbox.testing.stack import Services
+from outbox.workers.app import BROKER_MESSAGE_TABLE
 from tests.processes import wait_until
-from workers.app import BROKER_MESSAGE_TABLE
 
 pytestmark = pytest.mark.slow
 

@@ -300,7 +300,7 @@ def _strand_a_zombie(stack: Stack, *, slow_requests: int) -> tuple[str, Service]
     return op_id, zombie
 
 
-#: Celery's line for a finished dispatch task, with what :func:`workers.dispatch.dispatch`
+#: Celery's line for a finished dispatch task, with what :func:`outbox.workers.dispatch.dispatch`
 #: reported: ``late`` when its outcome write missed and became an event.
 _TASK_ENDED = re.compile(r"outbox\.dispatch\[[^\]]+\] (?:succeeded in \S+: '(\w+)'|raised)")
 

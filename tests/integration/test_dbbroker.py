@@ -14,8 +14,8 @@ import pytest
 from sqlalchemy import text
 
 from outbox.db import create_engine
+from outbox.workers.app import BROKER_MESSAGE_TABLE, BROKER_QUEUE_TABLE
 from tests.conftest import Databases
-from workers.app import BROKER_MESSAGE_TABLE, BROKER_QUEUE_TABLE
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 OPEN_AT_ONCE = """
 import sys, time
 from kombu import Connection, Queue
-import workers.dbbroker
+import outbox.workers.dbbroker
 start, url, name = float(sys.argv[1]), sys.argv[2], sys.argv[3]
 time.sleep(max(0.0, start - time.time()))
 options = {"queue_tablename": sys.argv[4], "message_tablename": sys.argv[5]}

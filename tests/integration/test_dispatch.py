@@ -21,11 +21,7 @@ from outbox.locks import operation_lock_key
 from outbox.states import Actor, Effects, State, transition
 from outbox.testing import DeployService
 from outbox.testing.deploy_service import FaultMode
-from tests.factories import age, events_of, make_operation, reload, tamper
-from tests.tool_configs import http_registry
-from workers.dispatch import DispatchConfig, Outcome, dispatch
-from workers.locking import DispatchLocks
-from workers.tools import (
+from outbox.tools import (
     Ambiguous,
     Applied,
     DispatchResult,
@@ -36,6 +32,10 @@ from workers.tools import (
     close_thread_loop,
     tool,
 )
+from outbox.workers.dispatch import DispatchConfig, Outcome, dispatch
+from outbox.workers.locking import DispatchLocks
+from tests.factories import age, events_of, make_operation, reload, tamper
+from tests.tool_configs import http_registry
 
 TOOL = "deploy.create_release"
 

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from outbox.contracts import ContractTable
-from workers.tools import (
+from outbox.tools import (
     Ambiguous,
     Applied,
     DispatchResult,
@@ -37,8 +37,8 @@ from workers.tools import (
     run_lookup,
     tool,
 )
-from workers.tools.http import _env_proxy
-from workers.tools.results import NotSent
+from outbox.tools.http import _env_proxy
+from outbox.tools.results import NotSent
 
 NAME = "deploy.create_release"
 OPERATION_ID = "5d0c3f8e-0000-4000-8000-000000000001"

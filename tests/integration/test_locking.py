@@ -12,8 +12,8 @@ from sqlalchemy.exc import DBAPIError
 from outbox import faults, statements
 from outbox.db import create_engine
 from outbox.locks import operation_lock_key
+from outbox.workers.locking import DispatchLocks, operation_lock
 from tests.factories import make_operation
-from workers.locking import DispatchLocks, operation_lock
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ from sqlalchemy import Engine
 
 from outbox import statements
 from outbox.locks import SWEEP_LOCK_KEY
+from outbox.reconcilers.periodic import sweep_once
+from outbox.reconcilers.sweep import SweepConfig
 from outbox.states import State
-from reconcilers.periodic import sweep_once
-from reconcilers.sweep import SweepConfig
 from tests.factories import age, make_operation, reload
 
 CONFIG = SweepConfig(sent_timeout_s=60.0)

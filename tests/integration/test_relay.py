@@ -20,11 +20,11 @@ from outbox.deployment import deployment_name
 from outbox.errors import BrokerUnavailable
 from outbox.relay import Relay, RelayConfig
 from outbox.states import State
+from outbox.workers.app import celery_settings
+from outbox.workers.publish import CeleryPublisher
 from tests.celery_events import TaskEvents
 from tests.factories import age, make_operation, reload
 from tests.proxy import TcpProxy
-from workers.app import celery_settings
-from workers.publish import CeleryPublisher
 
 
 def _app(database_url: str, broker_url: str | None) -> Celery:

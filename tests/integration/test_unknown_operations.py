@@ -13,9 +13,9 @@ from sqlalchemy import Connection, Engine, text
 
 from outbox import statements
 from outbox.metrics import serve_metrics
-from reconcilers.lookup import LookupOutcome, lookup
+from outbox.reconcilers.lookup import LookupOutcome, lookup
+from outbox.workers.dispatch import Outcome, dispatch
 from tests.processes import wait_until
-from workers.dispatch import Outcome, dispatch
 
 COUNTER = "outbox_unknown_operation_messages_total"
 
@@ -40,7 +40,7 @@ def test_a_dispatch_for_an_unknown_operation_is_a_warning_and_a_report(
     """dispatch() of an id not in the database drops it with a warning naming it, and
     reports it on the channel."""
     op_id = uuid.uuid4()
-    with caplog.at_level(logging.WARNING, logger="workers.dispatch"):
+    with caplog.at_level(logging.WARNING, logger="outbox.workers.dispatch"):
         report = dispatch(op_id, engine=engine)
     assert report.outcome is Outcome.GONE
     [warning] = [
@@ -57,7 +57,7 @@ def test_a_lookup_for_an_unknown_operation_is_a_warning_and_a_report(
     """lookup() of an id not in the database drops it with a warning naming it, and reports
     it on the channel."""
     op_id = uuid.uuid4()
-    with caplog.at_level(logging.WARNING, logger="reconcilers.lookup"):
+    with caplog.at_level(logging.WARNING, logger="outbox.reconcilers.lookup"):
         report = lookup(op_id, engine=engine)
     assert report.outcome is LookupOutcome.GONE
     [warning] = [

@@ -16,12 +16,12 @@ from sqlalchemy import Engine
 
 from outbox import storable
 from outbox.contracts import ContractTable
+from outbox.reconcilers.lookup import LookupOutcome, lookup
 from outbox.states import State
-from reconcilers.lookup import LookupOutcome, lookup
+from outbox.tools import Ambiguous, DispatchResult, ToolCall, ToolRegistry, close_thread_loop, tool
+from outbox.workers.dispatch import Outcome, dispatch
 from tests.factories import events_of, make_operation, poisoned_updates, reload
 from tests.tool_configs import http_registry
-from workers.dispatch import Outcome, dispatch
-from workers.tools import Ambiguous, DispatchResult, ToolCall, ToolRegistry, close_thread_loop, tool
 
 #: A body with a NUL byte and a byte that is not UTF-8, as a broken proxy might send.
 RAW_NUL = b"upstream said: \x00 and \xff\xfe then stopped"

@@ -22,14 +22,14 @@ from standardwebhooks import Webhook
 from outbox import webhooks
 from outbox.config import WEBHOOK_EVENT_NAMES, Settings, get_settings, load_settings
 from outbox.errors import ConfigError, StaleTransition
-from outbox.states import Actor, Effects, State, transition
-from outbox.webhooks import Delivery, DeliveryStatus, WebhookEvent
-from reconcilers.webhooks import (
+from outbox.reconcilers.webhooks import (
     DeliveryConfig,
     WebhookDeliverer,
     backoff_s,
     deliver_one,
 )
+from outbox.states import Actor, Effects, State, transition
+from outbox.webhooks import Delivery, DeliveryStatus, WebhookEvent
 from tests.factories import make_operation, move, reload
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
@@ -485,7 +485,7 @@ def test_a_delivery_failing_past_the_give_up_period_is_abandoned(
     age_deliveries(engine, 3 * 86400 + 60, "created_at")
     webhook.answer(500)
     deliverer = make_deliverer()
-    with caplog.at_level(logging.WARNING, logger="reconcilers.webhooks"):
+    with caplog.at_level(logging.WARNING, logger="outbox.reconcilers.webhooks"):
         assert deliverer.run_once().abandoned == 1
     gone = only_delivery(engine)
     assert (gone.status, gone.attempts, gone.last_status) == (DeliveryStatus.ABANDONED, 1, 500)
@@ -521,12 +521,14 @@ def test_logs_carry_actions(
     escalate(engine)
     webhook.answer(503)
     deliverer = make_deliverer()
-    with caplog.at_level(logging.INFO, logger="reconcilers.webhooks"):
+    with caplog.at_level(logging.INFO, logger="outbox.reconcilers.webhooks"):
         deliverer.run_once()
         age_deliveries(engine, 3600, "next_attempt_at")
         deliverer.run_once()
     actions = [
-        getattr(r, "action", None) for r in caplog.records if r.name == "reconcilers.webhooks"
+        getattr(r, "action", None)
+        for r in caplog.records
+        if r.name == "outbox.reconcilers.webhooks"
     ]
     assert actions == ["webhook_retry", "webhook_delivered"]
     assert all("/hooks/outbox" not in r.getMessage() for r in caplog.records)

@@ -51,12 +51,11 @@ from outbox.canonical import canonical_json, payload_hash
 from outbox.contracts import ContractTable
 from outbox.errors import NotCancellable
 from outbox.faults import InjectedFault
+from outbox.reconcilers.lookup import LookupOutcome, lookup
+from outbox.reconcilers.sweep import SweepConfig, Sweeper
 from outbox.relay import OutboundMessage, Relay, RelayConfig
 from outbox.states import SETTLED_STATES, State
-from reconcilers.lookup import LookupOutcome, lookup
-from reconcilers.sweep import SweepConfig, Sweeper
-from workers.dispatch import Outcome, dispatch
-from workers.tools import (
+from outbox.tools import (
     Ambiguous,
     Applied,
     Dedup,
@@ -70,6 +69,7 @@ from workers.tools import (
     ToolRegistry,
     tool,
 )
+from outbox.workers.dispatch import Outcome, dispatch
 
 #: After this, a request sent at ``sent_at`` can no longer land (the tools' contract).
 HORIZON_S = 30.0

@@ -10,8 +10,8 @@ from celery import Celery
 
 from outbox.config import WEBHOOK_EVENT_NAMES, load_settings
 from outbox.errors import ConfigError
-from reconcilers.sweep import SweepConfig
-from workers.app import (
+from outbox.reconcilers.sweep import SweepConfig
+from outbox.workers.app import (
     DISPATCH_TASK,
     ESCALATE_TASK,
     LOOKUP_TASK,
@@ -188,7 +188,7 @@ def test_a_batch_is_grouped_in_order_into_bounded_messages() -> None:
     import uuid  # noqa: PLC0415
 
     from outbox.relay import OutboundMessage  # noqa: PLC0415
-    from workers.publish import group_messages  # noqa: PLC0415
+    from outbox.workers.publish import group_messages  # noqa: PLC0415
 
     batch = [OutboundMessage(uuid.uuid4(), "t", str(i)) for i in range(200)]
     groups = group_messages(batch, 8, 16)

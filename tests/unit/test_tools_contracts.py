@@ -16,7 +16,7 @@ from outbox import api
 from outbox.config import Settings, load_settings
 from outbox.contracts import CONTRACTS, ContractTable, ToolContract
 from outbox.errors import ConfigError, InvalidIntent
-from workers.tools import (
+from outbox.tools import (
     REGISTRY,
     Applied,
     Dedup,
@@ -33,7 +33,7 @@ from workers.tools import (
     load_tools,
     tool,
 )
-from workers.tools.http import render_url, resolve_ref
+from outbox.tools.http import render_url, resolve_ref
 
 NAME = "deploy.create_release"
 
@@ -568,7 +568,7 @@ def test_url_placeholders_are_percent_encoded() -> None:
 # --- load_tools ------------------------------------------------------------------------------
 
 PYTHON_TOOLS = """
-from workers.tools import Applied, ToolCall, tool
+from outbox.tools import Applied, ToolCall, tool
 
 @tool("billing.charge", timeout=5)
 def charge(call: ToolCall) -> Applied:

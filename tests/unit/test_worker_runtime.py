@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from celery.signals import worker_init
 
-from workers import runtime
+from outbox.workers import runtime
 
 
 @pytest.fixture

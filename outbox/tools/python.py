@@ -22,9 +22,9 @@ from typing import TypeVar, overload
 
 from outbox.contracts import DedupContract, ToolContract
 from outbox.errors import ConfigError
-from workers.tools.base import Tool, ToolCall, check_tool_name
-from workers.tools.registry import REGISTRY, ToolRegistry
-from workers.tools.results import DispatchResult, LookupResult
+from outbox.tools.base import Tool, ToolCall, check_tool_name
+from outbox.tools.registry import REGISTRY, ToolRegistry
+from outbox.tools.results import DispatchResult, LookupResult
 
 DispatchFn = Callable[[ToolCall], DispatchResult | Awaitable[DispatchResult]]
 LookupFn = Callable[[ToolCall], LookupResult | Awaitable[LookupResult]]

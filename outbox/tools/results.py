@@ -49,7 +49,7 @@ class NotDelivered:
 class NotSent(NotDelivered):
     """The send deadline passed before the first byte: the request was not made.
 
-    Produced by :func:`workers.tools.run_dispatch` when the tool raised
+    Produced by :func:`outbox.tools.run_dispatch` when the tool raised
     :class:`outbox.errors.SendDeadlinePassed`; the dispatcher moves the attempt back to
     ``planned`` ("not sent", no backoff), as when its own check before the call fails.
     """

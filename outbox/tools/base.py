@@ -2,7 +2,7 @@
 
 A tool does one request per call: no retries inside, because only the outbox may decide that
 a second request is safe (DESIGN.md, "The dispatch protocol"). Either method may be a plain
-function or ``async def``; :mod:`workers.tools.invoke` runs both kinds under the call's total
+function or ``async def``; :mod:`outbox.tools.invoke` runs both kinds under the call's total
 deadline and turns every surprise into a conservative result.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 from outbox.api import MAX_TOOL_LENGTH, TOOL_NAME
 from outbox.contracts import ToolContract
 from outbox.errors import ConfigError, SendDeadlinePassed
-from workers.tools.results import DispatchResult, LookupResult
+from outbox.tools.results import DispatchResult, LookupResult
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Tool(abc.ABC):
     ``dispatch(call)`` sends the request once and classifies the answer as a
     :data:`DispatchResult`; ``lookup(call)`` asks the remote whether the operation's effect
     exists and answers a :data:`LookupResult`. Both may be synchronous or ``async def``.
-    Call them through :func:`workers.tools.run_dispatch` / :func:`workers.tools.run_lookup`,
+    Call them through :func:`outbox.tools.run_dispatch` / :func:`outbox.tools.run_lookup`,
     which enforce the deadline and never raise.
     """
 

@@ -9,9 +9,9 @@ from sqlalchemy import Connection
 
 from outbox import statements
 from outbox.errors import StaleTransition
+from outbox.reconcilers.decide import Action, Decision
 from outbox.statements import ReconcileFacts
 from outbox.states import Actor, Effects, State, transition
-from reconcilers.decide import Action, Decision
 
 log = logging.getLogger(__name__)
 

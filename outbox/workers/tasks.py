@@ -7,11 +7,11 @@ import time
 
 from celery import Task
 
-from workers import runtime
-from workers.app import DISPATCH_TASK, app
-from workers.dispatch import Outcome, dispatch
-from workers.locking import DispatchLocks
-from workers.retry import retry_soon
+from outbox.workers import runtime
+from outbox.workers.app import DISPATCH_TASK, app
+from outbox.workers.dispatch import Outcome, dispatch
+from outbox.workers.locking import DispatchLocks
+from outbox.workers.retry import retry_soon
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ Under the operation's lock (the same one dispatchers take):
 * not applied, after the in-flight horizon → `planned`: a replay with the same key;
 * not applied before the horizon → check again after it (not counted as a check);
 * inconclusive → check again with capped exponential backoff and jitter; after the tool's
-  ``max_checks`` the dedup rule or a human decides (:mod:`reconcilers.decide`).
+  ``max_checks`` the dedup rule or a human decides (:mod:`outbox.reconcilers.decide`).
 
 A lookup that finds the operation already decided (an operator was faster) keeps its
 evidence as an event, with a warning, and confirms it only if it still waits for a verdict.
@@ -27,13 +27,13 @@ from sqlalchemy.exc import DBAPIError
 from outbox import faults, statements
 from outbox.contracts import ToolContract
 from outbox.errors import StaleTransition
+from outbox.reconcilers.decide import Action, decide, usable_window_s
+from outbox.reconcilers.route import apply_decision, escalate_unroutable
 from outbox.statements import ReconcileFacts
 from outbox.states import Actor, Effects, State, transition
-from reconcilers.decide import Action, decide, usable_window_s
-from reconcilers.route import apply_decision, escalate_unroutable
-from workers.locking import operation_lock
-from workers.tools import REGISTRY, Tool, ToolCall, ToolRegistry, run_lookup
-from workers.tools.results import Applied, FailedRemotely, LookupResult, NotApplied
+from outbox.tools import REGISTRY, Tool, ToolCall, ToolRegistry, run_lookup
+from outbox.tools.results import Applied, FailedRemotely, LookupResult, NotApplied
+from outbox.workers.locking import operation_lock
 
 log = logging.getLogger(__name__)
 

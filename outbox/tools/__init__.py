@@ -2,7 +2,7 @@
 
 .. code-block:: python
 
-    from workers.tools import Applied, Dedup, ToolCall, tool
+    from outbox.tools import Applied, Dedup, ToolCall, tool
 
     @tool("billing.charge", timeout=10, dedup=Dedup(window_s=86400))
     def charge(call: ToolCall) -> Applied: ...
@@ -15,12 +15,12 @@ the total deadline and turn every surprise into a conservative result.
 
 from outbox.contracts import DedupContract as Dedup
 from outbox.contracts import ToolContract
-from workers.tools.base import Tool, ToolCall
-from workers.tools.http import HttpTool, HttpToolSpec, load_http_tools
-from workers.tools.invoke import close_thread_loop, run_dispatch, run_lookup
-from workers.tools.python import PythonTool, tool
-from workers.tools.registry import REGISTRY, ToolRegistry, check_against_settings, load_tools
-from workers.tools.results import (
+from outbox.tools.base import Tool, ToolCall
+from outbox.tools.http import HttpTool, HttpToolSpec, load_http_tools
+from outbox.tools.invoke import close_thread_loop, run_dispatch, run_lookup
+from outbox.tools.python import PythonTool, tool
+from outbox.tools.registry import REGISTRY, ToolRegistry, check_against_settings, load_tools
+from outbox.tools.results import (
     Ambiguous,
     Applied,
     DispatchResult,

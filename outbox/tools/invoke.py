@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from outbox.errors import SendDeadlinePassed
-from workers.tools.base import Tool, ToolCall
-from workers.tools.results import (
+from outbox.tools.base import Tool, ToolCall
+from outbox.tools.results import (
     Ambiguous,
     Applied,
     DispatchResult,

@@ -1,6 +1,6 @@
 """Thin Celery tasks of the reconciler, and the beat schedule that drives them.
 
-Beat's messages carry no Celery ``expires`` (see :mod:`reconcilers.periodic`: a host's clock
+Beat's messages carry no Celery ``expires`` (see :mod:`outbox.reconcilers.periodic`: a host's clock
 must not decide whether a run happens). On RabbitMQ they carry ``expiration`` instead, a
 time-to-live the broker measures on its own clock from the moment it queued the message:
 a periodic message no worker took within one interval is dropped, so the queue holds no
@@ -18,14 +18,14 @@ from celery import Task
 from celery.schedules import schedule
 
 from outbox.config import get_settings
-from reconcilers.lookup import LookupOutcome, lookup
-from reconcilers.periodic import sweep_once
-from reconcilers.sweep import SweepConfig
-from reconcilers.webhooks import WebhookDeliverer, deliver_one
-from workers import runtime
-from workers.app import ESCALATE_TASK, LOOKUP_TASK, SWEEP_TASK, app
-from workers.beat import steady_now
-from workers.retry import retry_soon
+from outbox.reconcilers.lookup import LookupOutcome, lookup
+from outbox.reconcilers.periodic import sweep_once
+from outbox.reconcilers.sweep import SweepConfig
+from outbox.reconcilers.webhooks import WebhookDeliverer, deliver_one
+from outbox.workers import runtime
+from outbox.workers.app import ESCALATE_TASK, LOOKUP_TASK, SWEEP_TASK, app
+from outbox.workers.beat import steady_now
+from outbox.workers.retry import retry_soon
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from sqlalchemy import Engine, text
 
 from outbox.errors import BrokerUnavailable
 from outbox.relay import OutboundMessage
-from workers.app import BROKER_MESSAGE_TABLE, DISPATCH_TASK, uses_database_broker
+from outbox.workers.app import BROKER_MESSAGE_TABLE, DISPATCH_TASK, uses_database_broker
 
 log = logging.getLogger(__name__)
 

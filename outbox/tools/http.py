@@ -51,9 +51,9 @@ from yarl import URL
 from outbox import storable
 from outbox.contracts import DedupContract, ToolContract
 from outbox.errors import ConfigError, SendDeadlinePassed
-from workers.tools.base import Tool, ToolCall, check_tool_name
-from workers.tools.invoke import is_thread_loop, on_loop_close
-from workers.tools.results import (
+from outbox.tools.base import Tool, ToolCall, check_tool_name
+from outbox.tools.invoke import is_thread_loop, on_loop_close
+from outbox.tools.results import (
     Ambiguous,
     Applied,
     DispatchResult,
@@ -404,7 +404,7 @@ class HttpTool(Tool):
         # Connecting (a new connection, or waiting for a pooled one) may take only what is
         # left of the send deadline (all of it for a call that carries none): after it the
         # request must not leave. _DeadlineConnector checks again once connected. The total
-        # deadline is enforced around the whole call (workers.tools.invoke, which names it
+        # deadline is enforced around the whole call (outbox.tools.invoke, which names it
         # in the result); each read is bounded here too, for a caller awaiting dispatch() on
         # a loop of its own. No rounding up to whole seconds (aiohttp's default above 5 s):
         # it would stretch the send deadline.
@@ -698,7 +698,7 @@ def _exception_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-# One client per thread's event loop (workers.tools.invoke), whose connections it reuses;
+# One client per thread's event loop (outbox.tools.invoke), whose connections it reuses;
 # close_thread_loop() closes it before the loop goes.
 _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
     weakref.WeakKeyDictionary()

@@ -30,6 +30,7 @@ from uuid import UUID
 import httpx
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
+from standardwebhooks import Webhook
 
 from outbox import faults, webhooks
 from outbox.config import Settings, get_settings
@@ -204,7 +205,7 @@ class WebhookDeliverer:
         headers = {
             "webhook-id": msg_id,
             "webhook-timestamp": str(int(sent_at.timestamp())),
-            "webhook-signature": endpoint.signer.sign(msg_id, sent_at, row.body),
+            "webhook-signature": Webhook(endpoint.secret).sign(msg_id, sent_at, row.body),
             "content-type": "application/json",
         }
         try:

@@ -31,7 +31,7 @@ def engine() -> Engine:
     """This process's engine (each attempt checks out its own connection from it).
 
     Without the pool's pre-ping, one round trip fewer per checkout: the lock step
-    (:func:`workers.locking.operation_lock`) replaces a connection found dead there, before
+    (:func:`outbox.workers.locking.operation_lock`) replaces a connection found dead there, before
     anything is written, and any other statement that meets a dead connection fails its
     task once while SQLAlchemy renews the whole pool; the sweep runs again on its beat.
     """

@@ -1,8 +1,9 @@
 """The Celery app: queues, serialisation and delivery settings, from ``OUTBOX_*`` config.
 
 ``app`` is created unconfigured at import; its configuration is read from the settings the
-first time Celery needs it (``on_configure``), so ``celery -A workers.app`` and
-``outbox worker`` behave the same and importing this module connects to nothing.
+first time Celery needs it (``on_configure``), and importing this module connects to nothing.
+The app with every task registered (this layer's and the reconcilers') is assembled in
+:mod:`outbox.cli.celery_app`, the one that ``outbox worker`` and ``celery -A`` run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from outbox.config import Settings, get_settings
 from outbox.contracts import CONTRACTS
 from outbox.db import database_url
 from outbox.deployment import deployment_name
-from workers import dbbroker
+from outbox.workers import dbbroker
 
 #: Durable queues, one per kind of work: the names code and ``-Q`` use (each the alias of
 #: the deployment's own queue, see :func:`task_queues`).
@@ -37,7 +38,7 @@ BROKER_MESSAGE_TABLE = "outbox_kombu_message"
 
 #: Seconds a task may run beyond its tool's send deadline + timeout before Celery kills it
 #: (default of ``OUTBOX_TASK_TIME_LIMIT_SLACK``). The limit is per message, but a message
-#: starts an operation only if its whole attempt fits in what is left (workers/tasks.py).
+#: starts an operation only if its whole attempt fits in what is left (outbox/workers/tasks.py).
 TIME_LIMIT_SLACK_S = 30.0
 #: RabbitMQ's default consumer_timeout is 30 minutes; a hard limit far below it means an
 #: unacknowledged message is never taken back from a worker that is merely slow.
@@ -135,7 +136,7 @@ class OutboxCelery(Celery):  # type: ignore[misc]
     def on_configure(self) -> None:
         """Load the tools (they set the time limit), then apply :func:`celery_settings`."""
         # Deferred: loading tools imports user modules, which may import this app.
-        from workers.tools import load_tools  # noqa: PLC0415
+        from outbox.tools import load_tools  # noqa: PLC0415
 
         settings = get_settings()
         load_tools(settings)
@@ -149,4 +150,4 @@ class OutboxCelery(Celery):  # type: ignore[misc]
         )
 
 
-app = OutboxCelery("outbox", include=["workers.tasks"])
+app = OutboxCelery("outbox", include=["outbox.workers.tasks"])

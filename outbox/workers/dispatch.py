@@ -48,10 +48,9 @@ from outbox.contracts import ToolContract
 from outbox.errors import ReplayDeadlinePassed, StaleTransition
 from outbox.models import Operation
 from outbox.states import NO_EFFECTS, Actor, Effects, State, transition
-from workers.locking import DispatchLocks, Found
-from workers.tools import REGISTRY, Tool, ToolCall, run_dispatch
-from workers.tools.registry import ToolRegistry
-from workers.tools.results import (
+from outbox.tools import REGISTRY, Tool, ToolCall, run_dispatch
+from outbox.tools.registry import ToolRegistry
+from outbox.tools.results import (
     Ambiguous,
     Applied,
     DispatchResult,
@@ -59,6 +58,7 @@ from workers.tools.results import (
     NotSent,
     Rejected,
 )
+from outbox.workers.locking import DispatchLocks, Found
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from outbox.config import Settings, get_settings
 from outbox.contracts import CONTRACTS, ContractTable, ToolContract
 from outbox.errors import ConfigError
-from workers.tools.base import Tool
-from workers.tools.http import load_http_tools
+from outbox.tools.base import Tool
+from outbox.tools.http import load_http_tools
 
 log = logging.getLogger(__name__)
 

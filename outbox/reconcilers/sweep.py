@@ -36,12 +36,12 @@ from outbox import faults, statements, storable
 from outbox.config import Settings, get_settings
 from outbox.errors import StaleTransition
 from outbox.locks import operation_lock_key
+from outbox.reconcilers.decide import Action, decide
+from outbox.reconcilers.lookup import facts_for
+from outbox.reconcilers.route import apply_decision, escalate_unroutable
 from outbox.states import Actor, State, transition
-from reconcilers.decide import Action, decide
-from reconcilers.lookup import facts_for
-from reconcilers.route import apply_decision, escalate_unroutable
-from workers.locking import operation_lock, release
-from workers.tools import REGISTRY, ToolRegistry
+from outbox.tools import REGISTRY, ToolRegistry
+from outbox.workers.locking import operation_lock, release
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from sqlalchemy import Engine
 
 from outbox import statements
 from outbox.locks import SWEEP_LOCK_KEY
-from reconcilers.sweep import RequestLookup, SweepConfig, Sweeper, SweepResult
-from workers.locking import release
+from outbox.reconcilers.sweep import RequestLookup, SweepConfig, Sweeper, SweepResult
+from outbox.workers.locking import release
 
 log = logging.getLogger(__name__)
 
