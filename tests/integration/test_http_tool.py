@@ -37,7 +37,7 @@ from outbox.tools import (
     run_lookup,
     tool,
 )
-from outbox.tools.http import _env_proxy
+from outbox.tools.http.transport import _env_proxy
 from outbox.tools.results import NotSent
 
 NAME = "deploy.create_release"

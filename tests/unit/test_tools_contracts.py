@@ -33,7 +33,7 @@ from outbox.tools import (
     load_tools,
     tool,
 )
-from outbox.tools.http import render_url, resolve_ref
+from outbox.tools.http.tool import render_url, resolve_ref
 
 NAME = "deploy.create_release"
 
