@@ -49,21 +49,14 @@ from uuid import UUID
 import httpx
 
 # The bench directory is not a package: `python bench/limits.py` puts it on sys.path.
-from common import (
-    Case,
-    Results,
-    ServiceProcess,
-    add_common_arguments,
-    print_table,
-    process_cpu_s,
-    rabbitmq_available,
-    run_rounds,
-    throwaway_database,
-    throwaway_vhost,
-    write_json,
-)
+from arguments import add_common_arguments
+from cpu import process_cpu_s
+from report import Results, print_table, write_json
+from rounds import Case, run_rounds
+from services import ServiceProcess
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
+from throwaway import rabbitmq_available, throwaway_database, throwaway_vhost
 
 from outbox import api, statements
 from outbox.contracts import ContractTable

@@ -31,7 +31,7 @@ stopped; :mod:`peer_drivers.base`), ``--agents`` threads make the intents:
   throughput`` row shows it and a note under the table says so.
 
 The cases run **interleaved**: every case once per round, the starting case rotating from
-round to round (``common.run_rounds``), so a noisy machine disturbs all systems alike. The
+round to round (``rounds.run_rounds``), so a noisy machine disturbs all systems alike. The
 ratio rows divide ours by each peer **round by round** and then take the median (above 1:
 ours has more throughput; below 1: ours has the lower latency).
 
@@ -61,19 +61,13 @@ from pathlib import Path
 from types import FrameType
 
 # The bench directory is not a package: `python bench/peers.py` puts it on sys.path.
-from common import (
-    Results,
-    ServiceProcess,
-    add_common_arguments,
-    print_table,
-    rabbitmq_available,
-    run_rounds,
-    throwaway_database,
-    throwaway_vhost,
-    write_json,
-)
+from arguments import add_common_arguments
 from peer_drivers.base import Load, Settings, System, stop_stray_children, tell
+from report import Results, print_table, write_json
 from rich.markup import escape
+from rounds import run_rounds
+from services import ServiceProcess
+from throwaway import rabbitmq_available, throwaway_database, throwaway_vhost
 
 SYSTEMS = ("ours", "celery", "procrastinate", "dbos")
 #: The package each peer needs (ours and naive Celery need only our own dependencies).

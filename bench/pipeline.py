@@ -52,24 +52,14 @@ from pathlib import Path
 import sqlalchemy
 
 # The bench directory is not a package: `python bench/pipeline.py` puts it on sys.path.
-from common import (
-    Case,
-    CpuMeter,
-    Results,
-    ServiceProcess,
-    add_common_arguments,
-    percentile,
-    pids_named,
-    print_table,
-    rabbitmq_available,
-    run_rounds,
-    say,
-    throwaway_database,
-    throwaway_vhost,
-    write_json,
-)
+from arguments import add_common_arguments
+from cpu import CpuMeter, pids_named
+from report import Results, print_table, say, write_json
+from rounds import Case, percentile, run_rounds
+from services import ServiceProcess
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
+from throwaway import rabbitmq_available, throwaway_database, throwaway_vhost
 
 from outbox import api
 from outbox.db import normalize_url

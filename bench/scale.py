@@ -121,24 +121,18 @@ from typing import Any
 from uuid import UUID
 
 # The bench directory is not a package: `python bench/scale.py` puts it on sys.path.
-from common import (
-    Results,
-    add_common_arguments,
-    console,
-    machine_busy_s,
-    percentile,
-    print_table,
-    say,
-    throwaway_database,
-    write_json,
-)
+from arguments import add_common_arguments
+from cpu import machine_busy_s
+from report import Results, console, print_table, say, write_json
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rounds import percentile
 from sqlalchemy import Connection, Engine, event, text
 from sqlalchemy.engine.interfaces import DBAPICursor
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
+from throwaway import throwaway_database
 
 from outbox import api, statements
 from outbox.contracts import ContractTable

@@ -35,8 +35,11 @@ from pathlib import Path
 from typing import Protocol
 
 import sqlalchemy
-from common import Case, CpuMeter, Results, ServiceProcess, percentile, pids_named, say
+from cpu import CpuMeter, pids_named
+from report import Results, say
 from rich.markup import escape
+from rounds import Case, percentile
+from services import ServiceProcess
 from sqlalchemy import Engine, text
 
 from outbox.testing.stack import Service
@@ -109,7 +112,7 @@ class System(abc.ABC):
 
 
 def tell(line: str) -> None:
-    """A progress line on stderr, printed as it is (``common.say`` reads rich markup, and
+    """A progress line on stderr, printed as it is (``report.say`` reads rich markup, and
     ``'.[bench]'`` or a worker's ``[WARNING/MainProcess]`` would be taken for a tag)."""
     say(escape(line))
 

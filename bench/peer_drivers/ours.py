@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import Results
 from pipeline import Config, Pipeline
+from report import Results
 from sqlalchemy import text
 
 from peer_drivers import base

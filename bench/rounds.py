@@ -1,0 +1,57 @@
+"""Rounds: every case measured once per round, side by side, the starting case rotating.
+
+A noisy machine then disturbs all cases alike; the rows' medians and round-by-round ratios
+are in ``report``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from report import Results, say
+
+
+@dataclass(frozen=True)
+class Case:
+    """One thing measured once per round: ``run()`` returns ``{row name: (value, unit)}``
+    (a case may yield several rows, e.g. throughput and latency percentiles)."""
+
+    name: str
+    run: Callable[[], Mapping[str, tuple[float, str]]]
+    section: str = ""
+
+
+def run_rounds(
+    rounds: int,
+    cases: Sequence[Case],
+    results: Results,
+    *,
+    progress: Callable[[str], None] | None = None,
+) -> None:
+    """Run every case once per round, side by side, the starting case rotating each round.
+
+    Rows are added in the cases' declared order, whatever order a round ran them in.
+    """
+    report = progress or say
+    for r in range(rounds):
+        start = r % len(cases) if cases else 0
+        measured: dict[int, Mapping[str, tuple[float, str]]] = {}
+        for i in [*range(start, len(cases)), *range(start)]:
+            report(f"round {r + 1}/{rounds}: {cases[i].name}")
+            measured[i] = cases[i].run()
+        for i, case in enumerate(cases):
+            for row, (value, unit) in measured[i].items():
+                results.add(row, value, unit=unit, section=case.section)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by linear interpolation; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
