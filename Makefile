@@ -17,10 +17,11 @@ install: $(INSTALLED)  ## Create .venv and install the package with its dev tool
 test: $(INSTALLED)  ## Run the whole suite (real PostgreSQL: embedded unless OUTBOX_TEST_DATABASE_URL).
 	$(BIN)/pytest
 
-lint: $(INSTALLED)  ## ruff (lint + format check) and mypy strict.
+lint: $(INSTALLED)  ## ruff (lint + format check), mypy strict, the import contracts.
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 format: $(INSTALLED)
 	$(BIN)/ruff format .
