@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from typing import Annotated
 
 import typer
 
+from outbox.cli.extras import needs_extra
 from outbox.cli.output import errors, fail
 from outbox.config import get_settings
 
@@ -49,6 +51,9 @@ def flower_command(
 
     Basic auth is required unless `--no-auth` is given: set OUTBOX_FLOWER_BASIC_AUTH.
     """
+    with needs_extra("flower", "flower"):
+        # Celery's `flower` sub-command exists only when the flower package is installed.
+        importlib.import_module("flower")
     if basic_auth and no_auth:
         fail("--no-auth and basic auth credentials contradict each other; choose one")
     if not basic_auth and not no_auth:

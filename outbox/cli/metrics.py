@@ -12,12 +12,15 @@ import typer
 
 from outbox import logs
 from outbox.cli.common import connected, require_schema
+from outbox.cli.extras import needs_extra
 from outbox.cli.output import console, fail
-from outbox.metrics import DEFAULT_HOST, DEFAULT_PORT, MetricsServer, serve_metrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MetricsServer", "metrics_command", "serve_metrics"]
+#: outbox.metrics.DEFAULT_HOST and DEFAULT_PORT (the OpenTelemetry Prometheus exporter's
+#: port), written out: outbox.metrics needs prometheus_client, and `outbox --help` must not.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 9464
 
 
 def metrics_command(
@@ -37,6 +40,9 @@ def metrics_command(
     answers, with `outbox_database_up 0`.
     Metrics and suggested alert rules: docs/metrics.md. SIGTERM or Ctrl-C exits 0.
     """
+    with needs_extra("worker", "metrics"):
+        from outbox.metrics import serve_metrics  # noqa: PLC0415 -- prometheus_client
+
     logs.configure(log_level.upper())
     require_schema()
     stop = threading.Event()

@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any, NoReturn
 
 from rich.console import Console
+from rich.markup import escape
 
 from outbox.config import ENV_PREFIX, Settings
 
@@ -18,7 +19,8 @@ errors = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty()
 
 def fail(message: str, code: int = 1) -> NoReturn:
     """Print ``error: message`` on stderr and exit with ``code``."""
-    errors.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    # Escaped: a message may hold brackets (`agent-outbox[worker]`), which are not markup.
+    errors.print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
     sys.exit(code)
 
 

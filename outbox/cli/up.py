@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -10,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Group
@@ -20,12 +21,15 @@ from sqlalchemy import Engine
 
 from outbox import migrate
 from outbox.cli.common import connected
+from outbox.cli.extras import needs_extra
 from outbox.cli.output import console, fail
 from outbox.config import get_settings
 from outbox.db import redact
-from outbox.metrics import MetricsServer, OutboxCollector, serve_metrics
 from outbox.states import State
 from outbox.supervise import ChildSpec, ChildStatus, Supervisor
+
+if TYPE_CHECKING:  # prometheus_client: the [worker] extra, imported by up_command
+    from outbox.metrics import MetricsServer, OutboxCollector
 
 #: The states the panel lists, in the order an operation meets them.
 PANEL_STATES = (
@@ -120,6 +124,10 @@ def up_command(
     `unknown` have waited, the `needs_human` count and the decided-per-second rate.
     Ctrl-C (or SIGTERM) stops every process cleanly and exits 0.
     """
+    with needs_extra("worker", "up"):
+        # prometheus_client (and the children: Celery), checked before anything starts.
+        importlib.import_module("outbox.metrics")
+
     settings = get_settings()
     if flower and not os.environ.get("OUTBOX_FLOWER_BASIC_AUTH"):
         fail("--flower needs OUTBOX_FLOWER_BASIC_AUTH=user:password (Flower is never open)")
@@ -188,6 +196,8 @@ def _specs(  # noqa: PLR0917 -- one private call site
 
 
 def _start_metrics(engine: Engine, port: int) -> MetricsServer:
+    from outbox.metrics import serve_metrics  # noqa: PLC0415 -- see up_command
+
     try:
         return serve_metrics(engine, "127.0.0.1", port)
     except OSError as exc:
@@ -195,6 +205,8 @@ def _start_metrics(engine: Engine, port: int) -> MetricsServer:
 
 
 def _collector(engine: Engine) -> OutboxCollector:
+    from outbox.metrics import OutboxCollector  # noqa: PLC0415 -- see up_command
+
     collector = OutboxCollector(engine)
     collector.baseline()
     return collector

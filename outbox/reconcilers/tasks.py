@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
+from typing import Any
 from uuid import UUID
 
 from celery import Task
@@ -65,22 +66,31 @@ def sweep_task() -> dict[str, int]:
     return counts
 
 
-app.conf.beat_schedule = {
-    **(app.conf.beat_schedule or {}),
-    "outbox-sweep": {
-        "task": SWEEP_TASK,
-        "schedule": schedule(timedelta(seconds=get_settings().sweep_interval), nowfun=steady_now),
-        # RabbitMQ's per-message time-to-live, never Celery's `expires`: see the docstring.
-        "options": {"queue": "reconcile", "expiration": get_settings().sweep_interval},
-    },
-    # Escalation webhooks due for (re)delivery: each row is also claimed with a lease, so
-    # overlapping runs deliver nothing twice.
-    "outbox-webhooks": {
-        "task": ESCALATE_TASK,
-        "schedule": schedule(timedelta(seconds=WEBHOOK_INTERVAL_S), nowfun=steady_now),
-        "options": {"queue": "human", "expiration": WEBHOOK_INTERVAL_S},
-    },
-}
+def _beat_schedule() -> dict[str, Any]:
+    interval = get_settings().sweep_interval
+    return {
+        "beat_schedule": {
+            "outbox-sweep": {
+                "task": SWEEP_TASK,
+                "schedule": schedule(timedelta(seconds=interval), nowfun=steady_now),
+                # RabbitMQ's per-message time-to-live, never Celery's `expires`: see the docstring.
+                "options": {"queue": "reconcile", "expiration": interval},
+            },
+            # Escalation webhooks due for (re)delivery: each row is also claimed with a lease,
+            # so overlapping runs deliver nothing twice.
+            "outbox-webhooks": {
+                "task": ESCALATE_TASK,
+                "schedule": schedule(timedelta(seconds=WEBHOOK_INTERVAL_S), nowfun=steady_now),
+                "options": {"queue": "human", "expiration": WEBHOOK_INTERVAL_S},
+            },
+        }
+    }
+
+
+# Read when the app is configured, not now: reading app.conf at import would configure the
+# app from whatever environment imports this module (and start the embedded PostgreSQL when
+# no database is set), although importing the composition root connects to nothing.
+app.add_defaults(_beat_schedule)
 
 
 @app.task(name=ESCALATE_TASK)  # type: ignore[untyped-decorator]
