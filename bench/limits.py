@@ -10,7 +10,7 @@ Our own statements, as our code issues them (SQLAlchemy, ``outbox.statements``):
 
 * ``enqueue()+COMMIT`` on ``--connections`` connections (the agent's side), with no relay
   waiting on its bell and with one (then every enqueue NOTIFYs: what the doorbell costs);
-* the ``sent`` compare-and-set: ``outbox.states.transition`` planned→sent with
+* the ``sent`` compare-and-set: ``outbox.transitions.mark_sent`` planned→sent with
   ``synchronous_commit=on`` and its COMMIT, as the dispatcher makes it, on 1 and N connections;
 * the advisory lock round trip: ``statements.try_lock`` + ``statements.unlock`` (autocommit);
 * ``outbox.workers.locking.operation_lock`` entered and left, as ``dispatch()`` takes it (pool
@@ -58,11 +58,10 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 from throwaway import rabbitmq_available, throwaway_database, throwaway_vhost
 
-from outbox import api, statements
+from outbox import api, statements, transitions
 from outbox.contracts import ContractTable
 from outbox.db import create_engine
 from outbox.locks import operation_lock_key
-from outbox.states import Actor, State, transition
 
 Rate = Mapping[str, tuple[float, str]]
 PER_S = "/s"
@@ -257,14 +256,9 @@ class Limits:
             def op(i: int) -> None:
                 with conn.begin():
                     statements.require_synchronous_commit(conn)
-                    transition(
+                    transitions.apply(
                         conn,
-                        ids[i],
-                        from_state=State.PLANNED,
-                        to_state=State.SENT,
-                        actor=Actor.DISPATCHER,
-                        reason="dispatching attempt 1",
-                        attempt=0,
+                        transitions.mark_sent(ids[i], attempt=0, reason="dispatching attempt 1"),
                     )
 
             return op

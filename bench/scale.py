@@ -59,7 +59,7 @@ rows (default the largest size), then ``--soak-rate`` intents per second for the
   queue and confirms them all; the claim statement is timed at the driver (cursor execute);
 * dispatch: ``--soak-workers`` threads simulate the workers' *state moves* with the real
   functions (:func:`outbox.statements.get_for_dispatch`, then
-  :func:`outbox.states.transition` ``planned -> sent`` with ``synchronous_commit = on``,
+  :func:`outbox.transitions.mark_sent` ``planned -> sent`` with ``synchronous_commit = on``,
   then ``sent -> confirmed``, or ``failed`` for 5 %, each committed): the same row versions
   and events as ``outbox.workers.dispatch.dispatch``, without Celery, the advisory lock and a tool
   call. 1 % are left in ``sent`` (a dispatcher that died);

@@ -100,7 +100,7 @@ _LOAD_TERMINAL = text(
     """
 )
 
-# The audit trail the real components write for each kind of operation (statements.move,
+# The audit trail the real components write for each kind of operation (outbox.transitions,
 # insert_intent); `keep` selects the events of this operation's path.
 _LOAD_EVENTS = text(
     """

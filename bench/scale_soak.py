@@ -21,12 +21,12 @@ from sqlalchemy import Connection, Engine, event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from outbox import api, statements
+from outbox import api, statements, transitions
 from outbox.db import create_engine
 from outbox.errors import StaleTransition
 from outbox.reconcilers.sweep import SweepConfig, Sweeper
 from outbox.relay import OutboundMessage, Relay, RelayConfig, RelayResult
-from outbox.states import Actor, Effects, State, transition
+from outbox.states import Actor, State
 
 
 @dataclass
@@ -249,30 +249,25 @@ class Soak:
             return  # the dispatcher died after its `sent` commit: the sweep finds it
         with conn.begin():
             if fate < 6:
-                transition(
-                    conn,
+                move = transitions.fail(
                     op_id,
                     from_state=State.SENT,
-                    to_state=State.FAILED,
                     actor=Actor.DISPATCHER,
                     reason="rejected by the remote: HTTP 422",
                     attempt=1,
-                    effects=Effects(last_error="HTTP 422: version already released"),
+                    last_error="HTTP 422: version already released",
                 )
             else:
-                transition(
-                    conn,
+                move = transitions.confirm(
                     op_id,
                     from_state=State.SENT,
-                    to_state=State.CONFIRMED,
                     actor=Actor.DISPATCHER,
                     reason="applied",
                     attempt=1,
-                    effects=Effects(
-                        remote_ref=f"rel_{op_id.hex[:20]}",
-                        result={"id": f"rel_{op_id.hex[:20]}", "status": "created"},
-                    ),
+                    remote_ref=f"rel_{op_id.hex[:20]}",
+                    result={"id": f"rel_{op_id.hex[:20]}", "status": "created"},
                 )
+            transitions.apply(conn, move)
         self.recorder.done()
 
     def _mark_sent(self, conn: Connection, op_id: UUID) -> bool:
@@ -285,14 +280,9 @@ class Soak:
                     if found is None or found[0].state is not State.PLANNED:
                         return False  # a duplicate message: the row moved on
                     statements.require_synchronous_commit(conn)
-                    transition(
+                    transitions.apply(
                         conn,
-                        op_id,
-                        from_state=State.PLANNED,
-                        to_state=State.SENT,
-                        actor=Actor.DISPATCHER,
-                        reason="dispatching attempt 1",
-                        attempt=0,
+                        transitions.mark_sent(op_id, attempt=0, reason="dispatching attempt 1"),
                     )
             except StaleTransition:
                 return False
@@ -321,15 +311,16 @@ class Soak:
                     continue
                 try:
                     with conn.begin():
-                        transition(
+                        transitions.apply(
                             conn,
-                            op_id,
-                            from_state=State.UNKNOWN,
-                            to_state=State.CONFIRMED,
-                            actor=Actor.RECONCILER,
-                            reason="lookup: the effect exists",
-                            attempt=1,
-                            effects=Effects(remote_ref=f"rel_{op_id.hex[:20]}"),
+                            transitions.confirm(
+                                op_id,
+                                from_state=State.UNKNOWN,
+                                actor=Actor.RECONCILER,
+                                reason="lookup: the effect exists",
+                                attempt=1,
+                                remote_ref=f"rel_{op_id.hex[:20]}",
+                            ),
                         )
                 except StaleTransition:
                     continue

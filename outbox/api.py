@@ -17,7 +17,7 @@ from uuid import UUID
 
 from sqlalchemy import Engine, text
 
-from outbox import statements
+from outbox import statements, transitions
 from outbox.canonical import NotCanonicalizable, canonical_json, intent_hash, payload_hash
 from outbox.config import get_settings
 from outbox.contracts import CONTRACTS
@@ -31,7 +31,7 @@ from outbox.errors import (
     WaitTimeout,
 )
 from outbox.models import Executor, Operation, PrunedIntent
-from outbox.states import Actor, State, transition
+from outbox.states import State
 
 #: Dotted names of letters, digits, ``_`` and ``-``: ``deploy.create_release``.
 TOOL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*(\.[A-Za-z][A-Za-z0-9_-]*)*")
@@ -269,14 +269,8 @@ def cancel(session: Executor, operation_id: UUID | str, *, reason: str | None = 
             "cancelled",
             operation_id=op_id,
         )
-    return transition(
-        session,
-        op_id,
-        from_state=State.PLANNED,
-        to_state=State.CANCELLED,
-        actor=Actor.AGENT,
-        reason=reason or "cancelled by the agent",
-    )
+    move = transitions.cancel(op_id, reason=reason or "cancelled by the agent")
+    return transitions.apply(session, move).operation
 
 
 def wait(

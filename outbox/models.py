@@ -1,7 +1,7 @@
 """Read-only snapshots of rows: what the API hands back.
 
 An :class:`Operation` is a frozen copy, not a live ORM object, so no caller can change a
-state by assigning to an attribute: states change only through :func:`outbox.states.transition`.
+state by assigning to an attribute: states change only through :mod:`outbox.transitions`.
 """
 
 from __future__ import annotations

@@ -15,12 +15,13 @@ still land after a person said it never would.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 from uuid import UUID
 
 from sqlalchemy import text
 
-from outbox import statements
+from outbox import statements, transitions
 from outbox.api import _as_uuid
 from outbox.contracts import CONTRACTS, ToolContract
 from outbox.errors import (
@@ -32,7 +33,7 @@ from outbox.errors import (
 )
 from outbox.locks import operation_lock_key
 from outbox.models import Executor, Operation
-from outbox.states import Actor, Effects, State, transition
+from outbox.states import Actor, State
 
 #: The states an operator may resolve (DESIGN.md, "Allowed transitions": operator).
 RESOLVABLE_STATES = frozenset({State.UNKNOWN, State.NEEDS_HUMAN})
@@ -97,19 +98,17 @@ def resolve(
     _check_seen(current, expect_attempts, payload_hash)
     if not applied and not force:
         _check_horizon(session, current)
-    to_state, effects = _verdict(applied=applied, replay=replay, remote_ref=remote_ref, note=note)
+    verdict = _verdict(
+        current,
+        applied=applied,
+        replay=replay,
+        remote_ref=remote_ref,
+        reason=f"resolved by {by}: {note}",
+        note=note,
+        detail={"by": by, "note": note, "forced": force, "applied": applied, "replay": replay},
+    )
     try:
-        return transition(
-            session,
-            operation_id,
-            from_state=current.state,
-            to_state=to_state,
-            actor=Actor.OPERATOR,
-            reason=f"resolved by {by}: {note}",
-            attempt=current.attempts,
-            effects=effects,
-            detail={"by": by, "note": note, "forced": force, "applied": applied, "replay": replay},
-        )
+        return transitions.apply(session, verdict).operation
     except StaleTransition as exc:
         # Under our lock only a writer that takes no lock can get here first; same answer.
         raise _stale(operation_id, current.attempts, exc.actual) from exc
@@ -267,14 +266,47 @@ def _check_horizon(executor: Executor, current: Operation) -> None:
 
 
 def _verdict(
-    *, applied: bool, replay: bool, remote_ref: str | None, note: str
-) -> tuple[State, Effects]:
+    current: Operation,
+    *,
+    applied: bool,
+    replay: bool,
+    remote_ref: str | None,
+    reason: str,
+    note: str,
+    detail: Mapping[str, Any],
+) -> transitions.Move:
+    """The operator's move: from where the row is now, at the attempt they saw."""
+    op_id, state, attempt, actor = current.id, current.state, current.attempts, Actor.OPERATOR
     if applied:
-        return State.CONFIRMED, Effects(remote_ref=(remote_ref or "").strip())
+        return transitions.confirm(
+            op_id,
+            from_state=state,
+            actor=actor,
+            attempt=attempt,
+            reason=reason,
+            detail=detail,
+            remote_ref=(remote_ref or "").strip(),
+        )
     if replay:
         # Same row, same key, same payload: only the state and bookkeeping move back.
-        return State.PLANNED, Effects(maybe_applied=False)
-    return State.FAILED, Effects(maybe_applied=False, last_error=note)
+        return transitions.replan(
+            op_id,
+            from_state=state,
+            actor=actor,
+            attempt=attempt,
+            reason=reason,
+            detail=detail,
+            not_applied=True,
+        )
+    return transitions.fail(
+        op_id,
+        from_state=state,
+        actor=actor,
+        attempt=attempt,
+        reason=reason,
+        detail=detail,
+        last_error=note,
+    )
 
 
 # --- errors --------------------------------------------------------------------------------

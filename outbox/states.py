@@ -1,33 +1,18 @@
-"""The operation state machine: the only code that changes an operation's ``state``.
+"""The operation state machine as data: states, actors, the allowed moves and their rules.
 
 Each state says what is known about the remote effect and which component moves rows out of
 it (DESIGN.md, "States"). :data:`ALLOWED` ties every permitted ``(from, to)`` move to the
-actors that may make it; :func:`transition` is a compare-and-set on the state the caller saw
-(and the attempt number, where an attempt is concerned) that appends the audit row to
-``outbox.events`` in the same statement. A move that is not allowed, or whose CAS misses,
-raises a typed error and writes nothing.
+actors that may make it; :data:`COLUMNS_FOR` says which columns a move into each state may
+write. Pure: no database here. The moves themselves are made by :mod:`outbox.transitions`,
+the only code that changes an operation's ``state``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-from uuid import UUID
 
-from outbox import storable
-from outbox.errors import (
-    NotCancellable,
-    OperationNotFound,
-    ReplayDeadlinePassed,
-    StaleTransition,
-    TransitionNotAllowed,
-)
-
-if TYPE_CHECKING:
-    from outbox.models import Executor, Operation
+from outbox.errors import TransitionNotAllowed
 
 
 class State(enum.StrEnum):
@@ -111,138 +96,38 @@ def check_allowed(from_state: State, to_state: State, actor: Actor) -> None:
         )
 
 
-@dataclass(frozen=True, kw_only=True)
-class Effects:
-    """Column changes that ride along with a move; only the ones that make sense for it apply.
-
-    ``None`` leaves a column as the rules of the move set it (see :func:`transition`).
-    """
-
-    #: The remote's identifier for the effect; required to enter ``confirmed``.
-    remote_ref: str | None = None
-    #: The remote's answer (JSON), kept for the operator.
-    result: Any = None
-    #: Why the last attempt or check did not succeed, for people.
-    last_error: str | None = None
-    #: Override the rule for ``maybe_applied`` (an authoritative "not applied" clears it).
-    maybe_applied: bool | None = None
-    #: Entering ``planned``: seconds before it becomes due again (backoff).
-    available_in_s: float = 0.0
-    #: Entering ``planned`` for a dedup replay: the replay must leave before
-    #: ``first_sent_at`` + this many seconds (the window minus the safety margin).
-    replay_window_s: float | None = None
-    #: Entering ``unknown``: seconds before the reconciler's first check.
-    check_in_s: float = 0.0
-
-
-NO_EFFECTS = Effects()
-
-
-def transition(
-    executor: Executor,
-    operation_id: UUID,
-    *,
-    from_state: State,
-    to_state: State,
-    actor: Actor,
-    reason: str,
-    attempt: int | None = None,
-    effects: Effects = NO_EFFECTS,
-    detail: Mapping[str, Any] | None = None,
-) -> Operation:
-    """Move one operation from ``from_state`` to ``to_state`` and record why.
-
-    A compare-and-set on the state the caller saw, and on ``attempt`` when given (a write
-    about attempt *k* must not land on attempt *k+1*). The event row is appended by the same
-    statement, inside the caller's transaction: this function never commits.
-
-    Raises :class:`TransitionNotAllowed` for a move the table forbids to ``actor``,
-    :class:`StaleTransition` when the row is no longer where the caller saw it,
-    :class:`ReplayDeadlinePassed` when a replay would leave after its deadline,
-    :class:`NotCancellable` when a cancel meets an attempt that may have applied, and
-    :class:`OperationNotFound`. In every one of these cases nothing is written.
-
-    ``reason``, ``detail`` and the remote's values in ``effects`` are made storable first
-    (:mod:`outbox.storable`): a NUL byte in a remote's answer must not make the move raise.
-    """
-    # Deferred: statements imports the table definitions, which import this module's enums.
-    from outbox import statements, webhooks  # noqa: PLC0415
-
-    check_allowed(from_state, to_state, actor)
-    if to_state is State.CONFIRMED and not effects.remote_ref:
+def check_remote_ref(
+    from_state: State, to_state: State, actor: Actor, remote_ref: str | None
+) -> None:
+    """Raise :class:`TransitionNotAllowed` for a move into ``confirmed`` without a
+    ``remote_ref``: a confirmed effect is always tied to the remote's identifier for it."""
+    if to_state is State.CONFIRMED and not remote_ref:
         raise TransitionNotAllowed(
             "an operation can only be confirmed with a remote_ref",
             from_state=from_state,
             to_state=to_state,
             actor=actor,
         )
-    reason = storable.text(reason)
-    effects = _storable_effects(effects)
-    if detail is not None:
-        detail = storable.json_mapping(detail)
-    moved = statements.move(
-        executor,
-        operation_id,
-        from_state=from_state,
-        to_state=to_state,
-        actor=actor,
-        reason=reason,
-        attempt=attempt,
-        effects=effects,
-        detail=detail,
-    )
-    if moved is not None:
-        webhooks.record_for_move(
-            executor, moved, from_state=from_state, to_state=to_state, actor=actor, reason=reason
-        )
-        return moved
-    raise _why_missed(executor, operation_id, from_state, to_state, attempt)
 
 
-def _storable_effects(effects: Effects) -> Effects:
-    """``effects`` with its remote-supplied values made storable (the same object if none)."""
-    if effects.remote_ref is None and effects.result is None and effects.last_error is None:
-        return effects
-    return dataclasses.replace(
-        effects,
-        remote_ref=storable.optional_text(effects.remote_ref),
-        result=storable.json_value(effects.result) if effects.result is not None else None,
-        last_error=storable.optional_text(effects.last_error),
-    )
+#: The columns a move into each state may write besides the ones its rules set
+#: (DESIGN.md, the bookkeeping columns); a move given any other is refused.
+COLUMNS_FOR: Mapping[State, frozenset[str]] = {
+    State.PLANNED: frozenset({"last_error", "available_in_s", "replay_window_s", "not_applied"}),
+    State.SENT: frozenset(),
+    State.CONFIRMED: frozenset({"remote_ref", "result"}),
+    State.FAILED: frozenset({"last_error", "result", "not_applied"}),
+    State.UNKNOWN: frozenset({"last_error", "check_in_s"}),
+    State.NEEDS_HUMAN: frozenset({"not_applied"}),
+    State.CANCELLED: frozenset(),
+}
+
+#: States that wait for a verdict: evidence that arrives late may still confirm them.
+AWAITING_VERDICT = frozenset({State.UNKNOWN, State.NEEDS_HUMAN})
 
 
-def _why_missed(
-    executor: Executor,
-    operation_id: UUID,
-    from_state: State,
-    to_state: State,
-    attempt: int | None,
-) -> Exception:
-    from outbox import statements  # noqa: PLC0415
-
-    current = statements.get_operation(executor, operation_id)
-    if current is None:
-        return OperationNotFound(f"no operation {operation_id}", operation_id=operation_id)
-    where_seen = current.state is from_state and attempt in (None, current.attempts)
-    if where_seen and to_state is State.SENT:
-        return ReplayDeadlinePassed(
-            f"operation {operation_id}: the dedup window closed before the replay left "
-            f"(replay deadline {current.replay_deadline})",
-            operation_id=operation_id,
-            expected=(from_state, attempt),
-            actual=(current.state, current.attempts),
-        )
-    if where_seen and to_state is State.CANCELLED:
-        return NotCancellable(
-            f"operation {operation_id} cannot be cancelled: attempt {current.attempts} may "
-            "have reached the remote; resolve it instead",
-            operation_id=operation_id,
-        )
-    expected = from_state.value + (f" at attempt {attempt}" if attempt is not None else "")
-    return StaleTransition(
-        f"operation {operation_id} is {current.state.value} at attempt {current.attempts}, "
-        f"not {expected}; nothing was changed",
-        operation_id=operation_id,
-        expected=(from_state, attempt),
-        actual=(current.state, current.attempts),
-    )
+def may_take_late_evidence(state: State, attempts: int, evidence_attempt: int) -> bool:
+    """Whether evidence that attempt ``evidence_attempt`` applied, arriving after the row
+    moved on, may confirm a row now in ``state`` at ``attempts``: only while it still waits
+    for a verdict about that same attempt (a later attempt, or a decision, wins)."""
+    return state in AWAITING_VERDICT and attempts == evidence_attempt

@@ -6,7 +6,7 @@ surrogate (what Python keeps of bytes that were not UTF-8, ``surrogateescape``, 
 made the write that records the answer raise, and the answer was lost (issue 17). Every value
 from outside that is stored (``last_error``, ``remote_ref``, ``result``, an event's
 ``reason`` and ``detail``, a webhook's reason and error) passes through here, in
-:func:`outbox.states.transition` and the statements that write those columns.
+:mod:`outbox.transitions` and the statements that write those columns.
 
 Escapes are visible, so a person sees that something was replaced: NUL becomes ``\\x00``, a
 byte that was not UTF-8 ``\\xNN``, any other lone surrogate ``\\uNNNN``. Lengths are bounded

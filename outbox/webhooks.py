@@ -1,6 +1,6 @@
 """Escalation webhooks, the core's half: which moves make which events, and their delivery rows.
 
-:func:`record_for_move` runs inside :func:`outbox.states.transition`, in the caller's
+:func:`record_for_move` runs inside every move (:func:`outbox.transitions.apply`), in the caller's
 transaction: a move and its delivery rows commit together or not at all, so a committed
 escalation cannot lose its webhook and a rolled-back one never sends one. The deliverer
 (``outbox.reconcilers.webhooks``) sends the rows later, signed per Standard Webhooks; the row's id

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 from uuid import UUID
@@ -11,34 +11,34 @@ from uuid import UUID
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import api, statements
-from outbox.models import Event, Operation
-from outbox.states import Actor, Effects, State, transition
+from outbox import api, statements, transitions
+from outbox.models import Event, Executor, Operation
+from outbox.states import Actor, State
 
 _counter = itertools.count()
 
 # The real moves that lead from `planned` to each state.
-_PATHS: dict[State, list[tuple[State, State, Actor, Effects]]] = {
+_PATHS: dict[State, list[tuple[State, State, Actor, dict[str, Any]]]] = {
     State.PLANNED: [],
-    State.SENT: [(State.PLANNED, State.SENT, Actor.DISPATCHER, Effects())],
+    State.SENT: [(State.PLANNED, State.SENT, Actor.DISPATCHER, {})],
     State.CONFIRMED: [
-        (State.PLANNED, State.SENT, Actor.DISPATCHER, Effects()),
-        (State.SENT, State.CONFIRMED, Actor.DISPATCHER, Effects(remote_ref="rel-1")),
+        (State.PLANNED, State.SENT, Actor.DISPATCHER, {}),
+        (State.SENT, State.CONFIRMED, Actor.DISPATCHER, {"remote_ref": "rel-1"}),
     ],
     State.FAILED: [
-        (State.PLANNED, State.SENT, Actor.DISPATCHER, Effects()),
-        (State.SENT, State.FAILED, Actor.DISPATCHER, Effects(last_error="422 refused")),
+        (State.PLANNED, State.SENT, Actor.DISPATCHER, {}),
+        (State.SENT, State.FAILED, Actor.DISPATCHER, {"last_error": "422 refused"}),
     ],
     State.UNKNOWN: [
-        (State.PLANNED, State.SENT, Actor.DISPATCHER, Effects()),
-        (State.SENT, State.UNKNOWN, Actor.DISPATCHER, Effects(last_error="read timeout")),
+        (State.PLANNED, State.SENT, Actor.DISPATCHER, {}),
+        (State.SENT, State.UNKNOWN, Actor.DISPATCHER, {"last_error": "read timeout"}),
     ],
     State.NEEDS_HUMAN: [
-        (State.PLANNED, State.SENT, Actor.DISPATCHER, Effects()),
-        (State.SENT, State.UNKNOWN, Actor.DISPATCHER, Effects(last_error="read timeout")),
-        (State.UNKNOWN, State.NEEDS_HUMAN, Actor.RECONCILER, Effects()),
+        (State.PLANNED, State.SENT, Actor.DISPATCHER, {}),
+        (State.SENT, State.UNKNOWN, Actor.DISPATCHER, {"last_error": "read timeout"}),
+        (State.UNKNOWN, State.NEEDS_HUMAN, Actor.RECONCILER, {}),
     ],
-    State.CANCELLED: [(State.PLANNED, State.CANCELLED, Actor.AGENT, Effects())],
+    State.CANCELLED: [(State.PLANNED, State.CANCELLED, Actor.AGENT, {})],
 }
 
 
@@ -60,15 +60,15 @@ def make_operation(
             payload=payload if payload is not None else {"n": next(_counter)},
             intent_key=intent_key,
         )
-        for from_state, to_state, actor, effects in _PATHS[state]:
-            op = transition(
+        for from_state, to_state, actor, columns in _PATHS[state]:
+            op = apply_move(
                 session,
                 op.id,
                 from_state=from_state,
                 to_state=to_state,
                 actor=actor,
                 reason="factory",
-                effects=effects,
+                **columns,
             )
     return op
 
@@ -113,13 +113,14 @@ def move(
     operation: Operation,
     to_state: State,
     actor: Actor,
-    effects: Effects | None = None,
     *,
     reason: str = "test",
+    **columns: Any,
 ) -> Operation:
-    """Commit one real transition of ``operation`` from the state it was read in."""
+    """Commit one real transition of ``operation`` from the state it was read in, writing
+    ``columns`` (those of :class:`outbox.transitions.Move` the move takes)."""
     with Session(engine) as session, session.begin():
-        return transition(
+        return apply_move(
             session,
             operation.id,
             from_state=operation.state,
@@ -127,7 +128,7 @@ def move(
             actor=actor,
             reason=reason,
             attempt=operation.attempts,
-            effects=effects or Effects(),
+            **columns,
         )
 
 
@@ -184,3 +185,30 @@ def poisoned_updates(engine: Engine, when: str) -> Iterator[None]:
         with engine.begin() as conn:
             conn.execute(text("DROP TRIGGER outbox_test_poison ON outbox.operations"))
             conn.execute(text("DROP FUNCTION public.outbox_test_poison()"))
+
+
+def apply_move(
+    executor: Executor,
+    operation_id: UUID,
+    *,
+    from_state: State,
+    to_state: State,
+    actor: Actor,
+    reason: str,
+    attempt: int | None = None,
+    detail: Mapping[str, Any] | None = None,
+    **columns: Any,
+) -> Operation:
+    """Make any move, named by its states, in the caller's transaction (as the named functions
+    of :mod:`outbox.transitions` do; a column the move does not take raises ``ValueError``)."""
+    move = transitions.Move(
+        operation_id=operation_id,
+        from_state=from_state,
+        to_state=to_state,
+        actor=actor,
+        reason=reason,
+        attempt=attempt,
+        detail=detail,
+        **columns,
+    )
+    return transitions.apply(executor, move).operation

@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import enum
 import logging
-import random
 from dataclasses import dataclass
 from uuid import UUID
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, statements
+from outbox import faults, statements, transitions
+from outbox.backoff import exponential_s, jittered
 from outbox.contracts import ToolContract
-from outbox.errors import StaleTransition
 from outbox.reconcilers.decide import Action, decide, usable_window_s
 from outbox.reconcilers.route import apply_decision, escalate_unroutable
 from outbox.statements import ReconcileFacts
-from outbox.states import Actor, Effects, State, transition
+from outbox.states import Actor, State
 from outbox.tools import REGISTRY, Tool, ToolCall, ToolRegistry, run_lookup
 from outbox.tools.results import Applied, FailedRemotely, LookupResult, NotApplied
 from outbox.workers.locking import operation_lock
@@ -88,15 +87,16 @@ def lookup(
 
 
 def facts_for(conn: Connection, op_id: UUID, contract: ToolContract) -> ReconcileFacts | None:
-    """The operation's decision facts under ``contract``, read in their own transaction."""
-    facts = statements.reconcile_facts(
-        conn,
-        op_id,
-        horizon_s=contract.inflight_horizon_s,
-        usable_window_s=usable_window_s(contract),
-    )
-    conn.commit()
-    return facts
+    """The operation's decision facts under ``contract``, read in a transaction of their own
+    that ends with the read (``conn`` must have none open): the moves made on them next are
+    each committed on their own. Writes nothing and never commits the caller's work."""
+    with conn.begin():
+        return statements.reconcile_facts(
+            conn,
+            op_id,
+            horizon_s=contract.inflight_horizon_s,
+            usable_window_s=usable_window_s(contract),
+        )
 
 
 def _unknown_operation(conn: Connection, op_id: UUID) -> LookupReport:
@@ -116,8 +116,8 @@ def _unknown_operation(conn: Connection, op_id: UUID) -> LookupReport:
 def _inspect(
     conn: Connection, op_id: UUID, registry: ToolRegistry, config: LookupConfig
 ) -> LookupReport:
-    current = statements.get_operation(conn, op_id)
-    conn.commit()
+    with conn.begin():
+        current = statements.get_operation(conn, op_id)
     if current is None:
         return _unknown_operation(conn, op_id)
     tool = registry.get(current.tool)
@@ -168,55 +168,52 @@ def _record(
 ) -> LookupReport:
     op = facts.operation
     contract = tool.contract
-    try:
-        if isinstance(result, Applied):
-            _move(
-                conn,
-                facts,
-                State.CONFIRMED,
-                f"lookup: applied at the remote ({result.remote_ref})",
-                Effects(remote_ref=result.remote_ref, result=result.result),
-            )
-            return LookupReport(op.id, LookupOutcome.CONFIRMED, result.remote_ref)
-        if isinstance(result, FailedRemotely):
-            _move(
-                conn,
-                facts,
-                State.FAILED,
-                f"lookup: failed at the remote: {result.reason}",
-                Effects(last_error=result.reason, maybe_applied=False),
-            )
-            return LookupReport(op.id, LookupOutcome.FAILED, result.reason)
-        if isinstance(result, NotApplied):
-            return _not_applied(conn, facts, contract)
-    except StaleTransition:
-        return _late(conn, op.id, op.attempts, result)
+    if isinstance(result, Applied):
+        applied = transitions.confirm(
+            op.id,
+            from_state=State.UNKNOWN,
+            actor=Actor.RECONCILER,
+            attempt=op.attempts,
+            reason=f"lookup: applied at the remote ({result.remote_ref})",
+            remote_ref=result.remote_ref,
+            result=result.result,
+        )
+        if not _moved(conn, applied):
+            return _late(conn, op.id, op.attempts, result)
+        return LookupReport(op.id, LookupOutcome.CONFIRMED, result.remote_ref)
+    if isinstance(result, FailedRemotely):
+        failed = transitions.fail(
+            op.id,
+            from_state=State.UNKNOWN,
+            actor=Actor.RECONCILER,
+            attempt=op.attempts,
+            reason=f"lookup: failed at the remote: {result.reason}",
+            last_error=result.reason,
+        )
+        if not _moved(conn, failed):
+            return _late(conn, op.id, op.attempts, result)
+        return LookupReport(op.id, LookupOutcome.FAILED, result.reason)
+    if isinstance(result, NotApplied):
+        return _not_applied(conn, facts, contract, result)
     return _inconclusive(conn, facts, contract, result.reason, config)
 
 
-def _move(
-    conn: Connection, facts: ReconcileFacts, to_state: State, reason: str, effects: Effects
-) -> None:
-    with conn.begin():
-        transition(
-            conn,
-            facts.operation.id,
-            from_state=State.UNKNOWN,
-            to_state=to_state,
-            actor=Actor.RECONCILER,
-            reason=reason,
-            attempt=facts.operation.attempts,
-            effects=effects,
-        )
+def _moved(conn: Connection, move: transitions.Move) -> bool:
+    """Commit one lookup move; whether it applied (``False``: the row moved on meanwhile)."""
+    if not isinstance(transitions.apply_and_commit(conn, move), transitions.Moved):
+        return False
     log.info(
         "%s: %s",
-        facts.operation.id,
-        reason,
-        extra={"action": f"lookup_{to_state.value}", "operation_id": str(facts.operation.id)},
+        move.operation_id,
+        move.reason,
+        extra={"action": f"lookup_{move.to_state.value}", "operation_id": str(move.operation_id)},
     )
+    return True
 
 
-def _not_applied(conn: Connection, facts: ReconcileFacts, contract: ToolContract) -> LookupReport:
+def _not_applied(
+    conn: Connection, facts: ReconcileFacts, contract: ToolContract, result: NotApplied
+) -> LookupReport:
     op = facts.operation
     if not facts.horizon_passed:
         with conn.begin():
@@ -231,10 +228,27 @@ def _not_applied(conn: Connection, facts: ReconcileFacts, contract: ToolContract
         return LookupReport(op.id, LookupOutcome.WAITING, str(facts.horizon_at))
     if op.attempts_in_budget >= contract.max_attempts:
         reason = f"lookup: not applied, and max_attempts ({contract.max_attempts}) reached"
-        _move(conn, facts, State.NEEDS_HUMAN, reason, Effects(maybe_applied=False))
+        escalation = transitions.escalate(
+            op.id,
+            from_state=State.UNKNOWN,
+            actor=Actor.RECONCILER,
+            attempt=op.attempts,
+            reason=reason,
+            not_applied=True,
+        )
+        if not _moved(conn, escalation):
+            return _late(conn, op.id, op.attempts, result)
         return LookupReport(op.id, LookupOutcome.ROUTED, reason)
-    reason = "lookup: not applied after the in-flight horizon; replay with the same key"
-    _move(conn, facts, State.PLANNED, reason, Effects(maybe_applied=False))
+    replay = transitions.replan(
+        op.id,
+        from_state=State.UNKNOWN,
+        actor=Actor.RECONCILER,
+        attempt=op.attempts,
+        reason="lookup: not applied after the in-flight horizon; replay with the same key",
+        not_applied=True,
+    )
+    if not _moved(conn, replay):
+        return _late(conn, op.id, op.attempts, result)
     return LookupReport(op.id, LookupOutcome.REPLANNED)
 
 
@@ -247,13 +261,13 @@ def _inconclusive(
 ) -> LookupReport:
     op = facts.operation
     checks = op.checks + 1
-    backoff = min(config.max_backoff_s, config.base_backoff_s * 2 ** (checks - 1))
+    backoff = exponential_s(checks, base_s=config.base_backoff_s, max_s=config.max_backoff_s)
     with conn.begin():
         statements.schedule_check(
             conn,
             op.id,
             attempt=op.attempts,
-            delay_s=backoff * random.uniform(0.8, 1.2),  # noqa: S311 -- jitter only
+            delay_s=jittered(backoff),
             count_check=True,
             last_error=f"lookup inconclusive: {why}",
         )
@@ -292,42 +306,24 @@ def _unrecordable(
 
 def _late(conn: Connection, op_id: UUID, attempt: int, result: LookupResult) -> LookupReport:
     """Someone decided while we asked: keep the evidence, and let it confirm only a row that
-    still waits for a verdict at the same attempt."""
-    with conn.begin():
-        current = statements.get_operation(conn, op_id)
-        if current is None:
-            return LookupReport(op_id, LookupOutcome.GONE)
-        statements.record_event(
-            conn,
-            op_id,
-            state=current.state,
-            attempt=attempt,
-            actor=Actor.RECONCILER,
-            reason=f"lookup evidence after the operation moved on: {result!r}",
-        )
+    still waits for a verdict at the same attempt (:mod:`outbox.transitions`' one rule)."""
+    applied = result if isinstance(result, Applied) else None
+    kept = transitions.keep_late_evidence_and_commit(
+        conn,
+        op_id,
+        attempt=attempt,
+        noted_by=Actor.RECONCILER,
+        note_reason=f"lookup evidence after the operation moved on: {result!r}",
+        remote_ref=applied.remote_ref if applied is not None else None,
+        result=applied.result if applied is not None else None,
+        confirm_reason=f"lookup: applied at the remote ({applied.remote_ref})" if applied else "",
+    )
+    if kept.current is None:
+        return LookupReport(op_id, LookupOutcome.GONE)
     log.warning(
         "lookup of %s lost the race to another decision; evidence kept: %r",
         op_id,
         result,
         extra={"action": "lookup_late", "operation_id": str(op_id)},
     )
-    if (
-        isinstance(result, Applied)
-        and current.state is State.NEEDS_HUMAN
-        and current.attempts == attempt
-    ):
-        try:
-            with conn.begin():
-                transition(
-                    conn,
-                    op_id,
-                    from_state=State.NEEDS_HUMAN,
-                    to_state=State.CONFIRMED,
-                    actor=Actor.EVIDENCE,
-                    reason=f"lookup: applied at the remote ({result.remote_ref})",
-                    attempt=attempt,
-                    effects=Effects(remote_ref=result.remote_ref, result=result.result),
-                )
-        except StaleTransition:
-            pass
     return LookupReport(op_id, LookupOutcome.LATE, repr(result))

@@ -7,57 +7,54 @@ from uuid import UUID
 
 from sqlalchemy import Connection
 
-from outbox import statements
-from outbox.errors import StaleTransition
+from outbox import statements, transitions
 from outbox.reconcilers.decide import Action, Decision
 from outbox.statements import ReconcileFacts
-from outbox.states import Actor, Effects, State, transition
+from outbox.states import Actor, State
 
 log = logging.getLogger(__name__)
 
 
 def apply_decision(conn: Connection, facts: ReconcileFacts, decision: Decision) -> bool:
-    """Make the move a REPLAY, HUMAN or WAIT decision calls for; whether it applied.
+    """Make the move a REPLAY, HUMAN or WAIT decision calls for, committed; whether it
+    applied.
 
     Fenced on the state and attempt the facts were read at: a row that moved on meanwhile
     is left alone. LOOKUP is the caller's to arrange (it runs elsewhere).
     """
     op = facts.operation
-    try:
+    if decision.action is Action.WAIT:
         with conn.begin():
-            if decision.action is Action.REPLAY:
-                transition(
-                    conn,
-                    op.id,
-                    from_state=State.UNKNOWN,
-                    to_state=State.PLANNED,
-                    actor=Actor.RECONCILER,
-                    reason=decision.reason,
-                    attempt=op.attempts,
-                    effects=Effects(replay_window_s=decision.replay_window_s),
-                )
-            elif decision.action is Action.HUMAN:
-                transition(
-                    conn,
-                    op.id,
-                    from_state=State.UNKNOWN,
-                    to_state=State.NEEDS_HUMAN,
-                    actor=Actor.RECONCILER,
-                    reason=decision.reason,
-                    attempt=op.attempts,
-                )
-            elif decision.action is Action.WAIT:
-                return statements.schedule_check(
-                    conn,
-                    op.id,
-                    attempt=op.attempts,
-                    at_horizon_s=decision.recheck_after_sent_s,
-                    count_check=False,
-                )
-            else:
-                raise ValueError(f"apply_decision cannot carry out {decision.action}")
-    except StaleTransition:
-        return False
+            return statements.schedule_check(
+                conn,
+                op.id,
+                attempt=op.attempts,
+                at_horizon_s=decision.recheck_after_sent_s,
+                count_check=False,
+            )
+    if decision.action is Action.REPLAY:
+        replay = transitions.replan(
+            op.id,
+            from_state=State.UNKNOWN,
+            actor=Actor.RECONCILER,
+            attempt=op.attempts,
+            reason=decision.reason,
+            replay_window_s=decision.replay_window_s,
+        )
+        if not isinstance(transitions.apply_and_commit(conn, replay), transitions.Moved):
+            return False
+    elif decision.action is Action.HUMAN:
+        escalation = transitions.escalate(
+            op.id,
+            from_state=State.UNKNOWN,
+            actor=Actor.RECONCILER,
+            attempt=op.attempts,
+            reason=decision.reason,
+        )
+        if not isinstance(transitions.apply_and_commit(conn, escalation), transitions.Moved):
+            return False
+    else:
+        raise ValueError(f"apply_decision cannot carry out {decision.action}")
     log.info(
         "%s: %s",
         op.id,
@@ -68,25 +65,18 @@ def apply_decision(conn: Connection, facts: ReconcileFacts, decision: Decision) 
 
 
 def escalate_unroutable(conn: Connection, operation_id: UUID, tool: str) -> bool:
-    """An `unknown` operation whose tool this process does not know goes to a human.
-
-    Re-reads the row under the caller's lock; whether it moved.
+    """An `unknown` operation whose tool this process does not know goes to a human,
+    committed. Re-reads the row under the caller's lock; whether it moved.
     """
-    current = statements.get_operation(conn, operation_id)
-    conn.commit()
+    with conn.begin():
+        current = statements.get_operation(conn, operation_id)
     if current is None or current.state is not State.UNKNOWN:
         return False
-    try:
-        with conn.begin():
-            transition(
-                conn,
-                operation_id,
-                from_state=State.UNKNOWN,
-                to_state=State.NEEDS_HUMAN,
-                actor=Actor.RECONCILER,
-                reason=f"tool {tool!r} is not registered in the reconciler",
-                attempt=current.attempts,
-            )
-    except StaleTransition:
-        return False
-    return True
+    escalation = transitions.escalate(
+        operation_id,
+        from_state=State.UNKNOWN,
+        actor=Actor.RECONCILER,
+        attempt=current.attempts,
+        reason=f"tool {tool!r} is not registered in the reconciler",
+    )
+    return isinstance(transitions.apply_and_commit(conn, escalation), transitions.Moved)

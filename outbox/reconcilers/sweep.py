@@ -32,14 +32,13 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, statements, storable
+from outbox import faults, statements, storable, transitions
 from outbox.config import Settings, get_settings
-from outbox.errors import StaleTransition
 from outbox.locks import operation_lock_key
 from outbox.reconcilers.decide import Action, decide
 from outbox.reconcilers.lookup import facts_for
 from outbox.reconcilers.route import apply_decision, escalate_unroutable
-from outbox.states import Actor, State, transition
+from outbox.states import Actor, State
 from outbox.tools import REGISTRY, ToolRegistry
 from outbox.workers.locking import operation_lock, release
 
@@ -115,15 +114,20 @@ class Sweeper:
         return result
 
     def _sweep_sent(self, result: SweepResult) -> None:
+        """Phase 1, on one probe connection of the sweep's own. The probe holds session locks
+        only (the sweep claim, the operation's lock), never a transaction between steps:
+        each step on it below is a transaction of its own, a ``with probe.begin()`` block
+        that commits when it ends, and each move commits on its own
+        (:func:`outbox.transitions.apply_and_commit`)."""
         with self.engine.connect() as probe:
             try:
-                stale = statements.stale_sent(
-                    probe,
-                    sent_timeout_s=self.config.sent_timeout_s,
-                    sent_max_age_s=self.config.sent_max_age_s,
-                    limit=self.config.batch_size,
-                )
-                probe.commit()
+                with probe.begin():
+                    stale = statements.stale_sent(
+                        probe,
+                        sent_timeout_s=self.config.sent_timeout_s,
+                        sent_max_age_s=self.config.sent_max_age_s,
+                        limit=self.config.batch_size,
+                    )
                 for op_id, attempt, too_old in stale:
                     try:
                         self._sweep_one(probe, op_id, attempt, too_old=too_old, result=result)
@@ -131,8 +135,8 @@ class Sweeper:
                         _raise_if_connection_lost(exc)
                         # Whatever the row's handling left behind: no transaction, no lock.
                         probe.rollback()
-                        statements.unlock_all(probe)
-                        probe.commit()
+                        with probe.begin():
+                            statements.unlock_all(probe)
                         self._row_failed(op_id, State.SENT, exc, result)
             finally:
                 release(probe)
@@ -141,17 +145,17 @@ class Sweeper:
         self, probe: Connection, op_id: UUID, attempt: int, *, too_old: bool, result: SweepResult
     ) -> None:
         key = operation_lock_key(op_id)
-        claimed = statements.try_sweep_claim(probe, key)
-        probe.commit()
+        with probe.begin():
+            claimed = statements.try_sweep_claim(probe, key)
         if not claimed:
             result.busy += 1  # another sweep is probing this row: its lock says nothing of ours
             return
         try:
             self._probe_sent(probe, key, op_id, attempt, too_old=too_old, result=result)
         finally:
-            if not probe.in_transaction():
-                statements.release_sweep_claim(probe, key)
-                probe.commit()
+            if not probe.invalidated:  # a lost connection took its locks with it
+                with probe.begin():
+                    statements.release_sweep_claim(probe, key)
 
     def _probe_sent(
         self,
@@ -163,72 +167,61 @@ class Sweeper:
         too_old: bool,
         result: SweepResult,
     ) -> None:
-        if statements.try_lock(probe, key):
-            probe.commit()
+        with probe.begin():
+            locked = statements.try_lock(probe, key)
+        if locked:
             try:
-                self._move_sent(
-                    probe,
-                    op_id,
-                    attempt,
-                    State.UNKNOWN,
+                reason = (
                     f"dispatcher lost: sent more than {self.config.sent_timeout_s:g}s ago and "
-                    "its lock is free",
+                    "its lock is free"
                 )
-                result.lost += 1
-            except StaleTransition:
-                pass
+                lost = transitions.mark_unknown(
+                    op_id, actor=Actor.SWEEP, attempt=attempt, reason=reason
+                )
+                result.lost += self._moved(probe, lost)
             finally:
-                if not probe.in_transaction():
-                    statements.unlock(probe, key)
-                    probe.commit()
+                if not probe.invalidated:
+                    with probe.begin():
+                        statements.unlock(probe, key)
             return
-        probe.commit()
         if not too_old:
             result.slow += 1
             return
-        holder = statements.lock_holder_pid(probe, key)
-        probe.commit()
+        with probe.begin():
+            holder = statements.lock_holder_pid(probe, key)
         if holder is None:
             result.slow += 1  # released since we probed: it moved on, or it is lost; next time
             return
-        try:
-            self._move_sent(
-                probe,
-                op_id,
-                attempt,
-                State.NEEDS_HUMAN,
-                f"in flight for more than OUTBOX_SENT_MAX_AGE ({self.config.sent_max_age_s:g}s):"
-                f" its lock is still held, by database backend pid {holder} (not a sweep)",
-            )
-            result.stuck += 1
-        except StaleTransition:
-            pass
+        reason = (
+            f"in flight for more than OUTBOX_SENT_MAX_AGE ({self.config.sent_max_age_s:g}s):"
+            f" its lock is still held, by database backend pid {holder} (not a sweep)"
+        )
+        stuck = transitions.escalate(
+            op_id, from_state=State.SENT, actor=Actor.SWEEP, attempt=attempt, reason=reason
+        )
+        result.stuck += self._moved(probe, stuck)
 
     @staticmethod
-    def _move_sent(conn: Connection, op_id: UUID, attempt: int, to: State, reason: str) -> None:
-        with conn.begin():
-            transition(
-                conn,
-                op_id,
-                from_state=State.SENT,
-                to_state=to,
-                actor=Actor.SWEEP,
-                reason=reason,
-                attempt=attempt,
-            )
+    def _moved(conn: Connection, move: transitions.Move) -> bool:
+        """Commit one move of a `sent` row; whether it applied (not: it moved on meanwhile)."""
+        if not isinstance(transitions.apply_and_commit(conn, move), transitions.Moved):
+            return False
         faults.point("sweep_after_move")
         log.warning(
             "%s attempt %d: %s",
-            op_id,
-            attempt,
-            reason,
-            extra={"action": f"sweep_{to.value}", "operation_id": str(op_id)},
+            move.operation_id,
+            move.attempt,
+            move.reason,
+            extra={
+                "action": f"sweep_{move.to_state.value}",
+                "operation_id": str(move.operation_id),
+            },
         )
+        return True
 
     def _route_unknown(self, result: SweepResult) -> None:
         with self.engine.connect() as conn:
             due = statements.due_unknown(conn, limit=self.config.batch_size)
-            conn.commit()
         for op_id, tool_name in due:
             try:
                 self._route_one(op_id, tool_name, result)
@@ -253,7 +246,7 @@ class Sweeper:
                 current = statements.get_operation(conn, op_id)
                 if current is None or current.state is not state:
                     return  # it moved on meanwhile: whatever failed is not its problem now
-                statements.record_event(
+                transitions.note(
                     conn,
                     op_id,
                     state=state,
@@ -297,19 +290,16 @@ class Sweeper:
             f"the sweep failed on this operation {failures} times (attempt {attempt}); "
             f"last error: {error}"
         )
-        try:
-            with self.engine.begin() as conn:
-                transition(
-                    conn,
-                    op_id,
-                    from_state=state,
-                    to_state=State.NEEDS_HUMAN,
-                    actor=Actor.SWEEP if state is State.SENT else Actor.RECONCILER,
-                    reason=reason,
-                    attempt=attempt,
-                )
-        except StaleTransition:
-            return
+        escalation = transitions.escalate(
+            op_id,
+            from_state=state,
+            actor=Actor.SWEEP if state is State.SENT else Actor.RECONCILER,
+            attempt=attempt,
+            reason=reason,
+        )
+        with self.engine.connect() as conn:
+            if not isinstance(transitions.apply_and_commit(conn, escalation), transitions.Moved):
+                return
         result.escalated += 1
         log.error(
             "%s: %s",

@@ -32,22 +32,20 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import random
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from uuid import UUID
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, statements, webhooks
+from outbox import faults, statements, transitions
+from outbox.backoff import exponential_s, jittered
 from outbox.canonical import canonical_json, intent_hash, payload_hash
 from outbox.contracts import ToolContract
-from outbox.errors import ReplayDeadlinePassed, StaleTransition
+from outbox.errors import ReplayDeadlinePassed
 from outbox.models import Operation
-from outbox.states import NO_EFFECTS, Actor, Effects, State, transition
+from outbox.states import Actor, State
 from outbox.tools import REGISTRY, Tool, ToolCall, run_dispatch
 from outbox.tools.registry import ToolRegistry
 from outbox.tools.results import (
@@ -58,6 +56,7 @@ from outbox.tools.results import (
     NotSent,
     Rejected,
 )
+from outbox.transitions import Move, Moved
 from outbox.workers.locking import DispatchLocks, Found
 
 log = logging.getLogger(__name__)
@@ -282,20 +281,12 @@ def _commit_sent(
         try:
             # One statement, committed by itself with synchronous_commit=on (checked with
             # the lock): when it returns, the row says `sent` on disk.
-            with _atomic(conn, State.PLANNED, State.SENT):
-                sent = transition(
-                    conn,
-                    op.id,
-                    from_state=State.PLANNED,
-                    to_state=State.SENT,
-                    actor=Actor.DISPATCHER,
-                    reason=f"dispatching attempt {op.attempts + 1}",
-                    attempt=op.attempts,
-                )
-        except ReplayDeadlinePassed:
-            return _to_human(conn, op, _deadline_reason(op))
-        except StaleTransition as exc:
-            return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(exc))
+            moved = transitions.apply_and_commit(
+                conn,
+                transitions.mark_sent(
+                    op.id, attempt=op.attempts, reason=f"dispatching attempt {op.attempts + 1}"
+                ),
+            )
         except DBAPIError as exc:
             if not statements.is_row_lock_busy(exc):
                 raise
@@ -304,6 +295,11 @@ def _commit_sent(
                 return DispatchReport(op.id, Outcome.LOCK_BUSY, op.attempts, reason)
             continue
         break
+    if isinstance(moved, ReplayDeadlinePassed):
+        return _to_human(conn, op, _deadline_reason(op))
+    if not isinstance(moved, Moved):
+        return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(moved))
+    sent = moved.operation
     faults.point("after_sent_commit")
     log.info(
         "attempt %d of %s committed as sent",
@@ -333,56 +329,13 @@ def _deadline_reason(op: Operation) -> str:
     return f"the dedup window closed before the replay left (replay deadline {op.replay_deadline})"
 
 
-def _move(
-    conn: Connection,
-    op: Operation,
-    from_state: State,
-    to_state: State,
-    reason: str,
-    *,
-    effects: Effects = NO_EFFECTS,
-) -> StaleTransition | None:
-    """One dispatcher move of ``op`` at its attempt, committed; the miss if it missed."""
-    try:
-        with _atomic(conn, from_state, to_state):
-            transition(
-                conn,
-                op.id,
-                from_state=from_state,
-                to_state=to_state,
-                actor=Actor.DISPATCHER,
-                reason=reason,
-                attempt=op.attempts,
-                effects=effects,
-            )
-    except StaleTransition as exc:
-        return exc
-    return None
-
-
-@contextmanager
-def _atomic(conn: Connection, from_state: State, to_state: State) -> Iterator[None]:
-    """One move, committed on its own: its single statement on the autocommit connection,
-    or a transaction when it also writes webhook deliveries (or the connection is not in
-    autocommit mode: the late-outcome path's fresh one)."""
-    autocommit = conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
-    if autocommit and webhooks.subscribed_events(from_state, to_state):
-        conn.commit()
-        conn.execution_options(isolation_level=conn.default_isolation_level)
-        try:
-            with conn.begin():
-                yield
-        finally:
-            conn.execution_options(isolation_level="AUTOCOMMIT")
-    else:
-        with conn.begin():
-            yield
-
-
 def _dispatcher_lost(conn: Connection, op: Operation) -> DispatchReport:
     """A message found the attempt in `sent` while we hold the lock: its dispatcher is gone."""
     reason = "dispatcher lost: a message found the attempt in sent with its lock free"
-    if missed := _move(conn, op, State.SENT, State.UNKNOWN, reason):
+    lost = transitions.mark_unknown(
+        op.id, actor=Actor.DISPATCHER, attempt=op.attempts, reason=reason
+    )
+    if not isinstance(missed := transitions.apply_and_commit(conn, lost), Moved):
         return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(missed))
     log.warning(
         "attempt %d of %s lost its dispatcher; handed to the reconciler",
@@ -394,7 +347,10 @@ def _dispatcher_lost(conn: Connection, op: Operation) -> DispatchReport:
 
 
 def _to_human(conn: Connection, op: Operation, reason: str) -> DispatchReport:
-    if missed := _move(conn, op, State.PLANNED, State.NEEDS_HUMAN, reason):
+    escalation = transitions.escalate(
+        op.id, from_state=State.PLANNED, actor=Actor.DISPATCHER, attempt=op.attempts, reason=reason
+    )
+    if not isinstance(missed := transitions.apply_and_commit(conn, escalation), Moved):
         return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(missed))
     log.warning(
         "%s needs a human: %s",
@@ -411,47 +367,83 @@ def _not_sent(
     reason = reason or (
         f"not sent: more than send_deadline_s ({contract.send_deadline_s:g}s) since sent"
     )
-    effects = Effects(last_error=reason)
-    if missed := _move(conn, sent, State.SENT, State.PLANNED, reason, effects=effects):
+    back = transitions.replan(
+        sent.id,
+        from_state=State.SENT,
+        actor=Actor.DISPATCHER,
+        attempt=sent.attempts,
+        reason=reason,
+        last_error=reason,
+    )
+    if not isinstance(missed := transitions.apply_and_commit(conn, back), Moved):
         return DispatchReport(sent.id, Outcome.LATE, sent.attempts, str(missed))
     return DispatchReport(sent.id, Outcome.NOT_SENT, sent.attempts, reason)
 
 
 def _classify(
     sent: Operation, result: DispatchResult, config: DispatchConfig
-) -> tuple[State, Outcome, Effects, str]:
-    """The move an outcome calls for: (to state, outcome, effects, reason)."""
+) -> tuple[Move, Outcome]:
+    """The move an outcome of ``sent``'s attempt calls for, and the outcome it reports."""
+    op_id, attempt, actor = sent.id, sent.attempts, Actor.DISPATCHER
     if isinstance(result, Applied):
-        effects = Effects(remote_ref=result.remote_ref, result=result.result)
-        return State.CONFIRMED, Outcome.CONFIRMED, effects, "applied at the remote"
+        applied = transitions.confirm(
+            op_id,
+            from_state=State.SENT,
+            actor=actor,
+            attempt=attempt,
+            reason="applied at the remote",
+            remote_ref=result.remote_ref,
+            result=result.result,
+        )
+        return applied, Outcome.CONFIRMED
     if isinstance(result, Rejected):
         if sent.maybe_applied:
             reason = f"refused, but an earlier attempt may have applied: {result.reason}"
-            return State.UNKNOWN, Outcome.UNKNOWN, Effects(last_error=reason), reason
-        effects = Effects(last_error=result.reason, result=result.result)
-        return State.FAILED, Outcome.FAILED, effects, f"refused: {result.reason}"
-    if isinstance(result, NotDelivered):
-        backoff = min(config.max_backoff_s, config.base_backoff_s * 2 ** (sent.attempts - 1))
-        effects = Effects(
+            doubt = transitions.mark_unknown(
+                op_id, actor=actor, attempt=attempt, reason=reason, last_error=reason
+            )
+            return doubt, Outcome.UNKNOWN
+        refused = transitions.fail(
+            op_id,
+            from_state=State.SENT,
+            actor=actor,
+            attempt=attempt,
+            reason=f"refused: {result.reason}",
             last_error=result.reason,
-            available_in_s=backoff * random.uniform(0.8, 1.2),  # noqa: S311 -- jitter only
+            result=result.result,
         )
-        return State.PLANNED, Outcome.REPLANNED, effects, f"not delivered: {result.reason}"
-    reason = result.reason if isinstance(result, Ambiguous) else repr(result)
-    return State.UNKNOWN, Outcome.UNKNOWN, Effects(last_error=reason), f"ambiguous: {reason}"
+        return refused, Outcome.FAILED
+    if isinstance(result, NotDelivered):
+        backoff = exponential_s(attempt, base_s=config.base_backoff_s, max_s=config.max_backoff_s)
+        again = transitions.replan(
+            op_id,
+            from_state=State.SENT,
+            actor=actor,
+            attempt=attempt,
+            reason=f"not delivered: {result.reason}",
+            last_error=result.reason,
+            available_in_s=jittered(backoff),
+        )
+        return again, Outcome.REPLANNED
+    why = result.reason if isinstance(result, Ambiguous) else repr(result)
+    ambiguous = transitions.mark_unknown(
+        op_id, actor=actor, attempt=attempt, reason=f"ambiguous: {why}", last_error=why
+    )
+    return ambiguous, Outcome.UNKNOWN
 
 
 def _record_outcome(
     conn: Connection, sent: Operation, result: DispatchResult, config: DispatchConfig
 ) -> DispatchReport:
-    to_state, outcome, effects, reason = _classify(sent, result, config)
+    move, outcome = _classify(sent, result, config)
+    reason = move.reason
     try:
-        missed = _move(conn, sent, State.SENT, to_state, reason, effects=effects)
+        moved = transitions.apply_and_commit(conn, move)
     except Exception as exc:  # whatever refused the write, the call itself happened
         if isinstance(exc, DBAPIError) and exc.connection_invalidated:
             raise  # the caller records it again on a fresh connection
         return _unrecordable_outcome(conn, sent, outcome, exc)
-    if missed:
+    if not isinstance(moved, Moved):
         return _late_outcome(conn, sent, result, reason)
     log.info(
         "attempt %d of %s: %s",
@@ -480,7 +472,10 @@ def _unrecordable_outcome(
     )
     if conn.in_transaction():
         conn.rollback()
-    if _move(conn, sent, State.SENT, State.UNKNOWN, reason, effects=Effects(last_error=reason)):
+    doubt = transitions.mark_unknown(
+        sent.id, actor=Actor.DISPATCHER, attempt=sent.attempts, reason=reason, last_error=reason
+    )
+    if not isinstance(transitions.apply_and_commit(conn, doubt), Moved):
         return DispatchReport(sent.id, Outcome.LATE, sent.attempts, reason)
     return DispatchReport(sent.id, Outcome.UNKNOWN, sent.attempts, reason)
 
@@ -490,34 +485,19 @@ def _late_outcome(
 ) -> DispatchReport:
     """The row moved on while we were calling (the sweep took it): keep what we learnt."""
     attempt = sent.attempts
-    with conn.begin():
-        current = statements.get_operation(conn, sent.id)
-        if current is None:
-            return DispatchReport(sent.id, Outcome.GONE, attempt)
-        statements.record_event(
-            conn,
-            sent.id,
-            state=current.state,
-            attempt=attempt,
-            actor=Actor.DISPATCHER,
-            reason=f"late outcome of attempt {attempt}: {reason}",
-        )
-    waiting = current.state in (State.UNKNOWN, State.NEEDS_HUMAN)
-    if isinstance(result, Applied) and waiting and current.attempts == attempt:
-        try:
-            with _atomic(conn, current.state, State.CONFIRMED):
-                transition(
-                    conn,
-                    sent.id,
-                    from_state=current.state,
-                    to_state=State.CONFIRMED,
-                    actor=Actor.EVIDENCE,
-                    reason=f"late outcome of attempt {attempt}: applied",
-                    attempt=attempt,
-                    effects=Effects(remote_ref=result.remote_ref, result=result.result),
-                )
-        except StaleTransition:
-            pass  # someone decided in between; our evidence is in the event above
+    applied = result if isinstance(result, Applied) else None
+    kept = transitions.keep_late_evidence_and_commit(
+        conn,
+        sent.id,
+        attempt=attempt,
+        noted_by=Actor.DISPATCHER,
+        note_reason=f"late outcome of attempt {attempt}: {reason}",
+        remote_ref=applied.remote_ref if applied is not None else None,
+        result=applied.result if applied is not None else None,
+        confirm_reason=f"late outcome of attempt {attempt}: applied",
+    )
+    if kept.current is None:
+        return DispatchReport(sent.id, Outcome.GONE, attempt)
     log.warning(
         "late outcome of attempt %d of %s: %s",
         attempt,

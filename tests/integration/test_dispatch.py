@@ -18,7 +18,7 @@ import outbox
 from outbox import faults, statements
 from outbox.contracts import ContractTable
 from outbox.locks import operation_lock_key
-from outbox.states import Actor, Effects, State, transition
+from outbox.states import Actor, State
 from outbox.testing import DeployService
 from outbox.testing.deploy_service import FaultMode
 from outbox.tools import (
@@ -34,7 +34,7 @@ from outbox.tools import (
 )
 from outbox.workers.dispatch import DispatchConfig, Outcome, dispatch
 from outbox.workers.locking import DispatchLocks
-from tests.factories import age, events_of, make_operation, reload, tamper
+from tests.factories import age, apply_move, events_of, make_operation, reload, tamper
 from tests.tool_configs import http_registry
 
 TOOL = "deploy.create_release"
@@ -110,14 +110,14 @@ def test_refusal_after_an_ambiguous_attempt_is_unknown(
     op = make_operation(engine)
     assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.UNKNOWN
     with engine.begin() as conn:  # the reconciler schedules a replay (maybe_applied stays set)
-        transition(
+        apply_move(
             conn,
             op.id,
             from_state=State.UNKNOWN,
             to_state=State.PLANNED,
             actor=Actor.RECONCILER,
             reason="dedup replay",
-            effects=Effects(replay_window_s=3600),
+            replay_window_s=3600,
         )
     remote.answer = lambda call: Rejected("HTTP 422: key reused")
     report = dispatch(op.id, engine=engine, registry=registry)
@@ -320,14 +320,14 @@ def test_a_replay_past_its_deadline_goes_to_a_human(
     """A dedup replay whose deadline has passed is not sent; it needs a human."""
     op = make_operation(engine, State.UNKNOWN)
     with engine.begin() as conn:
-        transition(
+        apply_move(
             conn,
             op.id,
             from_state=State.UNKNOWN,
             to_state=State.PLANNED,
             actor=Actor.RECONCILER,
             reason="dedup replay",
-            effects=Effects(replay_window_s=60),
+            replay_window_s=60,
         )
     age(engine, op.id, 120, "first_sent_at", "sent_at", "replay_deadline")
     report = dispatch(op.id, engine=engine, registry=registry)
@@ -344,7 +344,7 @@ def test_a_stale_outcome_becomes_evidence(
 
     def swept_meanwhile(call: ToolCall) -> DispatchResult:
         with engine.begin() as conn:
-            transition(
+            apply_move(
                 conn,
                 op.id,
                 from_state=State.SENT,
@@ -379,7 +379,7 @@ def test_a_stale_outcome_never_overwrites_a_later_attempt(
                 (State.UNKNOWN, State.PLANNED, Actor.RECONCILER),
                 (State.PLANNED, State.SENT, Actor.DISPATCHER),
             ):
-                transition(
+                apply_move(
                     conn,
                     op.id,
                     from_state=from_state,
@@ -657,7 +657,7 @@ def test_the_read_with_the_lock_sees_what_was_committed_while_the_statement_ran(
         def cancel_half_a_second_later() -> None:
             time.sleep(0.5)
             with Session(engine) as session, session.begin():
-                transition(
+                apply_move(
                     session,
                     op.id,
                     from_state=State.PLANNED,

@@ -23,7 +23,7 @@ from outbox.errors import (
     WaitTimeout,
 )
 from outbox.models import Operation
-from outbox.states import Actor, Effects, State
+from outbox.states import Actor, State
 from tests.factories import (
     event_count,
     events_of,
@@ -379,7 +379,7 @@ def test_wait_wakes_when_another_thread_settles_the_operation(engine: Engine) ->
 
     def confirm_later() -> None:
         time.sleep(0.3)
-        move(engine, op, State.CONFIRMED, Actor.DISPATCHER, Effects(remote_ref="rel-7"))
+        move(engine, op, State.CONFIRMED, Actor.DISPATCHER, remote_ref="rel-7")
 
     settler = threading.Thread(target=confirm_later)
     started = time.monotonic()
@@ -421,7 +421,7 @@ def test_a_settled_move_notifies_only_while_someone_waits(engine: Engine) -> Non
         payloads = _notifications(
             engine,
             lambda: [
-                move(engine, op, State.CONFIRMED, Actor.DISPATCHER, Effects(remote_ref="r"))
+                move(engine, op, State.CONFIRMED, Actor.DISPATCHER, remote_ref="r")
                 for op in (unwatched, watched)
             ],
         )
@@ -442,7 +442,7 @@ def test_wait_leaves_no_registration_and_clears_a_dead_sessions_row(engine: Engi
 
     def settle_later() -> None:
         time.sleep(0.3)
-        move(engine, op, State.CONFIRMED, Actor.RECONCILER, Effects(remote_ref="rel-8"))
+        move(engine, op, State.CONFIRMED, Actor.RECONCILER, remote_ref="rel-8")
 
     settler = threading.Thread(target=settle_later)
     settler.start()

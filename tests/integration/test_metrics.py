@@ -20,13 +20,13 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Engine, insert, make_url, text
 from sqlalchemy.orm import Session
 
-from outbox import statements
+from outbox import transitions
 from outbox.db import create_engine
 from outbox.metrics import DISPATCH_BUCKETS, OutboxCollector, serve_metrics
 from outbox.schema import webhook_deliveries
-from outbox.states import Actor, Effects, State, transition
+from outbox.states import Actor, State
 from tests.acceptance.conftest import REPO, clean_environment, run_outbox
-from tests.factories import age, make_operation, move
+from tests.factories import age, apply_move, make_operation, move
 from tests.processes import wait_until
 from tests.proxy import TcpProxy
 
@@ -284,14 +284,14 @@ def test_transitions_escalations_and_dispatch_latency_count_from_the_exporters_s
     op = make_operation(engine, State.PLANNED)
     op = move(engine, op, State.SENT, Actor.DISPATCHER)
     time.sleep(0.3)
-    move(engine, op, State.CONFIRMED, Actor.DISPATCHER, Effects(remote_ref="r-1"))
+    move(engine, op, State.CONFIRMED, Actor.DISPATCHER, remote_ref="r-1")
     # planned -> sent -> unknown -> needs_human: one escalation.
     make_operation(engine, State.NEEDS_HUMAN)
     make_operation(engine, State.CANCELLED)
     first = scrape(collector)
     # A note that changes no state is not a transition.
     with Session(engine) as session, session.begin():
-        statements.record_event(
+        transitions.note(
             session,
             op.id,
             state=State.CONFIRMED,
@@ -302,12 +302,12 @@ def test_transitions_escalations_and_dispatch_latency_count_from_the_exporters_s
     second = scrape(collector)
 
     for samples in (first, second):
-        transitions = {
+        counted = {
             tuple(dict(labels)[k] for k in ("from_state", "to_state", "actor")): value
             for labels, value in samples.labelled("outbox_transitions_total").items()
             if value
         }
-        assert transitions == {
+        assert counted == {
             ("none", "planned", "agent"): 3,
             ("planned", "sent", "dispatcher"): 2,
             ("sent", "confirmed", "dispatcher"): 1,
@@ -341,7 +341,7 @@ def test_latency_is_per_attempt(engine: Engine, collector: OutboxCollector) -> N
     # The request provably never left: back to planned, then a fast second attempt.
     op = move(engine, op, State.PLANNED, Actor.DISPATCHER)
     op = move(engine, op, State.SENT, Actor.DISPATCHER)
-    move(engine, op, State.FAILED, Actor.DISPATCHER, Effects(last_error="422"))
+    move(engine, op, State.FAILED, Actor.DISPATCHER, last_error="422")
 
     lost = make_operation(engine, State.SENT)
     move(engine, lost, State.UNKNOWN, Actor.SWEEP)  # its dispatcher died: the sweep moved it
@@ -370,7 +370,7 @@ def test_an_event_committed_after_a_later_one_is_still_counted(
     assert moves(baseline, "none", "planned", "agent") == 2
 
     with Session(engine) as session, session.begin():
-        transition(
+        apply_move(
             session,
             slow.id,
             from_state=State.PLANNED,

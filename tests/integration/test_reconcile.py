@@ -20,11 +20,11 @@ from outbox.locks import operation_lock_key
 from outbox.models import Operation
 from outbox.reconcilers.lookup import LookupOutcome, lookup
 from outbox.reconcilers.sweep import SweepConfig, Sweeper, SweepResult
-from outbox.states import Actor, Effects, State, transition
+from outbox.states import Actor, State
 from outbox.testing import DeployService
 from outbox.tools import Applied, DispatchResult, LookupResult, ToolCall, ToolRegistry, tool
 from outbox.workers.dispatch import Outcome, dispatch
-from tests.factories import age, events_of, make_operation, poisoned_updates, reload
+from tests.factories import age, apply_move, events_of, make_operation, poisoned_updates, reload
 from tests.tool_configs import http_registry
 
 HORIZON = 30
@@ -353,7 +353,7 @@ def test_a_lookup_losing_to_an_operator_keeps_its_evidence(engine: Engine) -> No
     @create.lookup
     def decided_meanwhile(call: ToolCall) -> LookupResult:
         with engine.begin() as conn:
-            transition(
+            apply_move(
                 conn,
                 op.id,
                 from_state=State.UNKNOWN,
@@ -361,7 +361,7 @@ def test_a_lookup_losing_to_an_operator_keeps_its_evidence(engine: Engine) -> No
                 actor=Actor.OPERATOR,
                 reason="operator: refunded by hand",
                 attempt=op.attempts,
-                effects=Effects(maybe_applied=False),
+                not_applied=True,
             )
         return Applied("rel-late")
 

@@ -11,7 +11,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import statements
+from outbox import statements, transitions
 from outbox.contracts import CONTRACTS, ToolContract
 from outbox.errors import (
     OperationBusy,
@@ -23,7 +23,7 @@ from outbox.errors import (
 from outbox.locks import operation_lock_key
 from outbox.models import Operation
 from outbox.resolve import resolve, waiting_reasons
-from outbox.states import Actor, Effects, State
+from outbox.states import Actor, State
 from tests.factories import (
     age,
     event_count,
@@ -201,7 +201,7 @@ def test_a_stale_attempt_is_refused(engine: Engine) -> None:
     seen = waiting(engine, State.UNKNOWN)
     replanned = move(engine, seen, State.PLANNED, Actor.RECONCILER)
     sent = move(engine, replanned, State.SENT, Actor.DISPATCHER)
-    now = move(engine, sent, State.UNKNOWN, Actor.DISPATCHER, Effects(last_error="timeout"))
+    now = move(engine, sent, State.UNKNOWN, Actor.DISPATCHER, last_error="timeout")
     events_before = event_count(engine, seen.id)
     with pytest.raises(StaleResolution, match="moved on to attempt 2") as refused:
         committed_resolve(
@@ -400,7 +400,7 @@ def test_waiting_reasons_name_the_move_into_the_current_state(engine: Engine) ->
     planned = make_operation(engine, State.PLANNED, tool=TOOL)
     stuck = move(engine, planned, State.NEEDS_HUMAN, Actor.RELAY, reason="tool not registered")
     with Session(engine) as session, session.begin():
-        statements.record_event(
+        transitions.note(
             session,
             stuck.id,
             state=State.NEEDS_HUMAN,

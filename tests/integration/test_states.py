@@ -25,9 +25,10 @@ from outbox.errors import (
     TransitionNotAllowed,
 )
 from outbox.models import Operation
-from outbox.states import ALLOWED, TERMINAL_STATES, Actor, Effects, State, transition
+from outbox.states import ALLOWED, TERMINAL_STATES, Actor, State
 from tests.factories import (
     age,
+    apply_move,
     event_count,
     events_of,
     make_operation,
@@ -48,15 +49,15 @@ REFUSED_PAIRS = [
 ]
 
 
-def effects_for(to_state: State) -> Effects:
-    """The effects a real caller passes for a move into ``to_state``."""
-    return Effects(remote_ref="ref-42") if to_state is State.CONFIRMED else Effects()
+def columns_for(to_state: State) -> dict[str, Any]:
+    """The columns a real caller passes for a move into ``to_state``."""
+    return {"remote_ref": "ref-42"} if to_state is State.CONFIRMED else {}
 
 
 def commit_transition(engine: Engine, operation_id: UUID, **arguments: Any) -> Operation:
     """Run one transition in its own committed transaction."""
     with Session(engine) as session, session.begin():
-        return transition(session, operation_id, **arguments)
+        return apply_move(session, operation_id, **arguments)
 
 
 def assert_nothing_written(engine: Engine, before: Operation, events_before: int) -> None:
@@ -81,7 +82,7 @@ def test_allowed_move_succeeds_and_appends_one_event(
         actor=actor,
         reason="because the test says so",
         attempt=op.attempts,
-        effects=effects_for(to_state),
+        **columns_for(to_state),
         detail={"step": 1},
     )
 
@@ -119,7 +120,7 @@ def test_refused_move_raises_and_writes_nothing(
                 to_state=to_state,
                 actor=actor,
                 reason="not allowed",
-                effects=effects_for(to_state),
+                **columns_for(to_state),
             )
         assert (caught.value.from_state, caught.value.to_state, caught.value.actor) == (
             from_state,
@@ -146,7 +147,7 @@ def test_confirm_without_remote_ref_is_refused(engine: Engine, from_state: State
     op = make_operation(engine, from_state)
     events_before = event_count(engine, op.id)
     actor = Actor.DISPATCHER if from_state is State.SENT else Actor.OPERATOR
-    for effects in (Effects(), Effects(remote_ref="")):
+    for columns in ({}, {"remote_ref": ""}):
         with pytest.raises(TransitionNotAllowed, match="remote_ref"):
             commit_transition(
                 engine,
@@ -155,7 +156,7 @@ def test_confirm_without_remote_ref_is_refused(engine: Engine, from_state: State
                 to_state=State.CONFIRMED,
                 actor=actor,
                 reason="no ref",
-                effects=effects,
+                **columns,
             )
     assert_nothing_written(engine, op, events_before)
 
@@ -196,7 +197,7 @@ def test_write_about_an_older_attempt_is_fenced(engine: Engine) -> None:
             actor=Actor.DISPATCHER,
             reason="late outcome of attempt 1",
             attempt=1,
-            effects=Effects(remote_ref="ref-1"),
+            remote_ref="ref-1",
         )
     assert caught.value.expected == (State.SENT, 1)
     assert caught.value.actual == (State.SENT, 2)
@@ -239,7 +240,7 @@ def test_send_counts_attempts_and_keeps_first_sent_at(engine: Engine) -> None:
 def test_replay_inside_its_deadline_leaves(engine: Engine) -> None:
     """A dedup replay planned with a window still open may be sent again."""
     unknown = make_operation(engine, State.UNKNOWN)
-    replay = move(engine, unknown, State.PLANNED, Actor.RECONCILER, Effects(replay_window_s=600))
+    replay = move(engine, unknown, State.PLANNED, Actor.RECONCILER, replay_window_s=600)
     assert replay.first_sent_at is not None
     assert replay.replay_deadline is not None
     assert (replay.replay_deadline - replay.first_sent_at).total_seconds() == 600
@@ -256,7 +257,7 @@ def test_replay_after_its_deadline_is_refused(engine: Engine) -> None:
         reload(engine, unknown.id),
         State.PLANNED,
         Actor.RECONCILER,
-        Effects(replay_window_s=60),
+        replay_window_s=60,
     )
     events_before = event_count(engine, replay.id)
 
@@ -270,7 +271,7 @@ def test_replay_after_its_deadline_is_refused(engine: Engine) -> None:
 def test_undelivered_replay_keeps_its_deadline(engine: Engine) -> None:
     """sent->planned (the replay never left) keeps the replay deadline for the next attempt."""
     unknown = make_operation(engine, State.UNKNOWN)
-    replay = move(engine, unknown, State.PLANNED, Actor.RECONCILER, Effects(replay_window_s=60))
+    replay = move(engine, unknown, State.PLANNED, Actor.RECONCILER, replay_window_s=60)
     sent = move(engine, replay, State.SENT, Actor.DISPATCHER)
     back = move(engine, sent, State.PLANNED, Actor.DISPATCHER, reason="send deadline missed")
     assert back.replay_deadline is not None
@@ -280,7 +281,7 @@ def test_undelivered_replay_keeps_its_deadline(engine: Engine) -> None:
 def test_undelivered_replay_cannot_leave_after_its_deadline(engine: Engine) -> None:
     """A replay that missed its send deadline is refused once the dedup window has closed."""
     unknown = make_operation(engine, State.UNKNOWN)
-    replay = move(engine, unknown, State.PLANNED, Actor.RECONCILER, Effects(replay_window_s=60))
+    replay = move(engine, unknown, State.PLANNED, Actor.RECONCILER, replay_window_s=60)
     sent = move(engine, replay, State.SENT, Actor.DISPATCHER)
     back = move(engine, sent, State.PLANNED, Actor.DISPATCHER, reason="send deadline missed")
     age(engine, back.id, 3600, "replay_deadline")
@@ -304,13 +305,13 @@ def test_a_new_decision_to_plan_replaces_the_deadline(
 ) -> None:
     """A reconciler's or operator's move to planned without a window clears an old deadline."""
     unknown = make_operation(engine, State.UNKNOWN)
-    replay = move(engine, unknown, State.PLANNED, Actor.RECONCILER, Effects(replay_window_s=60))
+    replay = move(engine, unknown, State.PLANNED, Actor.RECONCILER, replay_window_s=60)
     sent = move(engine, replay, State.SENT, Actor.DISPATCHER)
     doubtful = move(engine, sent, State.UNKNOWN, Actor.SWEEP)
     if from_state is State.NEEDS_HUMAN:
         doubtful = move(engine, doubtful, State.NEEDS_HUMAN, Actor.RECONCILER)
     assert doubtful.replay_deadline is not None
-    again = move(engine, doubtful, State.PLANNED, actor, Effects(maybe_applied=False))
+    again = move(engine, doubtful, State.PLANNED, actor, not_applied=True)
     assert again.replay_deadline is None
 
 
@@ -330,7 +331,13 @@ def test_doubt_about_an_attempt_sets_maybe_applied(
     op = make_operation(engine, State.SENT)
     if from_state is State.UNKNOWN:
         # An unknown row whose flag was cleared, so the move itself must set it again.
-        op = move(engine, op, State.UNKNOWN, Actor.SWEEP, Effects(maybe_applied=False))
+        op = move(engine, op, State.UNKNOWN, Actor.SWEEP)
+        with engine.begin() as conn:
+            conn.execute(
+                text("UPDATE outbox.operations SET maybe_applied = false WHERE id = :id"),
+                {"id": op.id},
+            )
+        op = reload(engine, op.id)
     assert op.maybe_applied is False
     assert move(engine, op, to_state, actor).maybe_applied is True
 
@@ -352,7 +359,7 @@ def test_undelivered_attempt_leaves_maybe_applied_as_it_was(engine: Engine) -> N
 def test_authoritative_not_applied_clears_maybe_applied(engine: Engine) -> None:
     """A replay planned on an authoritative "not applied" clears maybe_applied."""
     unknown = make_operation(engine, State.UNKNOWN)
-    replay = move(engine, unknown, State.PLANNED, Actor.RECONCILER, Effects(maybe_applied=False))
+    replay = move(engine, unknown, State.PLANNED, Actor.RECONCILER, not_applied=True)
     assert replay.maybe_applied is False
 
 
@@ -387,7 +394,7 @@ def test_move_to_planned_clears_published_at(
     mark_published(engine, op.id)
     assert reload(engine, op.id).published_at is not None
 
-    back = move(engine, reload(engine, op.id), State.PLANNED, actor, Effects(available_in_s=30))
+    back = move(engine, reload(engine, op.id), State.PLANNED, actor, available_in_s=30)
     assert back.published_at is None
     assert back.next_check_at is None
     assert (back.available_at - back.updated_at).total_seconds() == 30
@@ -396,7 +403,7 @@ def test_move_to_planned_clears_published_at(
 def test_move_to_unknown_schedules_the_first_check(engine: Engine) -> None:
     """Entering unknown sets next_check_at to the move's time plus check_in_s."""
     op = make_operation(engine, State.SENT)
-    unknown = move(engine, op, State.UNKNOWN, Actor.SWEEP, Effects(check_in_s=5))
+    unknown = move(engine, op, State.UNKNOWN, Actor.SWEEP, check_in_s=5)
     assert unknown.next_check_at is not None
     assert (unknown.next_check_at - unknown.updated_at).total_seconds() == 5
 
@@ -409,21 +416,27 @@ def test_effects_are_stored(engine: Engine) -> None:
         op,
         State.CONFIRMED,
         Actor.DISPATCHER,
-        Effects(remote_ref="rel-9", result={"id": "rel-9", "ok": True}, last_error="slow"),
+        remote_ref="rel-9",
+        result={"id": "rel-9", "ok": True},
     )
-    assert (confirmed.remote_ref, confirmed.result, confirmed.last_error) == (
-        "rel-9",
-        {"id": "rel-9", "ok": True},
-        "slow",
+    assert (confirmed.remote_ref, confirmed.result) == ("rel-9", {"id": "rel-9", "ok": True})
+    refused = move(
+        engine,
+        make_operation(engine, State.SENT),
+        State.FAILED,
+        Actor.DISPATCHER,
+        last_error="HTTP 422",
+        result={"error": "taken"},
     )
+    assert (refused.last_error, refused.result) == ("HTTP 422", {"error": "taken"})
 
 
 def test_transition_does_not_commit(engine: Engine) -> None:
-    """transition() joins the caller's transaction: a rollback undoes the move and its event."""
+    """apply() joins the caller's transaction: a rollback undoes the move and its event."""
     op = make_operation(engine, State.PLANNED)
     events_before = event_count(engine, op.id)
     with Session(engine) as session:
-        moved = transition(
+        moved = apply_move(
             session,
             op.id,
             from_state=State.PLANNED,
@@ -451,7 +464,7 @@ def test_racing_cas_has_exactly_one_winner(engine: Engine, round_: int) -> None:
             if first:
                 barrier.wait(timeout=10)
             outcomes.append(
-                transition(
+                apply_move(
                     session,
                     op.id,
                     from_state=State.PLANNED,

@@ -28,9 +28,9 @@ from outbox.reconcilers.webhooks import (
     backoff_s,
     deliver_one,
 )
-from outbox.states import Actor, Effects, State, transition
+from outbox.states import Actor, State
 from outbox.webhooks import Delivery, DeliveryStatus, WebhookEvent
-from tests.factories import make_operation, move, reload
+from tests.factories import apply_move, make_operation, move, reload
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
 
@@ -218,7 +218,7 @@ def test_escalation_writes_one_pending_delivery_in_the_same_transaction(
     """Moving to needs_human writes one pending delivery, visible only with the move's commit."""
     op = make_operation(engine, State.UNKNOWN)
     with engine.connect() as conn:
-        transition(
+        apply_move(
             conn,
             op.id,
             from_state=State.UNKNOWN,
@@ -248,7 +248,7 @@ def test_escalation_writes_one_pending_delivery_in_the_same_transaction(
 def test_no_url_configured_writes_nothing(engine: Engine, configure: Configure) -> None:
     """With OUTBOX_WEBHOOK_URL unset, escalating and resolving write no delivery."""
     op = make_operation(engine, State.NEEDS_HUMAN)
-    move(engine, op, State.CONFIRMED, Actor.OPERATOR, Effects(remote_ref="rel-9"))
+    move(engine, op, State.CONFIRMED, Actor.OPERATOR, remote_ref="rel-9")
     assert deliveries(engine) == []
 
 
@@ -256,7 +256,7 @@ def test_a_refused_move_writes_no_delivery(engine: Engine, webhook: Receiver) ->
     """A transition whose compare-and-set misses writes no delivery."""
     op = make_operation(engine, State.UNKNOWN)
     with engine.connect() as conn, pytest.raises(StaleTransition):
-        transition(
+        apply_move(
             conn,
             op.id,
             from_state=State.SENT,
@@ -306,7 +306,7 @@ def test_resolving_an_escalation_writes_a_resolved_delivery(
 ) -> None:
     """An operator's needs_human -> confirmed writes a 'resolved' delivery (the follow-up)."""
     op = make_operation(engine, State.NEEDS_HUMAN)
-    move(engine, op, State.CONFIRMED, Actor.OPERATOR, Effects(remote_ref="rel-7"), reason="seen")
+    move(engine, op, State.CONFIRMED, Actor.OPERATOR, remote_ref="rel-7", reason="seen")
     escalated, resolved = deliveries(engine, op.id)
     assert (escalated.event, resolved.event) == (WebhookEvent.NEEDS_HUMAN, WebhookEvent.RESOLVED)
     data = resolved.payload["data"]
@@ -377,8 +377,8 @@ def test_only_subscribed_events_are_recorded(
     configure(receiver.url, events=events)
     op = make_operation(engine, start)
     before = {d.id for d in deliveries(engine)}
-    effects = Effects(remote_ref="rel-1") if to_state is State.CONFIRMED else Effects()
-    move(engine, op, to_state, actor, effects)
+    columns = {"remote_ref": "rel-1"} if to_state is State.CONFIRMED else {}
+    move(engine, op, to_state, actor, **columns)
     new = [d.event.value for d in deliveries(engine) if d.id not in before]
     assert sorted(new) == sorted(expected)
 
@@ -540,7 +540,7 @@ def test_a_process_killed_after_the_escalation_commit_still_delivers(
     """The move committed on its own connection; a deliverer started later sends its webhook."""
     op = make_operation(engine, State.UNKNOWN)
     with engine.connect() as conn:
-        transition(
+        apply_move(
             conn,
             op.id,
             from_state=State.UNKNOWN,

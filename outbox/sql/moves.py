@@ -1,0 +1,230 @@
+"""The statements that change an operation's ``state``, and the note that changes none.
+
+Only :mod:`outbox.transitions` calls this module: it decides which move is allowed and
+which columns it writes; here is how that is said in SQL. A move is one statement: the
+compare-and-set UPDATE, the event INSERT fed by its RETURNING, and (for a move into a
+settled state, while a :func:`outbox.wait` waits for it) a NOTIFY. Times come from the
+database: ``statement_timestamp()`` (the start of *this* statement) wherever one instant is
+written to several columns.
+
+The statement is built once per :class:`MoveShape` (which states, actor, fence and columns)
+and reused with bound values, run as a :class:`~outbox.driver.DriverStatement`: building it
+was most of a dispatcher's CPU, and the `sent` move and the confirm are on the hot path.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from sqlalchemy import (
+    ColumnElement,
+    Integer,
+    Text,
+    bindparam,
+    cast,
+    exists,
+    false,
+    func,
+    insert,
+    literal,
+    null,
+    or_,
+    select,
+    true,
+    update,
+)
+from sqlalchemy.dialects.postgresql import INTERVAL, JSONB
+from sqlalchemy.dialects.postgresql import UUID as PG_UUID
+
+from outbox.driver import DriverStatement
+from outbox.models import Executor, Operation
+from outbox.schema import events, operations, waiters
+from outbox.states import SETTLED_STATES, TERMINAL_STATES, Actor, State
+
+#: NOTIFY channel announcing that an operation settled; its payload is the operation id.
+SETTLED_CHANNEL = "outbox_settled"
+
+#: The operation row's columns in declaration order: what the move statement returns.
+_OPERATION_COLUMNS = tuple(column.name for column in operations.c)
+
+
+@dataclass(frozen=True)
+class MoveShape:
+    """What decides a move statement's SQL; everything else is a bound parameter.
+
+    The bound parameters, by name: ``operation_id``, ``reason`` always; ``attempt`` when
+    ``fenced``; ``available_in`` (an interval) entering ``planned``, ``replay_window`` with
+    ``replay_window``; ``check_in`` entering ``unknown``; ``remote_ref``, ``result``,
+    ``last_error`` and ``detail`` when their flag is set.
+    """
+
+    from_state: State
+    to_state: State
+    actor: Actor
+    fenced: bool
+    remote_ref: bool = False
+    result: bool = False
+    last_error: bool = False
+    #: Authoritative evidence that no attempt applied: ``maybe_applied`` is cleared.
+    not_applied: bool = False
+    replay_window: bool = False
+    detail: bool = False
+
+
+def _interval(name: str) -> ColumnElement[Any]:
+    return bindparam(name, type_=INTERVAL)
+
+
+def _replay_deadline(from_state: State, has_replay_window: bool) -> ColumnElement[Any]:
+    """The deadline of a move into ``planned``: set by a replay, kept by an undelivered attempt."""
+    if has_replay_window:
+        return operations.c.first_sent_at + _interval("replay_window")
+    if from_state is State.SENT:
+        # sent->planned means the attempt provably never left: the row is the same replay it
+        # was before, and its next attempt must still leave inside the dedup window.
+        return operations.c.replay_deadline
+    return null()
+
+
+def _changes(shape: MoveShape) -> dict[str, Any]:
+    """The column values a move writes, by the rules of DESIGN.md's bookkeeping columns."""
+    o = operations.c
+    from_state, to_state = shape.from_state, shape.to_state
+    now = func.statement_timestamp()
+    values: dict[str, Any] = {"state": to_state.value, "updated_at": now}
+    from_an_attempt = from_state in (State.SENT, State.UNKNOWN)
+    if to_state is State.SENT:
+        values |= {
+            "attempts": o.attempts + 1,
+            "sent_at": now,
+            "first_sent_at": func.coalesce(o.first_sent_at, now),
+        }
+    elif to_state is State.PLANNED:
+        values |= {
+            "published_at": null(),
+            "available_at": now + _interval("available_in"),
+            "next_check_at": null(),
+            "checks": 0,
+            "replay_deadline": _replay_deadline(from_state, shape.replay_window),
+        }
+        if shape.actor is Actor.OPERATOR:
+            # A person authorised this replay: earlier attempts no longer count against
+            # max_attempts, or the dispatcher would send it straight back to them.
+            values["attempt_budget_base"] = o.attempts
+    elif to_state is State.UNKNOWN:
+        values |= {"next_check_at": now + _interval("check_in")}
+        if from_state is State.SENT:
+            values["checks"] = 0
+    else:
+        values["next_check_at"] = null()
+    if to_state in TERMINAL_STATES:
+        values["resolved_at"] = now
+    if to_state in (State.UNKNOWN, State.NEEDS_HUMAN) and from_an_attempt:
+        values["maybe_applied"] = true()
+    if shape.not_applied:
+        values["maybe_applied"] = false()
+    if shape.remote_ref:
+        values["remote_ref"] = bindparam("remote_ref", type_=Text)
+    if shape.result:
+        values["result"] = bindparam("result", type_=JSONB)
+    if shape.last_error:
+        values["last_error"] = bindparam("last_error", type_=Text)
+    return values
+
+
+@functools.cache
+def _move_statement(shape: MoveShape) -> DriverStatement:
+    """The one-statement compare-and-set of ``shape``, built once per shape and reused."""
+    o = operations.c
+    conditions: list[ColumnElement[bool]] = [
+        o.id == bindparam("operation_id", type_=PG_UUID(as_uuid=True)),
+        o.state == shape.from_state.value,
+    ]
+    if shape.fenced:
+        conditions.append(o.attempts == bindparam("attempt", type_=Integer))
+    if shape.to_state is State.SENT:
+        conditions.append(
+            or_(o.replay_deadline.is_(None), func.statement_timestamp() < o.replay_deadline)
+        )
+        # Never wait on a row lock here (a relay's claim, an agent's open cancel): sent_at is
+        # the statement's start, so a wait inside it would eat the send deadline and stretch
+        # the in-flight horizon. A held row raises lock_not_available at once, nothing
+        # written; the dispatcher waits with wait_for_row_lock (no attempt yet) and tries again.
+        row = operations.alias("row_lock")
+        conditions.append(
+            o.id.in_(
+                select(row.c.id)
+                .where(row.c.id == bindparam("operation_id", type_=PG_UUID(as_uuid=True)))
+                .with_for_update(nowait=True, key_share=True)
+            )
+        )
+    if shape.to_state is State.CANCELLED:
+        conditions.append(o.maybe_applied.is_(False))
+    moved = (
+        update(operations)
+        .where(*conditions)
+        .values(_changes(shape))
+        .returning(*operations.c)
+        .cte("moved")
+    )
+    logged = insert(events).from_select(
+        ["operation_id", "from_state", "to_state", "attempt", "actor", "reason", "detail"],
+        select(
+            moved.c.id,
+            literal(shape.from_state.value),
+            literal(shape.to_state.value),
+            moved.c.attempts,
+            literal(shape.actor.value),
+            bindparam("reason", type_=Text),
+            bindparam("detail", type_=JSONB) if shape.detail else null(),
+        ),
+    )
+    columns: list[Any] = [moved]
+    names = list(_OPERATION_COLUMNS)
+    if shape.to_state in SETTLED_STATES:
+        # Only while someone waits for this operation (outbox.waiters): a NOTIFY holds a
+        # cluster-wide lock from before the commit until it is flushed, so one on every
+        # settled move made the workers' outcome commits queue behind one another.
+        notify = (
+            select(func.pg_notify(SETTLED_CHANNEL, cast(moved.c.id, Text)))
+            .where(exists().where(waiters.c.operation_id == moved.c.id))
+            .scalar_subquery()
+        )
+        columns.append(notify.label("notified"))
+        names.append("notified")
+    return DriverStatement.of(select(*columns).add_cte(logged.cte("logged")), names)
+
+
+def move(executor: Executor, shape: MoveShape, params: Mapping[str, Any]) -> Operation | None:
+    """Run the move of ``shape`` with ``params`` in ``executor``'s transaction (never
+    commits): the operation as moved, or ``None`` if the compare-and-set missed."""
+    row = _move_statement(shape).fetch_one(executor, params)
+    return Operation.from_row(row) if row is not None else None
+
+
+def insert_note(
+    executor: Executor,
+    operation_id: UUID,
+    *,
+    state: State,
+    attempt: int,
+    actor: Actor,
+    reason: str,
+    detail: Mapping[str, Any] | None,
+) -> None:
+    """Append an event that changes no state (``from_state = to_state = state``)."""
+    executor.execute(
+        insert(events).values(
+            operation_id=operation_id,
+            from_state=state.value,
+            to_state=state.value,
+            attempt=attempt,
+            actor=actor.value,
+            reason=reason,
+            detail=detail,
+        )
+    )
