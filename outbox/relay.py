@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import threading
 import time
@@ -31,6 +30,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
 from outbox import faults, statements
+from outbox.backoff import Backoff
 from outbox.errors import BrokerUnavailable
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ class Relay:
         in a row found without waiting), when the bell would be pointless: enqueue then
         stops ringing, and the relay claims batch after batch until one comes back empty.
         """
-        backoff = self.config.min_backoff_s
+        backoff = Backoff(base_s=self.config.min_backoff_s, max_s=self.config.max_backoff_s)
         self._register()
         bell = _Bell(self.engine, self.name, self._stop)
         in_a_row = 0
@@ -167,7 +167,7 @@ class Relay:
                 try:
                     bell.heartbeat(self.config.heartbeat_s)
                     result = bell.in_transaction(self._run_once)
-                    backoff = self.config.min_backoff_s
+                    backoff.reset()
                     self._log(result)
                     if result.unconfirmed:
                         # Broker trouble: retry after the poll interval, not on every bell.
@@ -193,14 +193,14 @@ class Relay:
                     # psycopg.Error: the bell's wait reads the driver connection directly.
                     bell.close()
                     in_a_row = 0
+                    wait_s = backoff.next_s()
                     log.warning(
                         "relay batch failed, retrying in %.1fs: %s",
-                        backoff,
+                        wait_s,
                         exc,
                         extra={"action": "relay_error"},
                     )
-                    self._stop.wait(backoff * random.uniform(0.8, 1.2))  # noqa: S311
-                    backoff = min(backoff * 2, self.config.max_backoff_s)
+                    self._stop.wait(wait_s)
         finally:
             bell.close()
             self._unregister()

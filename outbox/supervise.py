@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from outbox.backoff import Backoff
+
 #: Backoff before restarting a child that failed quickly: first, ceiling, and the run time
 #: after which a child counts as healthy again (its next failure waits the first delay).
 FIRST_BACKOFF_S = 1.0
@@ -56,7 +58,7 @@ class _Child:
         self.started_at = 0.0
         self.restarts = 0
         self.last_exit: int | None = None
-        self.backoff_s = FIRST_BACKOFF_S
+        self.backoff = Backoff(base_s=FIRST_BACKOFF_S, max_s=MAX_BACKOFF_S, jitter=False)
         self.restart_at: float | None = None
 
     def start(self) -> None:
@@ -83,9 +85,8 @@ class _Child:
             self.last_exit = self.process.returncode
             ran = now - self.started_at
             if ran >= HEALTHY_AFTER_S:
-                self.backoff_s = FIRST_BACKOFF_S
-            delay = self.backoff_s
-            self.backoff_s = min(self.backoff_s * 2, MAX_BACKOFF_S)
+                self.backoff.reset()
+            delay = self.backoff.next_s()
             self.restart_at = now + delay
             return (
                 f"{self.spec.name} exited with {self.last_exit} after {ran:.0f}s; "

@@ -19,7 +19,7 @@ answer delivers; anything else is retried with exponential backoff, and a row st
 from __future__ import annotations
 
 import logging
-import random
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +33,7 @@ from sqlalchemy.exc import DBAPIError
 from standardwebhooks import Webhook
 
 from outbox import faults, webhooks
+from outbox.backoff import Backoff, exponential_s, jittered
 from outbox.config import Settings, get_settings
 from outbox.webhooks import Claimed, DeliveryStatus, Endpoint
 
@@ -108,9 +109,9 @@ def database_now(row: Claimed, config: DeliveryConfig, claimed_at: float) -> dat
 
 def backoff_s(attempts: int, config: DeliveryConfig) -> float:
     """Seconds before the next try after ``attempts`` failed ones: doubling, jittered, capped."""
-    base = config.min_backoff_s * 2.0 ** min(max(attempts - 1, 0), 32)
-    # Jitter spreads retries; it needs no cryptographic randomness.
-    return min(base * random.uniform(0.8, 1.2), config.max_backoff_s)  # noqa: S311
+    # Jittered before the cap, so the cap is exact: a row failing for long retries hourly.
+    wait = exponential_s(attempts, base_s=config.min_backoff_s, max_s=math.inf)
+    return min(jittered(wait), config.max_backoff_s)
 
 
 class WebhookDeliverer:
@@ -224,21 +225,23 @@ class WebhookDeliverer:
 
     def run_forever(self) -> None:
         """Deliver until :meth:`stop`; survive database outages with backoff."""
-        backoff = self.config.min_error_backoff_s
+        backoff = Backoff(
+            base_s=self.config.min_error_backoff_s, max_s=self.config.max_error_backoff_s
+        )
         try:
             while not self._stop.is_set():
                 try:
                     result = self.run_once()
-                    backoff = self.config.min_error_backoff_s
+                    backoff.reset()
                 except DBAPIError as exc:
+                    wait_s = backoff.next_s()
                     log.warning(
                         "webhook batch failed, retrying in %.1fs: %s",
-                        backoff,
+                        wait_s,
                         exc,
                         extra={"action": "webhook_error"},
                     )
-                    self._stop.wait(backoff * random.uniform(0.8, 1.2))  # noqa: S311
-                    backoff = min(backoff * 2, self.config.max_error_backoff_s)
+                    self._stop.wait(wait_s)
                     continue
                 if result.attempted < self.config.batch_size:
                     self._stop.wait(self.config.poll_interval_s)
