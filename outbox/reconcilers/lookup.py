@@ -108,8 +108,8 @@ def _unknown_operation(conn: Connection, op_id: UUID) -> LookupReport:
         op_id,
         extra={"action": "lookup_unknown_operation", "operation_id": str(op_id)},
     )
-    statements.notify_unknown_operation(conn, "lookup")
-    conn.commit()
+    with conn.begin():
+        statements.notify_unknown_operation(conn, "lookup")
     return LookupReport(op_id, LookupOutcome.GONE)
 
 
