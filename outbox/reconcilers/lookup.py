@@ -27,7 +27,7 @@ from outbox import faults, statements, transitions
 from outbox.backoff import exponential_s, jittered
 from outbox.contracts import ToolContract
 from outbox.reconcilers.decide import Action, decide, usable_window_s
-from outbox.reconcilers.route import apply_decision, escalate_unroutable
+from outbox.reconcilers.route import apply_decision_and_commit, escalate_unroutable_and_commit
 from outbox.statements import ReconcileFacts
 from outbox.states import Actor, State
 from outbox.tools import REGISTRY, Tool, ToolCall, ToolRegistry, run_lookup
@@ -124,7 +124,7 @@ def _inspect(
     if current.state is not State.UNKNOWN:
         return LookupReport(op_id, LookupOutcome.NOT_UNKNOWN, current.state.value)
     if tool is None:
-        moved = escalate_unroutable(conn, op_id, current.tool)
+        moved = escalate_unroutable_and_commit(conn, op_id, current.tool)
         outcome = LookupOutcome.ROUTED if moved else LookupOutcome.NOT_UNKNOWN
         return LookupReport(op_id, outcome, "tool not registered")
     facts = facts_for(conn, op_id, tool.contract)
@@ -132,7 +132,7 @@ def _inspect(
         return LookupReport(op_id, LookupOutcome.NOT_UNKNOWN)
     decision = decide(facts, tool.contract, lookups_exhausted=False)
     if decision.action is not Action.LOOKUP:
-        apply_decision(conn, facts, decision)
+        apply_decision_and_commit(conn, facts, decision)
         return LookupReport(op_id, LookupOutcome.ROUTED, decision.reason)
     result = run_lookup(tool, _call(facts, tool))
     faults.point("lookup_after_call")
@@ -277,7 +277,7 @@ def _inconclusive(
     if refreshed is None or refreshed.operation.state is not State.UNKNOWN:
         return LookupReport(op.id, LookupOutcome.NOT_UNKNOWN)
     decision = decide(refreshed, contract, lookups_exhausted=True)
-    apply_decision(conn, refreshed, decision)
+    apply_decision_and_commit(conn, refreshed, decision)
     return LookupReport(op.id, LookupOutcome.ROUTED, decision.reason)
 
 

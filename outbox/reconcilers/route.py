@@ -15,7 +15,7 @@ from outbox.states import Actor, State
 log = logging.getLogger(__name__)
 
 
-def apply_decision(conn: Connection, facts: ReconcileFacts, decision: Decision) -> bool:
+def apply_decision_and_commit(conn: Connection, facts: ReconcileFacts, decision: Decision) -> bool:
     """Make the move a REPLAY, HUMAN or WAIT decision calls for, committed; whether it
     applied.
 
@@ -54,7 +54,7 @@ def apply_decision(conn: Connection, facts: ReconcileFacts, decision: Decision) 
         if not isinstance(transitions.apply_and_commit(conn, escalation), transitions.Moved):
             return False
     else:
-        raise ValueError(f"apply_decision cannot carry out {decision.action}")
+        raise ValueError(f"apply_decision_and_commit cannot carry out {decision.action}")
     log.info(
         "%s: %s",
         op.id,
@@ -64,7 +64,7 @@ def apply_decision(conn: Connection, facts: ReconcileFacts, decision: Decision) 
     return True
 
 
-def escalate_unroutable(conn: Connection, operation_id: UUID, tool: str) -> bool:
+def escalate_unroutable_and_commit(conn: Connection, operation_id: UUID, tool: str) -> bool:
     """An `unknown` operation whose tool this process does not know goes to a human,
     committed. Re-reads the row under the caller's lock; whether it moved.
     """

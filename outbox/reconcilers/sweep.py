@@ -37,7 +37,7 @@ from outbox.config import Settings, get_settings
 from outbox.locks import operation_lock_key
 from outbox.reconcilers.decide import Action, decide
 from outbox.reconcilers.lookup import facts_for
-from outbox.reconcilers.route import apply_decision, escalate_unroutable
+from outbox.reconcilers.route import apply_decision_and_commit, escalate_unroutable_and_commit
 from outbox.states import Actor, State
 from outbox.tools import REGISTRY, ToolRegistry
 from outbox.workers.locking import operation_lock, release
@@ -321,7 +321,7 @@ class Sweeper:
                 result.busy += 1
                 return False
             if tool is None:
-                result.escalated += int(escalate_unroutable(conn, op_id, tool_name))
+                result.escalated += int(escalate_unroutable_and_commit(conn, op_id, tool_name))
                 return False
             facts = facts_for(conn, op_id, tool.contract)
             if facts is None or facts.operation.state is not State.UNKNOWN or not facts.check_due:
@@ -338,7 +338,7 @@ class Sweeper:
                     )
                 result.lookups += int(leased)
                 return leased
-            if apply_decision(conn, facts, decision):
+            if apply_decision_and_commit(conn, facts, decision):
                 if decision.action is Action.REPLAY:
                     result.replays += 1
                 elif decision.action is Action.WAIT:
