@@ -19,7 +19,7 @@ with a due check (for the sweep), with their events. Then ``VACUUM ANALYZE`` and
 Then, per round, each size in turn (the first size rotating from round to round), the real
 code paths, on the database, with nothing mocked but the broker:
 
-* ``claim_due``: :func:`outbox.statements.claim_due` (the statement ``Relay.run_once`` calls),
+* ``claim_due``: :func:`outbox.sql.relay.claim_due` (the statement ``Relay.run_once`` calls),
   each call in its own transaction, rolled back; the round's value is the median of
   ``--claims`` calls. Every call must return the ``--due`` planned rows;
 * ``relay pass``: :meth:`outbox.relay.Relay.run_once` with a publisher that confirms nothing
@@ -58,7 +58,7 @@ rows (default the largest size), then ``--soak-rate`` intents per second for the
   flag, claims of up to 200 rows), with a publisher that hands the messages to an in-process
   queue and confirms them all; the claim statement is timed at the driver (cursor execute);
 * dispatch: ``--soak-workers`` threads simulate the workers' *state moves* with the real
-  functions (:func:`outbox.statements.get_for_dispatch`, then
+  functions (:func:`outbox.sql.locks.get_for_dispatch`, then
   :func:`outbox.states.transition` ``planned -> sent`` with ``synchronous_commit = on``,
   then ``sent -> confirmed``, or ``failed`` for 5 %, each committed): the same row versions
   and events as ``outbox.workers.dispatch.dispatch``, without Celery, the advisory lock and a tool
@@ -140,7 +140,7 @@ from sqlalchemy.engine.interfaces import DBAPICursor
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from outbox import api, statements
+from outbox import api, sql
 from outbox.contracts import ContractTable
 from outbox.db import create_engine
 from outbox.errors import StaleTransition
@@ -544,7 +544,7 @@ class Scale:
             for _ in range(calls):
                 with conn.begin() as tx:
                     started = time.perf_counter()
-                    claimed = statements.claim_due(
+                    claimed = sql.relay.claim_due(
                         conn, limit=BATCH, republish_after_s=REPUBLISH_AFTER_S
                     )
                     times.append(time.perf_counter() - started)
@@ -593,8 +593,8 @@ class Scale:
         """The relay's other two statements, rolled back, so that EXPLAIN sees them: its
         idle check and recording the published rows (a pass that confirms nothing skips it)."""
         with self.db.engine.connect() as conn, conn.begin() as tx:
-            statements.any_due_unpublished(conn)
-            statements.mark_published(conn, self.db.planned)
+            sql.relay.any_due_unpublished(conn)
+            sql.relay.mark_published(conn, self.db.planned)
             tx.rollback()
 
     def reset(self) -> None:
@@ -711,10 +711,10 @@ def explain(engine: Engine, captured: Captured) -> list[Plan]:
     plans = []
     raw = engine.raw_connection()
     try:
-        for sql, parameters in captured.statements.items():
+        for statement, parameters in captured.statements.items():
             cursor = raw.cursor()
             try:
-                cursor.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}", parameters)
+                cursor.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {statement}", parameters)
                 row = cursor.fetchone()
             finally:
                 cursor.close()
@@ -728,7 +728,7 @@ def explain(engine: Engine, captured: Captured) -> list[Plan]:
             filtered = _scans(plan, scans)
             plans.append(
                 Plan(
-                    name=statement_name(sql),
+                    name=statement_name(statement),
                     scans=scans,
                     rows=int(plan.get("Actual Rows", 0)),
                     filtered=filtered,
@@ -1229,10 +1229,10 @@ class Soak:
         for _ in range(3):
             try:
                 with conn.begin():
-                    found = statements.get_for_dispatch(conn, op_id)
-                    if found is None or found[0].state is not State.PLANNED:
+                    found = sql.locks.get_for_dispatch(conn, op_id)
+                    if found is None or found.operation.state is not State.PLANNED:
                         return False  # a duplicate message: the row moved on
-                    statements.require_synchronous_commit(conn)
+                    sql.locks.require_synchronous_commit(conn)
                     transition(
                         conn,
                         op_id,
@@ -1245,10 +1245,10 @@ class Soak:
             except StaleTransition:
                 return False
             except DBAPIError as exc:
-                if not statements.is_row_lock_busy(exc):
+                if not sql.locks.is_row_lock_busy(exc):
                     raise
                 with conn.begin():
-                    statements.wait_for_row_lock(conn, op_id, timeout_s=5.0)
+                    sql.locks.wait_for_row_lock(conn, op_id, timeout_s=5.0)
                 continue
             return True
         return False  # held three times over: the relay publishes it again

@@ -50,7 +50,7 @@ from prometheus_client.core import (
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
-from outbox import statements
+from outbox import sql
 from outbox.states import ALLOWED, State
 from outbox.webhooks import DeliveryStatus
 
@@ -536,14 +536,14 @@ class UnknownOperationListener:
     def _listen(self) -> None:
         conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         try:
-            conn.execute(text(f"LISTEN {statements.UNKNOWN_OPERATION_CHANNEL}"))
+            conn.execute(text(f"LISTEN {sql.notify.UNKNOWN_OPERATION_CHANNEL}"))
             driver = conn.connection.driver_connection
             self.listening.set()
             log.info(
                 "counting unknown-operation reports",
                 extra={
                     "action": "metrics_listening",
-                    "channel": statements.UNKNOWN_OPERATION_CHANNEL,
+                    "channel": sql.notify.UNKNOWN_OPERATION_CHANNEL,
                 },
             )
             while not self._stop.is_set():

@@ -20,7 +20,7 @@ from uuid import UUID
 
 from sqlalchemy import text
 
-from outbox import statements
+from outbox import sql
 from outbox.api import _as_uuid
 from outbox.contracts import CONTRACTS, ToolContract
 from outbox.errors import (
@@ -90,7 +90,7 @@ def resolve(
     _check_audit(operation_id, by=by, note=note)
     if not _try_xact_lock(session, operation_lock_key(operation_id)):
         raise _busy(session, operation_id)
-    current = statements.get_operation(session, operation_id)
+    current = sql.intents.get_operation(session, operation_id)
     if current is None:
         raise OperationNotFound(f"no operation {operation_id}", operation_id=operation_id)
     _check_resolvable(current)
@@ -282,7 +282,7 @@ def _verdict(
 
 def _busy(executor: Executor, operation_id: UUID) -> OperationBusy:
     # Our connection did not get the lock, so it may read who holds it (None if just freed).
-    holder = statements.lock_holder_pid(executor, operation_lock_key(operation_id))
+    holder = sql.locks.lock_holder_pid(executor, operation_lock_key(operation_id))
     by_whom = f" (PostgreSQL backend pid {holder})" if holder is not None else ""
     return OperationBusy(
         f"another component{by_whom} is working on operation {operation_id} right now; "

@@ -218,9 +218,9 @@ def _why_missed(
     to_state: State,
     attempt: int | None,
 ) -> Exception:
-    from outbox import statements  # noqa: PLC0415
+    from outbox.sql import intents  # noqa: PLC0415
 
-    current = statements.get_operation(executor, operation_id)
+    current = intents.get_operation(executor, operation_id)
     if current is None:
         return OperationNotFound(f"no operation {operation_id}", operation_id=operation_id)
     where_seen = current.state is from_state and attempt in (None, current.attempts)

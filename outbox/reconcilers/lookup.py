@@ -24,12 +24,12 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, statements
+from outbox import faults, sql, statements
 from outbox.contracts import ToolContract
 from outbox.errors import StaleTransition
 from outbox.reconcilers.decide import Action, decide, usable_window_s
 from outbox.reconcilers.route import apply_decision, escalate_unroutable
-from outbox.statements import ReconcileFacts
+from outbox.sql.reconcile import ReconcileFacts
 from outbox.states import Actor, Effects, State, transition
 from outbox.tools import REGISTRY, Tool, ToolCall, ToolRegistry, run_lookup
 from outbox.tools.results import Applied, FailedRemotely, LookupResult, NotApplied
@@ -89,7 +89,7 @@ def lookup(
 
 def facts_for(conn: Connection, op_id: UUID, contract: ToolContract) -> ReconcileFacts | None:
     """The operation's decision facts under ``contract``, read in their own transaction."""
-    facts = statements.reconcile_facts(
+    facts = sql.reconcile.reconcile_facts(
         conn,
         op_id,
         horizon_s=contract.inflight_horizon_s,
@@ -108,7 +108,7 @@ def _unknown_operation(conn: Connection, op_id: UUID) -> LookupReport:
         op_id,
         extra={"action": "lookup_unknown_operation", "operation_id": str(op_id)},
     )
-    statements.notify_unknown_operation(conn, "lookup")
+    sql.notify.notify_unknown_operation(conn, "lookup")
     conn.commit()
     return LookupReport(op_id, LookupOutcome.GONE)
 
@@ -116,7 +116,7 @@ def _unknown_operation(conn: Connection, op_id: UUID) -> LookupReport:
 def _inspect(
     conn: Connection, op_id: UUID, registry: ToolRegistry, config: LookupConfig
 ) -> LookupReport:
-    current = statements.get_operation(conn, op_id)
+    current = sql.intents.get_operation(conn, op_id)
     conn.commit()
     if current is None:
         return _unknown_operation(conn, op_id)
@@ -220,7 +220,7 @@ def _not_applied(conn: Connection, facts: ReconcileFacts, contract: ToolContract
     op = facts.operation
     if not facts.horizon_passed:
         with conn.begin():
-            statements.schedule_check(
+            sql.reconcile.schedule_check(
                 conn,
                 op.id,
                 attempt=op.attempts,
@@ -249,7 +249,7 @@ def _inconclusive(
     checks = op.checks + 1
     backoff = min(config.max_backoff_s, config.base_backoff_s * 2 ** (checks - 1))
     with conn.begin():
-        statements.schedule_check(
+        sql.reconcile.schedule_check(
             conn,
             op.id,
             attempt=op.attempts,
@@ -294,7 +294,7 @@ def _late(conn: Connection, op_id: UUID, attempt: int, result: LookupResult) -> 
     """Someone decided while we asked: keep the evidence, and let it confirm only a row that
     still waits for a verdict at the same attempt."""
     with conn.begin():
-        current = statements.get_operation(conn, op_id)
+        current = sql.intents.get_operation(conn, op_id)
         if current is None:
             return LookupReport(op_id, LookupOutcome.GONE)
         statements.record_event(

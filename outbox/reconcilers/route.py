@@ -7,10 +7,10 @@ from uuid import UUID
 
 from sqlalchemy import Connection
 
-from outbox import statements
+from outbox import sql
 from outbox.errors import StaleTransition
 from outbox.reconcilers.decide import Action, Decision
-from outbox.statements import ReconcileFacts
+from outbox.sql.reconcile import ReconcileFacts
 from outbox.states import Actor, Effects, State, transition
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def apply_decision(conn: Connection, facts: ReconcileFacts, decision: Decision) 
                     attempt=op.attempts,
                 )
             elif decision.action is Action.WAIT:
-                return statements.schedule_check(
+                return sql.reconcile.schedule_check(
                     conn,
                     op.id,
                     attempt=op.attempts,
@@ -72,7 +72,7 @@ def escalate_unroutable(conn: Connection, operation_id: UUID, tool: str) -> bool
 
     Re-reads the row under the caller's lock; whether it moved.
     """
-    current = statements.get_operation(conn, operation_id)
+    current = sql.intents.get_operation(conn, operation_id)
     conn.commit()
     if current is None or current.state is not State.UNKNOWN:
         return False

@@ -42,11 +42,12 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, statements, webhooks
+from outbox import faults, sql, statements, webhooks
 from outbox.canonical import canonical_json, intent_hash, payload_hash
 from outbox.contracts import ToolContract
 from outbox.errors import ReplayDeadlinePassed, StaleTransition
 from outbox.models import Operation
+from outbox.sql.locks import DispatchView
 from outbox.states import NO_EFFECTS, Actor, Effects, State, transition
 from outbox.tools import REGISTRY, Tool, ToolCall, run_dispatch
 from outbox.tools.registry import ToolRegistry
@@ -58,7 +59,7 @@ from outbox.tools.results import (
     NotSent,
     Rejected,
 )
-from outbox.workers.locking import DispatchLocks, Found
+from outbox.workers.locking import DispatchLocks
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def _attempt(
     engine: Engine,
     conn: Connection,
     op_id: UUID,
-    found: Found | None,
+    found: DispatchView | None,
     *,
     registry: ToolRegistry,
     config: DispatchConfig,
@@ -153,7 +154,7 @@ def _attempt(
 ) -> DispatchReport:
     if found is None:
         return _unknown_operation(conn, op_id)
-    ready = _ready_to_send(conn, *found, registry)
+    ready = _ready_to_send(conn, found.operation, found.due, found.replay_expired, registry)
     if isinstance(ready, DispatchReport):
         return ready
     op, tool = ready
@@ -215,7 +216,7 @@ def _unknown_operation(conn: Connection, op_id: UUID) -> DispatchReport:
         op_id,
         extra={"action": "dispatch_unknown_operation", "operation_id": str(op_id)},
     )
-    statements.notify_unknown_operation(conn, "dispatch")
+    sql.notify.notify_unknown_operation(conn, "dispatch")
     return DispatchReport(op_id, Outcome.GONE)
 
 
@@ -297,7 +298,7 @@ def _commit_sent(
         except StaleTransition as exc:
             return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(exc))
         except DBAPIError as exc:
-            if not statements.is_row_lock_busy(exc):
+            if not sql.locks.is_row_lock_busy(exc):
                 raise
             if not _row_freed(conn, op.id, wait_until - time.monotonic()):
                 reason = "its row stayed locked by another transaction"
@@ -319,10 +320,10 @@ def _row_freed(conn: Connection, op_id: UUID, timeout_s: float) -> bool:
     if timeout_s <= 0:
         return False
     try:
-        statements.wait_for_row_lock(conn, op_id, timeout_s=timeout_s)
+        sql.locks.wait_for_row_lock(conn, op_id, timeout_s=timeout_s)
     except DBAPIError as exc:
         conn.rollback()
-        if statements.is_row_lock_busy(exc):
+        if sql.locks.is_row_lock_busy(exc):
             return False
         raise
     conn.commit()
@@ -491,7 +492,7 @@ def _late_outcome(
     """The row moved on while we were calling (the sweep took it): keep what we learnt."""
     attempt = sent.attempts
     with conn.begin():
-        current = statements.get_operation(conn, sent.id)
+        current = sql.intents.get_operation(conn, sent.id)
         if current is None:
             return DispatchReport(sent.id, Outcome.GONE, attempt)
         statements.record_event(
