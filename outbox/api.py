@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from outbox import sql
 from outbox.canonical import NotCanonicalizable, canonical_json, intent_hash, payload_hash
@@ -304,7 +304,7 @@ def wait(
         # read either finds the registration and notifies, or (a move already under way)
         # is seen at the next re-read.
         sql.intents.register_waiter(conn, op_id)
-        conn.execute(text(f"LISTEN {sql.notify.SETTLED_CHANNEL}"))
+        sql.notify.listen_settled(conn)
         try:
             listener = conn.connection.driver_connection
             while True:
@@ -324,7 +324,7 @@ def wait(
                 ):
                     pass
         finally:
-            conn.execute(text("UNLISTEN *"))
+            sql.notify.unlisten_all(conn)
             sql.intents.forget_waiter(conn, op_id)
 
 

@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 from uuid import UUID
 
 import psycopg
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from outbox import faults, sql
@@ -257,9 +257,7 @@ class _Bell:
             try:
                 # The idle flag is advice (a lost one costs a poll interval or a needless
                 # NOTIFY), so its commits need not wait for the disk.
-                conn.execute(
-                    text(f"SET synchronous_commit = off; LISTEN {sql.notify.PLANNED_CHANNEL}")
-                )
+                sql.notify.listen_planned(conn)
             except BaseException:
                 conn.invalidate()
                 conn.close()
@@ -318,7 +316,7 @@ class _Bell:
         if conn is None:
             return
         try:
-            conn.execute(text("UNLISTEN *; RESET synchronous_commit"))
+            sql.notify.unlisten_planned(conn)
         except (DBAPIError, psycopg.Error):
             conn.invalidate()
         finally:

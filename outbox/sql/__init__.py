@@ -37,12 +37,13 @@ read, ``synchronous_commit``), :mod:`~outbox.sql.reconcile` (the sweep and looku
 :mod:`outbox.statements`.
 """
 
-from outbox.sql import deployment, intents, locks, notify, reconcile, relay, retention
+from outbox.sql import deployment, intents, locks, metrics, notify, reconcile, relay, retention
 
 __all__ = [
     "deployment",
     "intents",
     "locks",
+    "metrics",
     "notify",
     "reconcile",
     "relay",
