@@ -37,7 +37,17 @@ read, ``synchronous_commit``), :mod:`~outbox.sql.reconcile` (the sweep and looku
 :mod:`outbox.statements`.
 """
 
-from outbox.sql import deployment, intents, locks, metrics, notify, reconcile, relay, retention
+from outbox.sql import (
+    deployment,
+    intents,
+    locks,
+    metrics,
+    notify,
+    reconcile,
+    relay,
+    resolve,
+    retention,
+)
 
 __all__ = [
     "deployment",
@@ -47,5 +57,6 @@ __all__ = [
     "notify",
     "reconcile",
     "relay",
+    "resolve",
     "retention",
 ]
