@@ -51,8 +51,8 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from outbox import sql
+from outbox.models import DeliveryStatus
 from outbox.states import ALLOWED, State
-from outbox.webhooks import DeliveryStatus
 
 log = logging.getLogger(__name__)
 

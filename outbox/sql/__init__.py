@@ -47,6 +47,7 @@ from outbox.sql import (
     relay,
     resolve,
     retention,
+    webhooks,
 )
 
 __all__ = [
@@ -59,4 +60,5 @@ __all__ = [
     "relay",
     "resolve",
     "retention",
+    "webhooks",
 ]
