@@ -8,7 +8,6 @@ from uuid import UUID
 
 import typer
 from rich.table import Table
-from sqlalchemy import func, select
 
 from outbox import api, sql
 from outbox.cli.common import transaction
@@ -38,7 +37,7 @@ def list_operations(
     queue = state in RESOLVABLE_STATES
     with transaction() as session:
         found = sql.intents.list_operations(session, state=state, tool=tool, limit=limit)
-        now = session.execute(select(func.clock_timestamp())).scalar_one()
+        now = sql.deployment.clock(session)
         reasons = waiting_reasons(session, [op.id for op in found]) if queue else {}
     if as_json:
         extra = [{"reason": reasons.get(op.id)} if queue else {} for op in found]

@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
-from sqlalchemy import func, select
 
 from outbox import sql, webhooks
 from outbox.cli.common import transaction
@@ -34,7 +33,7 @@ def list_deliveries(
     endpoint = webhooks.check_settings(settings)
     with transaction() as session:
         found = sql.webhooks.list_deliveries(session, status=status, limit=limit)
-        now = session.execute(select(func.clock_timestamp())).scalar_one()
+        now = sql.deployment.clock(session)
     if as_json:
         print_json([delivery.to_dict() for delivery in found])
         return

@@ -38,6 +38,7 @@ read, ``synchronous_commit``), :mod:`~outbox.sql.reconcile` (the sweep and looku
 """
 
 from outbox.sql import (
+    broker,
     deployment,
     intents,
     locks,
@@ -51,6 +52,7 @@ from outbox.sql import (
 )
 
 __all__ = [
+    "broker",
     "deployment",
     "intents",
     "locks",

@@ -1,10 +1,11 @@
-"""The deployment's statements: which database this is, and what its standbys are."""
+"""The database itself: which one this is, its clock, and what its standbys are."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
-from sqlalchemy import text
+from sqlalchemy import func, select, text
 
 from outbox.models import Executor
 
@@ -18,6 +19,16 @@ class DatabaseIdentity:
     cluster: int
     #: This database's OID in that cluster.
     database: int
+
+
+_CLOCK = select(func.clock_timestamp())
+
+
+def clock(executor: Executor) -> datetime:
+    """The database's clock now (``clock_timestamp()``): what ages shown to people are
+    measured against, as every age the outbox decides on is."""
+    now: datetime = executor.execute(_CLOCK).scalar_one()
+    return now
 
 
 _DATABASE_IDENTITY = text(
