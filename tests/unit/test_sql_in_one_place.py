@@ -93,7 +93,8 @@ def _sql_literals(path: Path) -> list[tuple[int, str]]:
     return [
         (node.lineno, text.strip().splitlines()[0][:60])
         for node in ast.walk(tree)
-        if id(node) not in prose
+        if isinstance(node, ast.expr)
+        and id(node) not in prose
         and (text := _text_of(node)) is not None
         and SQL.search(text) is not None
     ]
