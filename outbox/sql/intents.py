@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import select, text
+from sqlalchemy import bindparam, select, text
 
 from outbox.driver import DriverStatement
 from outbox.models import Event, Executor, Operation, PrunedIntent
@@ -188,28 +188,44 @@ def insert_intents(
     return {int(row["position"]) - 1: Operation.from_row(row) for row in rows.mappings()}
 
 
+_FIND_OPERATIONS = select(operations).where(
+    operations.c.intent_key.in_(bindparam("intent_keys", expanding=True))
+)
+
+
 def find_operations(executor: Executor, intent_keys: Sequence[str]) -> list[Operation]:
     """The operations recorded under these intent keys (those that exist)."""
-    query = select(operations).where(operations.c.intent_key.in_(list(intent_keys)))
-    return [Operation.from_row(row) for row in executor.execute(query).mappings()]
+    rows = executor.execute(_FIND_OPERATIONS, {"intent_keys": list(intent_keys)})
+    return [Operation.from_row(row) for row in rows.mappings()]
+
+
+_FIND_PRUNED_INTENTS = select(pruned_intents).where(
+    pruned_intents.c.intent_key.in_(bindparam("intent_keys", expanding=True))
+)
 
 
 def find_pruned_intents(executor: Executor, intent_keys: Sequence[str]) -> list[PrunedIntent]:
     """What is kept of the pruned operations recorded under these intent keys (those pruned)."""
-    query = select(pruned_intents).where(pruned_intents.c.intent_key.in_(list(intent_keys)))
-    return [PrunedIntent.from_row(row) for row in executor.execute(query).mappings()]
+    rows = executor.execute(_FIND_PRUNED_INTENTS, {"intent_keys": list(intent_keys)})
+    return [PrunedIntent.from_row(row) for row in rows.mappings()]
+
+
+_GET_OPERATION = select(operations).where(operations.c.id == bindparam("operation_id"))
 
 
 def get_operation(executor: Executor, operation_id: UUID) -> Operation | None:
     """The operation with this id, or ``None``."""
-    row = executor.execute(select(operations).where(operations.c.id == operation_id))
+    row = executor.execute(_GET_OPERATION, {"operation_id": operation_id})
     found = row.mappings().one_or_none()
     return Operation.from_row(found) if found is not None else None
 
 
+_FIND_OPERATION = select(operations).where(operations.c.intent_key == bindparam("intent_key"))
+
+
 def find_operation(executor: Executor, intent_key: str) -> Operation | None:
     """The operation recorded under this intent key, or ``None``."""
-    row = executor.execute(select(operations).where(operations.c.intent_key == intent_key))
+    row = executor.execute(_FIND_OPERATION, {"intent_key": intent_key})
     found = row.mappings().one_or_none()
     return Operation.from_row(found) if found is not None else None
 
@@ -230,10 +246,15 @@ def list_operations(
     return [Operation.from_row(row) for row in executor.execute(query).mappings()]
 
 
+_LIST_EVENTS = (
+    select(events).where(events.c.operation_id == bindparam("operation_id")).order_by(events.c.id)
+)
+
+
 def list_events(executor: Executor, operation_id: UUID) -> list[Event]:
     """An operation's audit trail, oldest first."""
-    query = select(events).where(events.c.operation_id == operation_id).order_by(events.c.id)
-    return [Event.from_row(row) for row in executor.execute(query).mappings()]
+    rows = executor.execute(_LIST_EVENTS, {"operation_id": operation_id})
+    return [Event.from_row(row) for row in rows.mappings()]
 
 
 _REGISTER_WAITER = text(

@@ -7,7 +7,7 @@ statement names the channel its constant says.
 
 from __future__ import annotations
 
-from sqlalchemy import func, select, text
+from sqlalchemy import Text, bindparam, func, select, text
 
 from outbox.models import Executor
 
@@ -60,9 +60,12 @@ def unlisten_all(executor: Executor) -> None:
     executor.execute(_UNLISTEN_ALL)
 
 
+_NOTIFY_UNKNOWN_OPERATION = select(
+    func.pg_notify(UNKNOWN_OPERATION_CHANNEL, bindparam("task", type_=Text))
+)
+
+
 def notify_unknown_operation(executor: Executor, task: str) -> None:
     """Tell whoever counts (``outbox metrics``) that a ``task`` message named an operation
     this database does not have. Sent with the caller's commit (now, in autocommit mode)."""
-    executor.execute(
-        select(func.pg_notify(UNKNOWN_OPERATION_CHANNEL, task)),
-    )
+    executor.execute(_NOTIFY_UNKNOWN_OPERATION, {"task": task})

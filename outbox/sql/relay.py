@@ -51,15 +51,6 @@ def claim_due(executor: Executor, *, limit: int, republish_after_s: float) -> li
     return [ClaimedIntent(row["id"], row["tool"], row["target"]) for row in rows]
 
 
-def mark_published(executor: Executor, operation_ids: list[UUID]) -> int:
-    """Record that these rows' messages were confirmed by the broker; returns rows updated."""
-    if not operation_ids:
-        return 0
-    row = _MARK_PUBLISHED.fetch_one(executor, {"ids": operation_ids})
-    assert row is not None  # noqa: S101 -- a count always returns a row
-    return int(row["updated"])
-
-
 _MARK_PUBLISHED = DriverStatement.of(
     text(
         """
@@ -73,6 +64,15 @@ _MARK_PUBLISHED = DriverStatement.of(
     ),
     ["updated"],
 )
+
+
+def mark_published(executor: Executor, operation_ids: list[UUID]) -> int:
+    """Record that these rows' messages were confirmed by the broker; returns rows updated."""
+    if not operation_ids:
+        return 0
+    row = _MARK_PUBLISHED.fetch_one(executor, {"ids": operation_ids})
+    assert row is not None  # noqa: S101 -- a count always returns a row
+    return int(row["updated"])
 
 
 _ANNOUNCE_RELAY = text(

@@ -171,6 +171,24 @@ def test_no_sql_built_from_strings_in_the_sql_package() -> None:
     assert offenders == [], "SQL built from strings:\n" + "\n".join(offenders)
 
 
+def test_every_text_statement_is_a_module_constant() -> None:
+    """``text()`` only at module level: a statement is named once, never written in a call."""
+    offenders = []
+    for path in sorted(SQL_PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            offenders += [
+                f"{_relative(path)}:{node.lineno}: text() in {function.name}()"
+                for node in ast.walk(function)
+                if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "text"
+            ]
+    assert offenders == [], "statements written in calls:\n" + "\n".join(offenders)
+
+
 @pytest.mark.parametrize(
     ("source", "verdict"),
     [
