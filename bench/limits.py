@@ -6,13 +6,13 @@ PostgreSQL (the raw driver, psycopg, no SQLAlchemy; rows shaped like ``outbox.op
   and on N connections into a table that also has ``outbox.operations``' CHECK constraints
   (the same row, so what the table's integrity checks cost a single-row insert).
 
-Our own statements, as our code issues them (SQLAlchemy, ``outbox.statements``):
+Our own statements, as our code issues them (SQLAlchemy, ``outbox.sql``):
 
 * ``enqueue()+COMMIT`` on ``--connections`` connections (the agent's side), with no relay
   waiting on its bell and with one (then every enqueue NOTIFYs: what the doorbell costs);
 * the ``sent`` compare-and-set: ``outbox.transitions.mark_sent`` planned→sent with
   ``synchronous_commit=on`` and its COMMIT, as the dispatcher makes it, on 1 and N connections;
-* the advisory lock round trip: ``statements.try_lock`` + ``statements.unlock`` (autocommit);
+* the advisory lock round trip: ``sql.locks.try_lock`` + ``sql.locks.unlock`` (autocommit);
 * ``outbox.workers.locking.operation_lock`` entered and left, as ``dispatch()`` takes it (pool
   checkout with pre-ping, lock, commit, rollback, unlock_all, commit);
 * ``outbox.workers.dispatch.dispatch()`` with a Python tool that does nothing: every statement a
@@ -58,7 +58,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 from throwaway import rabbitmq_available, throwaway_database, throwaway_vhost
 
-from outbox import api, statements, transitions
+from outbox import api, sql, transitions
 from outbox.contracts import ContractTable
 from outbox.db import create_engine
 from outbox.locks import operation_lock_key
@@ -183,7 +183,7 @@ class Limits:
         with self.engine.begin() as conn:
             conn.execute(text("DELETE FROM outbox.relays"))
             if bell:
-                statements.announce_relay(conn, "bench", pid=0, host="bench", idle=True)
+                sql.relay.announce_relay(conn, "bench", pid=0, host="bench", idle=True)
 
         def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
             conn = stack.enter_context(self.engine.connect())
@@ -255,7 +255,7 @@ class Limits:
 
             def op(i: int) -> None:
                 with conn.begin():
-                    statements.require_synchronous_commit(conn)
+                    sql.locks.require_synchronous_commit(conn)
                     transitions.apply(
                         conn,
                         transitions.mark_sent(ids[i], attempt=0, reason="dispatching attempt 1"),
@@ -274,9 +274,9 @@ class Limits:
             stack.callback(conn.close)
 
             def op(i: int) -> None:
-                if not statements.try_lock(conn, keys[i]):
+                if not sql.locks.try_lock(conn, keys[i]):
                     raise RuntimeError("an advisory lock nobody holds was busy")
-                statements.unlock(conn, keys[i])
+                sql.locks.unlock(conn, keys[i])
 
             return op
 

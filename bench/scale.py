@@ -19,7 +19,7 @@ with a due check (for the sweep), with their events. Then ``VACUUM ANALYZE`` and
 Then, per round, each size in turn (the first size rotating from round to round), the real
 code paths, on the database, with nothing mocked but the broker:
 
-* ``claim_due``: :func:`outbox.statements.claim_due` (the statement ``Relay.run_once`` calls),
+* ``claim_due``: :func:`outbox.sql.relay.claim_due` (the statement ``Relay.run_once`` calls),
   each call in its own transaction, rolled back; the round's value is the median of
   ``--claims`` calls. Every call must return the ``--due`` planned rows;
 * ``relay pass``: :meth:`outbox.relay.Relay.run_once` with a publisher that confirms nothing
@@ -58,7 +58,7 @@ rows (default the largest size), then ``--soak-rate`` intents per second for the
   flag, claims of up to 200 rows), with a publisher that hands the messages to an in-process
   queue and confirms them all; the claim statement is timed at the driver (cursor execute);
 * dispatch: ``--soak-workers`` threads simulate the workers' *state moves* with the real
-  functions (:func:`outbox.statements.get_for_dispatch`, then
+  functions (:func:`outbox.sql.locks.get_for_dispatch`, then
   :func:`outbox.transitions.mark_sent` ``planned -> sent`` with ``synchronous_commit = on``,
   then ``sent -> confirmed``, or ``failed`` for 5 %, each committed): the same row versions
   and events as ``outbox.workers.dispatch.dispatch``, without Celery, the advisory lock and a tool

@@ -13,7 +13,7 @@ from uuid import UUID
 from scale_data import SENT_AGO, TOOL, Loaded, vacuum
 from sqlalchemy import text
 
-from outbox import statements
+from outbox import sql
 from outbox.contracts import ContractTable
 from outbox.reconcilers.sweep import SweepConfig, Sweeper
 from outbox.relay import OutboundMessage, Relay, RelayConfig
@@ -110,7 +110,7 @@ class Scale:
             for _ in range(calls):
                 with conn.begin() as tx:
                     started = time.perf_counter()
-                    claimed = statements.claim_due(
+                    claimed = sql.webhooks.claim_due(
                         conn, limit=BATCH, republish_after_s=REPUBLISH_AFTER_S
                     )
                     times.append(time.perf_counter() - started)
@@ -159,8 +159,8 @@ class Scale:
         """The relay's other two statements, rolled back, so that EXPLAIN sees them: its
         idle check and recording the published rows (a pass that confirms nothing skips it)."""
         with self.db.engine.connect() as conn, conn.begin() as tx:
-            statements.any_due_unpublished(conn)
-            statements.mark_published(conn, self.db.planned)
+            sql.relay.any_due_unpublished(conn)
+            sql.relay.mark_published(conn, self.db.planned)
             tx.rollback()
 
     def reset(self) -> None:

@@ -21,7 +21,7 @@ from sqlalchemy import Connection, Engine, event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from outbox import api, statements, transitions
+from outbox import api, sql, transitions
 from outbox.db import create_engine
 from outbox.errors import StaleTransition
 from outbox.reconcilers.sweep import SweepConfig, Sweeper
@@ -276,10 +276,10 @@ class Soak:
         for _ in range(3):
             try:
                 with conn.begin():
-                    found = statements.get_for_dispatch(conn, op_id)
+                    found = sql.locks.get_for_dispatch(conn, op_id)
                     if found is None or found[0].state is not State.PLANNED:
                         return False  # a duplicate message: the row moved on
-                    statements.require_synchronous_commit(conn)
+                    sql.locks.require_synchronous_commit(conn)
                     transitions.apply(
                         conn,
                         transitions.mark_sent(op_id, attempt=0, reason="dispatching attempt 1"),
@@ -287,10 +287,10 @@ class Soak:
             except StaleTransition:
                 return False
             except DBAPIError as exc:
-                if not statements.is_row_lock_busy(exc):
+                if not sql.locks.is_row_lock_busy(exc):
                     raise
                 with conn.begin():
-                    statements.wait_for_row_lock(conn, op_id, timeout_s=5.0)
+                    sql.locks.wait_for_row_lock(conn, op_id, timeout_s=5.0)
                 continue
             return True
         return False  # held three times over: the relay publishes it again

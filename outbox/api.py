@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
-from outbox import statements, transitions
+from outbox import sql, transitions
 from outbox.canonical import NotCanonicalizable, canonical_json, intent_hash, payload_hash
 from outbox.config import get_settings
 from outbox.contracts import CONTRACTS
@@ -75,7 +75,7 @@ def enqueue(
     """
     one = _check(Intent(tool, target, payload, intent_key, metadata, requested_by))
     for _ in range(_INSERT_TRIES):
-        created = statements.insert_intent(
+        created = sql.intents.insert_intent(
             session,
             intent_key=one.intent_key,
             tool=one.tool,
@@ -89,13 +89,13 @@ def enqueue(
         if created is not None:
             return created
         # A generated key is the new operation's id and cannot collide, so intent_key is set.
-        existing = statements.find_operation(session, str(intent_key))
+        existing = sql.intents.find_operation(session, str(intent_key))
         if existing is not None:
             _check_same_intent(existing, tool=tool, target=target, digest=one.payload_hash)
             return existing
         # Not live: pruned, or (rarely) its row was deleted between the two statements, in
         # which case the prune's trigger wrote the pruned intent in the same transaction.
-        for pruned in statements.find_pruned_intents(session, [str(intent_key)]):
+        for pruned in sql.intents.find_pruned_intents(session, [str(intent_key)]):
             _refuse_pruned(pruned, tool=tool, target=target, digest=one.payload_hash)
     raise IntentConflict(
         f"intent key {intent_key!r} is being used and removed concurrently; try again",
@@ -155,7 +155,7 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
         return []
     unique = _unique_keys(checked)
     with session.begin_nested():  # a conflict found below rolls the batch back, nothing else
-        inserted = statements.insert_intents(
+        inserted = sql.intents.insert_intents(
             session,
             intent_keys=[c.intent_key for c in unique],
             tools=[c.tool for c in unique],
@@ -168,10 +168,10 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
         )
         by_key = {op.intent_key: op for op in inserted.values()}
         taken = [c.intent_key for c in unique if c.intent_key and c.intent_key not in by_key]
-        for existing in statements.find_operations(session, taken) if taken else []:
+        for existing in sql.intents.find_operations(session, taken) if taken else []:
             by_key[existing.intent_key] = existing
         gone = [key for key in taken if key not in by_key]
-        pruned = {p.intent_key: p for p in statements.find_pruned_intents(session, gone)}
+        pruned = {p.intent_key: p for p in sql.intents.find_pruned_intents(session, gone)}
         for one in unique:
             if one.intent_key is None:
                 continue
@@ -244,12 +244,12 @@ def _unique_keys(checked: list[_Checked]) -> list[_Checked]:
 
 def get(session: Executor, operation_id: UUID | str) -> Operation | None:
     """The operation with this id, or ``None``. Reads in the caller's transaction."""
-    return statements.get_operation(session, _as_uuid(operation_id))
+    return sql.intents.get_operation(session, _as_uuid(operation_id))
 
 
 def find(session: Executor, intent_key: str) -> Operation | None:
     """The operation recorded under ``intent_key``, or ``None``. Reads in the caller's txn."""
-    return statements.find_operation(session, intent_key)
+    return sql.intents.find_operation(session, intent_key)
 
 
 def cancel(session: Executor, operation_id: UUID | str, *, reason: str | None = None) -> Operation:
@@ -260,7 +260,7 @@ def cancel(session: Executor, operation_id: UUID | str, *, reason: str | None = 
     it instead), and :class:`OperationNotFound`.
     """
     op_id = _as_uuid(operation_id)
-    current = statements.get_operation(session, op_id)
+    current = sql.intents.get_operation(session, op_id)
     if current is None:
         raise OperationNotFound(f"no operation {op_id}", operation_id=op_id)
     if current.state is not State.PLANNED:
@@ -297,12 +297,12 @@ def wait(
         # Registered before LISTEN and before the first read: a move committed after the
         # read either finds the registration and notifies, or (a move already under way)
         # is seen at the next re-read.
-        statements.register_waiter(conn, op_id)
-        conn.execute(text(f"LISTEN {statements.SETTLED_CHANNEL}"))
+        sql.intents.register_waiter(conn, op_id)
+        sql.notify.listen_settled(conn)
         try:
             listener = conn.connection.driver_connection
             while True:
-                current = statements.get_operation(conn, op_id)
+                current = sql.intents.get_operation(conn, op_id)
                 if current is None:
                     raise OperationNotFound(f"no operation {op_id}", operation_id=op_id)
                 if current.is_settled:
@@ -318,8 +318,8 @@ def wait(
                 ):
                     pass
         finally:
-            conn.execute(text("UNLISTEN *"))
-            statements.forget_waiter(conn, op_id)
+            sql.notify.unlisten_all(conn)
+            sql.intents.forget_waiter(conn, op_id)
 
 
 def _as_uuid(value: UUID | str) -> UUID:

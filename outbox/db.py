@@ -18,6 +18,7 @@ from outbox import embedded
 from outbox.config import Settings, get_settings
 from outbox.errors import DatabaseUnavailable, SchemaNotReady
 from outbox.locks import SESSION_LOCKS_INFO
+from outbox.sql.locks import UNLOCK_ALL_SQL
 
 _DRIVER = "postgresql+psycopg"
 
@@ -81,7 +82,7 @@ def _release_session_locks(
     dbapi_connection.rollback()  # out of a failed transaction, if any
     cursor = dbapi_connection.cursor()
     try:
-        cursor.execute("SELECT pg_advisory_unlock_all()")
+        cursor.execute(UNLOCK_ALL_SQL)
     finally:
         cursor.close()
     dbapi_connection.rollback()

@@ -20,7 +20,7 @@ import hashlib
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
-from outbox import statements
+from outbox import sql
 from outbox.config import Settings
 from outbox.db import create_engine, database_errors, database_url
 from outbox.errors import ConfigError
@@ -52,7 +52,7 @@ def derived_name(url: str) -> str:
     try:
         with database_errors(url), engine.connect() as conn:
             try:
-                cluster, database = statements.database_identity(conn)
+                identity = sql.deployment.database_identity(conn)
             except DBAPIError as exc:
                 if exc.connection_invalidated:
                     raise
@@ -63,5 +63,7 @@ def derived_name(url: str) -> str:
                 ) from exc
     finally:
         engine.dispose()
-    digest = hashlib.sha256(f"{cluster}/{database}".encode()).hexdigest()[:DIGEST_CHARS]
+    digest = hashlib.sha256(f"{identity.cluster}/{identity.database}".encode()).hexdigest()[
+        :DIGEST_CHARS
+    ]
     return f"{DERIVED_PREFIX}{digest}"

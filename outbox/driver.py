@@ -17,6 +17,9 @@ which keeps what they set on it, so a tracer's span is ended). What does not: SQ
 ``echo`` logging, and the ``handle_error`` event (a failed statement raises without it).
 A connection whose driver is not psycopg 3 (an agent's own psycopg2 engine) runs the
 statement through SQLAlchemy as before.
+
+This is the one way a statement runs other than SQLAlchemy's ``execute``, kept for the
+measured hot path only: which statements use it is said in :mod:`outbox.sql`.
 """
 
 from __future__ import annotations

@@ -47,12 +47,12 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import statements
+from outbox import sql
+from outbox.models import DeliveryStatus
 from outbox.states import ALLOWED, State
-from outbox.webhooks import DeliveryStatus
 
 log = logging.getLogger(__name__)
 
@@ -81,56 +81,6 @@ NO_STATE = "none"
 #:   reconciler. Read through the partial index on ``next_check_at``: every unknown row.
 #: * ``needs_human``: ``updated_at``, in the queue since; waits for a person. Partial index.
 OLDEST_STATES = (State.PLANNED, State.SENT, State.UNKNOWN, State.NEEDS_HUMAN)
-
-_OPERATIONS = text("SELECT state, tool, count(*) AS n FROM outbox.operations GROUP BY state, tool")
-
-_OLDEST = text(
-    """
-    SELECT clock_timestamp() AS now,
-           (SELECT min(available_at) FROM outbox.operations WHERE state = 'planned') AS planned,
-           (SELECT min(sent_at) FROM outbox.operations WHERE state = 'sent') AS sent,
-           (SELECT min(updated_at) FROM outbox.operations WHERE state = 'unknown') AS unknown,
-           (SELECT min(next_check_at) FROM outbox.operations WHERE state = 'unknown')
-             AS check_due,
-           (SELECT min(updated_at) FROM outbox.operations WHERE state = 'needs_human')
-             AS needs_human
-    """
-)
-
-_WEBHOOKS = text(
-    "SELECT status, count(*) AS n, count(*) FILTER (WHERE attempts > 0) AS tried "
-    "FROM outbox.webhook_deliveries GROUP BY status"
-)
-
-_NEWEST_EVENT = text("SELECT coalesce(max(id), 0) FROM outbox.events")
-
-# The new events after the cursor (a bounded batch) and any remembered gaps that have since
-# committed. For a move out of `sent`, the latency since the same attempt's move into `sent`:
-# the newest such event of that operation, found through ix_events_operation_id_id.
-_NEW_EVENTS = text(
-    """
-    WITH batch AS (
-        (SELECT id, operation_id, from_state, to_state, attempt, actor, at
-         FROM outbox.events WHERE id > :cursor ORDER BY id LIMIT :batch)
-        UNION ALL
-        (SELECT id, operation_id, from_state, to_state, attempt, actor, at
-         FROM outbox.events WHERE id = ANY(CAST(:gaps AS bigint[])))
-    )
-    SELECT b.id, b.from_state, b.to_state, b.actor,
-           extract(epoch FROM b.at - sent.at) AS dispatch_s
-    FROM batch b
-    LEFT JOIN LATERAL (
-        SELECT s.at FROM outbox.events s
-        WHERE b.from_state = 'sent' AND b.to_state <> 'sent'
-          AND s.operation_id = b.operation_id AND s.id < b.id
-          AND s.to_state = 'sent' AND s.from_state IS DISTINCT FROM 'sent'
-          AND s.attempt = b.attempt
-        ORDER BY s.id DESC
-        LIMIT 1
-    ) sent ON true
-    ORDER BY b.id
-    """
-)
 
 
 @dataclass
@@ -225,7 +175,7 @@ class OutboxCollector:
             if self._cursor is None:
                 try:
                     with self.engine.connect() as conn:
-                        self._cursor = int(conn.execute(_NEWEST_EVENT).scalar_one())
+                        self._cursor = sql.metrics.newest_event_id(conn)
                 except Exception as exc:  # noqa: BLE001 -- the exporter outlives any outage
                     log.warning(
                         "cannot read the newest event yet: %s",
@@ -237,13 +187,12 @@ class OutboxCollector:
     def _fold_new_events(self, conn: Connection) -> int:
         """Fold the events committed since the last scrape; how many are left for later."""
         if self._cursor is None:
-            self._cursor = int(conn.execute(_NEWEST_EVENT).scalar_one())
+            self._cursor = sql.metrics.newest_event_id(conn)
             return 0
         cursor = self._cursor
-        rows = conn.execute(
-            _NEW_EVENTS,
-            {"cursor": cursor, "batch": self.event_batch, "gaps": list(self._gaps)},
-        ).all()
+        rows = sql.metrics.new_events(
+            conn, cursor=cursor, batch=self.event_batch, gaps=list(self._gaps)
+        )
         now = time.monotonic()
         expected = cursor + 1
         for row in rows:
@@ -257,7 +206,7 @@ class OutboxCollector:
         self._cursor = expected - 1
         while self._gaps and now - next(iter(self._gaps.values())) > self.gap_grace_s:
             del self._gaps[next(iter(self._gaps))]
-        newest = int(conn.execute(_NEWEST_EVENT).scalar_one())
+        newest = sql.metrics.newest_event_id(conn)
         if newest < self._cursor:
             # The newest events are gone (the table was emptied or restored from a backup):
             # count from what is there now, or nothing would be counted until ids caught up.
@@ -277,7 +226,7 @@ class OutboxCollector:
         while len(self._gaps) > self.max_gaps:
             del self._gaps[next(iter(self._gaps))]
 
-    def _count(self, row: Any) -> None:
+    def _count(self, row: sql.metrics.NewEvent) -> None:
         if row.from_state == row.to_state:
             return  # a note that changed no state (a late outcome, evidence that lost a race)
         from_state = row.from_state if row.from_state is not None else NO_STATE
@@ -293,27 +242,21 @@ class OutboxCollector:
     def _read(self, conn: Connection, snapshot: _Snapshot) -> None:
         """Fill ``snapshot`` in one read-only transaction, the cheap reads first."""
         with conn.begin():
-            conn.execute(text("SET TRANSACTION READ ONLY"))
-            # Short statements the planner would JIT-compile for longer than they run.
-            conn.execute(
-                text(
-                    "SELECT set_config('statement_timeout', :ms, true), "
-                    "set_config('jit', 'off', true)"
-                ),
-                {"ms": str(round(self.statement_timeout_s * 1000))},
-            )
+            sql.metrics.set_read_only(conn)
+            sql.metrics.set_scrape_limits(conn, statement_timeout_s=self.statement_timeout_s)
             snapshot.events_behind = self._fold_new_events(conn)
-            oldest = conn.execute(_OLDEST).mappings().one()
+            oldest = sql.metrics.oldest_waits(conn)
             snapshot.oldest = {
-                state: _age(oldest["now"], oldest[state.value]) for state in OLDEST_STATES
+                state: _age(oldest.now, oldest.since[state]) for state in OLDEST_STATES
             }
-            snapshot.check_overdue = _age(oldest["now"], oldest["check_due"])
+            snapshot.check_overdue = _age(oldest.now, oldest.check_due)
             snapshot.webhooks = {
-                row.status: (int(row.n), int(row.tried)) for row in conn.execute(_WEBHOOKS)
+                status: (count.n, count.tried)
+                for status, count in sql.metrics.webhook_counts(conn).items()
             }
             # Last: the only read that scans a whole table, so its timeout loses nothing else.
             snapshot.operations = [
-                (row.state, row.tool, int(row.n)) for row in conn.execute(_OPERATIONS)
+                (count.state, count.tool, count.n) for count in sql.metrics.operation_counts(conn)
             ]
 
     def _scrape(self) -> tuple[_Snapshot, bool]:
@@ -536,14 +479,14 @@ class UnknownOperationListener:
     def _listen(self) -> None:
         conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         try:
-            conn.execute(text(f"LISTEN {statements.UNKNOWN_OPERATION_CHANNEL}"))
+            sql.notify.listen_unknown_operations(conn)
             driver = conn.connection.driver_connection
             self.listening.set()
             log.info(
                 "counting unknown-operation reports",
                 extra={
                     "action": "metrics_listening",
-                    "channel": statements.UNKNOWN_OPERATION_CHANNEL,
+                    "channel": sql.notify.UNKNOWN_OPERATION_CHANNEL,
                 },
             )
             while not self._stop.is_set():

@@ -6,9 +6,10 @@ state by assigning to an attribute: states change only through :mod:`outbox.tran
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
@@ -161,3 +162,69 @@ class PrunedIntent:
         values = {field.name: row[field.name] for field in fields(cls)}
         values["state"] = State(values["state"])
         return cls(**values)
+
+
+def iso_utc(moment: datetime) -> str:
+    """An instant as ISO 8601 in UTC, ``Z``-suffixed (as webhooks and their rows print it)."""
+    return moment.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+class WebhookEvent(enum.StrEnum):
+    """What a webhook reports; its ``type`` is ``operation.<event>``."""
+
+    #: The operation entered ``needs_human``: an operator must decide.
+    NEEDS_HUMAN = "needs_human"
+    #: The operation left ``needs_human``: the follow-up of an escalation, whatever its verdict.
+    RESOLVED = "resolved"
+    #: The operation entered ``confirmed`` (opt-in).
+    CONFIRMED = "confirmed"
+    #: The operation entered ``failed`` (opt-in).
+    FAILED = "failed"
+
+
+class DeliveryStatus(enum.StrEnum):
+    """Where a delivery stands; only ``pending`` rows are ever sent."""
+
+    #: Not delivered yet; sent when ``next_attempt_at`` has passed.
+    PENDING = "pending"
+    #: The receiver answered 2xx. Final.
+    DELIVERED = "delivered"
+    #: Still failing after the give-up period. Final; the operation itself is untouched.
+    ABANDONED = "abandoned"
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One row of ``outbox.webhook_deliveries``, as read."""
+
+    id: UUID
+    operation_id: UUID
+    event: WebhookEvent
+    payload: dict[str, Any]
+    status: DeliveryStatus
+    attempts: int
+    next_attempt_at: datetime
+    last_status: int | None
+    last_error: str | None
+    created_at: datetime
+    delivered_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Any) -> Delivery:
+        """Build a snapshot from a mapping holding every column of the table."""
+        values = {f.name: row[f.name] for f in fields(cls)}
+        values["event"] = WebhookEvent(values["event"])
+        values["status"] = DeliveryStatus(values["status"])
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready mapping, as ``outbox webhooks list --json`` prints it."""
+        data: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, datetime):
+                value = iso_utc(value)
+            elif isinstance(value, UUID | enum.Enum):
+                value = str(value)
+            data[f.name] = value
+        return data

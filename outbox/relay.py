@@ -26,10 +26,10 @@ from typing import Any, Protocol, TypeVar
 from uuid import UUID
 
 import psycopg
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, statements
+from outbox import faults, sql
 from outbox.backoff import Backoff
 from outbox.errors import BrokerUnavailable
 
@@ -128,7 +128,7 @@ class Relay:
 
     def _run_once(self, conn: Connection) -> RelayResult:
         with conn.begin():
-            claimed = statements.claim_due(
+            claimed = sql.relay.claim_due(
                 conn,
                 limit=self.config.batch_size,
                 republish_after_s=self.config.republish_after_s,
@@ -136,10 +136,10 @@ class Relay:
             if not claimed:
                 return RelayResult(0, 0)
             faults.point("relay_before_publish")
-            messages = [OutboundMessage(op_id, tool, target) for op_id, tool, target in claimed]
+            messages = [OutboundMessage(c.id, c.tool, c.target) for c in claimed]
             confirmed = self.publisher.publish(messages)
             faults.point("relay_after_publish")
-            published = statements.mark_published(
+            published = sql.relay.mark_published(
                 conn, [m.operation_id for m in messages if m.operation_id in confirmed]
             )
         faults.point("relay_after_commit")
@@ -221,7 +221,7 @@ class Relay:
         # idle announcement creates the row), it just cannot clean up after dead peers yet.
         try:
             with self.engine.begin() as conn:
-                statements.forget_silent_relays(conn, older_than_s=self.config.silent_after_s)
+                sql.relay.forget_silent_relays(conn, older_than_s=self.config.silent_after_s)
                 _announce(conn, self.name, idle=False)
         except DBAPIError as exc:
             log.warning("relay could not register: %s", exc, extra={"action": "relay_error"})
@@ -229,13 +229,13 @@ class Relay:
     def _unregister(self) -> None:
         try:
             with self.engine.begin() as conn:
-                statements.forget_relay(conn, self.name)
+                sql.relay.forget_relay(conn, self.name)
         except DBAPIError as exc:
             log.warning("relay could not unregister: %s", exc, extra={"action": "relay_error"})
 
 
 def _announce(conn: Connection, name: str, *, idle: bool) -> None:
-    statements.announce_relay(conn, name, pid=os.getpid(), host=socket.gethostname(), idle=idle)
+    sql.relay.announce_relay(conn, name, pid=os.getpid(), host=socket.gethostname(), idle=idle)
 
 
 class _Bell:
@@ -257,9 +257,7 @@ class _Bell:
             try:
                 # The idle flag is advice (a lost one costs a poll interval or a needless
                 # NOTIFY), so its commits need not wait for the disk.
-                conn.execute(
-                    text(f"SET synchronous_commit = off; LISTEN {statements.PLANNED_CHANNEL}")
-                )
+                sql.notify.listen_planned(conn)
             except BaseException:
                 conn.invalidate()
                 conn.close()
@@ -296,7 +294,7 @@ class _Bell:
 
     def any_due_unpublished(self) -> bool:
         """Whether some due row was never published (checked after raising the flag)."""
-        return statements.any_due_unpublished(self._connection())
+        return sql.relay.any_due_unpublished(self._connection())
 
     def wait(self, timeout_s: float) -> bool:
         """Until a bell (those already rung return at once), ``timeout_s`` or stop; in short
@@ -318,7 +316,7 @@ class _Bell:
         if conn is None:
             return
         try:
-            conn.execute(text("UNLISTEN *; RESET synchronous_commit"))
+            sql.notify.unlisten_planned(conn)
         except (DBAPIError, psycopg.Error):
             conn.invalidate()
         finally:

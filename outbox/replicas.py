@@ -18,9 +18,9 @@ import logging
 
 from sqlalchemy import Engine
 
-from outbox import statements
+from outbox import sql
 from outbox.errors import AsyncReplicas
-from outbox.statements import Replication
+from outbox.sql.deployment import Replication
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def check_replicas(engine: Engine, *, allow_async: bool) -> Replication:
     """What the server reports of its standbys; raises :class:`AsyncReplicas` if they stream
     and none is synchronous, unless ``allow_async`` (then a warning is logged)."""
     with engine.connect() as conn:
-        found = statements.replication(conn)
+        found = sql.deployment.replication(conn)
         conn.rollback()
     if not found.asynchronous_only:
         return found

@@ -19,9 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import text
-
-from outbox import statements, transitions
+from outbox import sql, transitions
 from outbox.api import _as_uuid
 from outbox.contracts import CONTRACTS, ToolContract
 from outbox.errors import (
@@ -89,9 +87,12 @@ def resolve(
     operation_id = _as_uuid(op_id)
     _check_request(operation_id, applied=applied, remote_ref=remote_ref, replay=replay)
     _check_audit(operation_id, by=by, note=note)
-    if not _try_xact_lock(session, operation_lock_key(operation_id)):
+    # Transaction-scoped: the lock lasts exactly as long as the uncommitted verdict and goes
+    # with its commit or rollback, nothing for the caller to release; a dispatcher's or the
+    # sweep's session lock on the same key makes it fail, and the other way round.
+    if not sql.locks.try_xact_lock(session, operation_lock_key(operation_id)):
         raise _busy(session, operation_id)
-    current = statements.get_operation(session, operation_id)
+    current = sql.intents.get_operation(session, operation_id)
     if current is None:
         raise OperationNotFound(f"no operation {operation_id}", operation_id=operation_id)
     _check_resolvable(current)
@@ -124,57 +125,7 @@ def waiting_reasons(executor: Executor, operation_ids: Iterable[UUID]) -> dict[U
     ids = list(operation_ids)
     if not ids:
         return {}
-    rows = executor.execute(_ENTRY_REASONS, {"ids": ids})
-    return {row.operation_id: row.reason for row in rows}
-
-
-# --- SQL -----------------------------------------------------------------------------------
-# These belong in outbox.statements (convention 6) and move there once its concurrent
-# changes have landed; until then they are named here and nowhere else.
-
-
-def _try_xact_lock(executor: Executor, key: int) -> bool:
-    """Take the transaction-scoped advisory lock ``key`` without waiting; whether it was taken.
-
-    Transaction-scoped because ``resolve`` joins the caller's transaction: the lock must last
-    exactly as long as the uncommitted verdict and vanish with its commit or rollback, with
-    nothing for the caller to release. Advisory locks of both scopes share one key space, so
-    a dispatcher's or the sweep's session lock on the same key makes this fail, and the other
-    way round.
-    """
-    row = executor.execute(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": key})
-    return bool(row.scalar_one())
-
-
-# The horizon judged by the database clock (DESIGN.md, "Time"), never this host's: whether it
-# has passed since the last send, and the seconds left if not. A row never sent has nothing in
-# flight, so its horizon counts as passed.
-_HORIZON = text(
-    """
-    SELECT sent_at IS NULL
-           OR sent_at + make_interval(secs => :horizon) <= clock_timestamp() AS passed,
-           coalesce(extract(epoch FROM sent_at + make_interval(secs => :horizon)
-                                       - clock_timestamp()), 0) AS remaining
-    FROM outbox.operations WHERE id = :id
-    """
-)
-
-_ENTRY_REASONS = text(
-    """
-    SELECT DISTINCT ON (e.operation_id) e.operation_id, e.reason
-    FROM outbox.events e JOIN outbox.operations o ON o.id = e.operation_id
-    WHERE e.operation_id = ANY(:ids)
-      AND e.to_state = o.state
-      AND e.from_state IS DISTINCT FROM e.to_state
-    ORDER BY e.operation_id, e.id DESC
-    """
-)
-
-
-def _horizon_passed(executor: Executor, operation_id: UUID, horizon_s: float) -> tuple[bool, float]:
-    """Whether ``horizon_s`` has passed since the row's ``sent_at``, and the seconds left."""
-    row = executor.execute(_HORIZON, {"horizon": horizon_s, "id": operation_id}).one()
-    return bool(row.passed), max(0.0, float(row.remaining))
+    return sql.resolve.entry_reasons(executor, ids)
 
 
 # --- checks --------------------------------------------------------------------------------
@@ -246,8 +197,8 @@ def _check_horizon(executor: Executor, current: Operation) -> None:
     """Refuse "not applied" while a request from the last attempt could still land."""
     contract = CONTRACTS.get(current.tool)
     horizon_s = (contract or ToolContract(name=current.tool)).inflight_horizon_s
-    passed, remaining = _horizon_passed(executor, current.id, horizon_s)
-    if passed:
+    found = sql.resolve.horizon(executor, current.id, horizon_s)
+    if found.passed:
         return
     source = (
         f"tool {current.tool!r}'s in-flight horizon ({horizon_s:g}s)"
@@ -258,10 +209,10 @@ def _check_horizon(executor: Executor, current: Operation) -> None:
     raise ResolutionRefused(
         f"operation {current.id}: {source} has not passed since attempt {current.attempts} was "
         f"sent, so that request could still land at the remote; try again in "
-        f"{max(1, round(remaining))}s, or pass --force / force=True if you know it cannot; "
+        f"{max(1, round(found.remaining_s))}s, or pass --force / force=True if you know it cannot; "
         "nothing was changed",
         operation_id=current.id,
-        retry_after_s=remaining,
+        retry_after_s=found.remaining_s,
     )
 
 
@@ -314,7 +265,7 @@ def _verdict(
 
 def _busy(executor: Executor, operation_id: UUID) -> OperationBusy:
     # Our connection did not get the lock, so it may read who holds it (None if just freed).
-    holder = statements.lock_holder_pid(executor, operation_lock_key(operation_id))
+    holder = sql.locks.lock_holder_pid(executor, operation_lock_key(operation_id))
     by_whom = f" (PostgreSQL backend pid {holder})" if holder is not None else ""
     return OperationBusy(
         f"another component{by_whom} is working on operation {operation_id} right now; "

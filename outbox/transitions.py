@@ -32,7 +32,7 @@ from uuid import UUID
 
 from sqlalchemy import Connection
 
-from outbox import statements, storable, webhooks
+from outbox import storable, webhooks
 from outbox.errors import (
     NotCancellable,
     OperationNotFound,
@@ -40,6 +40,7 @@ from outbox.errors import (
     StaleTransition,
 )
 from outbox.models import Executor, Operation
+from outbox.sql import intents
 from outbox.sql import moves as sql
 from outbox.states import (
     COLUMNS_FOR,
@@ -402,7 +403,7 @@ def _own_transaction(conn: Connection, move: Move) -> Iterator[None]:
 def _why_missed(executor: Executor, move: Move) -> Exception:
     """Why the compare-and-set of ``move`` matched no row, read from the row as it is now."""
     operation_id, from_state, attempt = move.operation_id, move.from_state, move.attempt
-    current = statements.get_operation(executor, operation_id)
+    current = intents.get_operation(executor, operation_id)
     if current is None:
         return OperationNotFound(f"no operation {operation_id}", operation_id=operation_id)
     where_seen = current.state is from_state and attempt in (None, current.attempts)
@@ -491,7 +492,7 @@ def keep_late_evidence_and_commit(
     open.
     """
     with conn.begin():
-        current = statements.get_operation(conn, operation_id)
+        current = intents.get_operation(conn, operation_id)
         if current is None:
             return LateEvidence(None, confirmed=False)
         note(

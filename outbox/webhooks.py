@@ -7,57 +7,27 @@ escalation cannot lose its webhook and a rolled-back one never sends one. The de
 is the ``webhook-id``, the same on every retry, so receivers can deduplicate.
 
 A message never carries a secret, nor the operation's payload (it may hold personal data):
-only the payload's hash. Every statement on ``outbox.webhook_deliveries`` is a named
-function below; every time and every age comparison is the database's clock.
+only the payload's hash. The statements on ``outbox.webhook_deliveries`` are in
+:mod:`outbox.sql.webhooks`.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import enum
-from dataclasses import dataclass, field, fields
-from datetime import UTC, datetime
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
-from uuid import UUID
 
-from sqlalchemy import insert, select, text
-
-from outbox import storable
+from outbox import sql
 from outbox.config import Settings, get_settings
 from outbox.errors import ConfigError
-from outbox.models import Executor, Operation
-from outbox.schema import webhook_deliveries
+from outbox.models import Executor, Operation, WebhookEvent, iso_utc
 from outbox.states import Actor, State
 
 #: Standard Webhooks secrets are ``whsec_`` + base64; the convention asks for 24 to 64 bytes.
 SECRET_PREFIX = "whsec_"  # noqa: S105 -- the format's prefix, not a secret
 MIN_SECRET_BYTES = 24
-
-
-class WebhookEvent(enum.StrEnum):
-    """What a webhook reports; its ``type`` is ``operation.<event>``."""
-
-    #: The operation entered ``needs_human``: an operator must decide.
-    NEEDS_HUMAN = "needs_human"
-    #: The operation left ``needs_human``: the follow-up of an escalation, whatever its verdict.
-    RESOLVED = "resolved"
-    #: The operation entered ``confirmed`` (opt-in).
-    CONFIRMED = "confirmed"
-    #: The operation entered ``failed`` (opt-in).
-    FAILED = "failed"
-
-
-class DeliveryStatus(enum.StrEnum):
-    """Where a delivery stands; only ``pending`` rows are ever sent."""
-
-    #: Not delivered yet; sent when ``next_attempt_at`` has passed.
-    PENDING = "pending"
-    #: The receiver answered 2xx. Final.
-    DELIVERED = "delivered"
-    #: Still failing after the give-up period. Final; the operation itself is untouched.
-    ABANDONED = "abandoned"
 
 
 def events_for_move(from_state: State, to_state: State) -> list[WebhookEvent]:
@@ -92,10 +62,6 @@ def resolve_command(operation: Operation) -> str:
     )
 
 
-def _iso_utc(moment: datetime) -> str:
-    return moment.astimezone(UTC).isoformat().replace("+00:00", "Z")
-
-
 def message(
     event: WebhookEvent, operation: Operation, *, from_state: State, actor: Actor, reason: str
 ) -> dict[str, Any]:
@@ -106,7 +72,7 @@ def message(
     """
     return {
         "type": f"operation.{event.value}",
-        "timestamp": _iso_utc(operation.updated_at),
+        "timestamp": iso_utc(operation.updated_at),
         "data": {
             "operation_id": str(operation.id),
             "intent_key": operation.intent_key,
@@ -165,7 +131,7 @@ def record_for_move(
         }
         for event in events
     ]
-    executor.execute(insert(webhook_deliveries).values(rows))
+    sql.webhooks.insert_deliveries(executor, rows)
 
 
 # --- configuration -------------------------------------------------------------------------
@@ -223,179 +189,3 @@ def check_settings(settings: Settings) -> Endpoint | None:
             f"base64 of at least {MIN_SECRET_BYTES} random bytes (see docs/webhooks.md)"
         )
     return Endpoint(url=str(settings.webhook_url), secret=secret)
-
-
-# --- statements ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    """One row of ``outbox.webhook_deliveries``, as read."""
-
-    id: UUID
-    operation_id: UUID
-    event: WebhookEvent
-    payload: dict[str, Any]
-    status: DeliveryStatus
-    attempts: int
-    next_attempt_at: datetime
-    last_status: int | None
-    last_error: str | None
-    created_at: datetime
-    delivered_at: datetime | None
-
-    @classmethod
-    def from_row(cls, row: Any) -> Delivery:
-        """Build a snapshot from a mapping holding every column of the table."""
-        values = {f.name: row[f.name] for f in fields(cls)}
-        values["event"] = WebhookEvent(values["event"])
-        values["status"] = DeliveryStatus(values["status"])
-        return cls(**values)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready mapping, as ``outbox webhooks list --json`` prints it."""
-        data: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, datetime):
-                value = _iso_utc(value)
-            elif isinstance(value, UUID | enum.Enum):
-                value = str(value)
-            data[f.name] = value
-        return data
-
-
-@dataclass(frozen=True, slots=True)
-class Claimed:
-    """A delivery claimed for one attempt: what to send, and the lease that fences its outcome."""
-
-    id: UUID
-    operation_id: UUID
-    event: WebhookEvent
-    #: The body exactly as stored (``payload::text``): what is signed and sent, on every attempt.
-    body: str
-    #: Attempts made before this one.
-    attempts: int
-    #: ``next_attempt_at`` as the claim set it; the outcome is written only if it is unchanged.
-    lease: datetime
-
-
-_CLAIM_DUE = text(
-    """
-    WITH due AS (
-        SELECT id FROM outbox.webhook_deliveries
-        WHERE status = 'pending'
-          AND next_attempt_at <= clock_timestamp()
-          AND (CAST(:only AS uuid) IS NULL OR id = CAST(:only AS uuid))
-        ORDER BY next_attempt_at
-        LIMIT :limit
-        FOR UPDATE SKIP LOCKED
-    )
-    UPDATE outbox.webhook_deliveries AS d
-    SET next_attempt_at = clock_timestamp() + make_interval(secs => :lease)
-    FROM due WHERE d.id = due.id
-    RETURNING d.id, d.operation_id, d.event, d.payload::text AS body, d.attempts,
-              d.next_attempt_at AS lease
-    """
-)
-
-
-def claim_due(
-    executor: Executor, *, limit: int, lease_s: float, only: UUID | None = None
-) -> list[Claimed]:
-    """Lease up to ``limit`` due pending deliveries (or just ``only``), oldest due first.
-
-    ``SKIP LOCKED`` lets deliverers claim disjoint rows; pushing ``next_attempt_at`` out by
-    ``lease_s`` keeps them claimed after this short transaction commits, so no transaction
-    stays open across an HTTP call. A deliverer that dies mid-send leaves the row to be
-    claimed again once the lease has passed.
-    """
-    rows = executor.execute(_CLAIM_DUE, {"limit": limit, "lease": lease_s, "only": only})
-    return [
-        Claimed(
-            id=row.id,
-            operation_id=row.operation_id,
-            event=WebhookEvent(row.event),
-            body=row.body,
-            attempts=row.attempts,
-            lease=row.lease,
-        )
-        for row in rows
-    ]
-
-
-_DELIVERED = text(
-    """
-    UPDATE outbox.webhook_deliveries
-    SET status = 'delivered', delivered_at = clock_timestamp(), attempts = attempts + 1,
-        last_status = :status, last_error = NULL
-    WHERE id = :id AND status = 'pending' AND next_attempt_at = :lease
-    RETURNING attempts
-    """
-)
-
-
-def record_delivered(executor: Executor, claimed: Claimed, *, status: int) -> int | None:
-    """Mark a claimed delivery delivered; its attempt count, or ``None`` if the lease was lost."""
-    row = executor.execute(
-        _DELIVERED, {"id": claimed.id, "lease": claimed.lease, "status": status}
-    ).first()
-    return int(row.attempts) if row is not None else None
-
-
-_FAILED = text(
-    """
-    UPDATE outbox.webhook_deliveries
-    SET attempts = attempts + 1, last_status = :status, last_error = :error,
-        next_attempt_at = clock_timestamp() + make_interval(secs => :retry_in),
-        status = CASE WHEN created_at <= clock_timestamp() - make_interval(secs => :give_up)
-                      THEN 'abandoned' ELSE 'pending' END
-    WHERE id = :id AND status = 'pending' AND next_attempt_at = :lease
-    RETURNING status, attempts
-    """
-)
-
-
-def record_failed(
-    executor: Executor,
-    claimed: Claimed,
-    *,
-    status: int | None,
-    error: str,
-    retry_in_s: float,
-    give_up_after_s: float,
-) -> tuple[DeliveryStatus, int] | None:
-    """Record a failed attempt: retry after ``retry_in_s``, or abandon the row once it is
-    older than ``give_up_after_s`` (judged by the database). Returns the new status and
-    attempt count, or ``None`` if the lease was lost to another deliverer.
-    """
-    row = executor.execute(
-        _FAILED,
-        {
-            "id": claimed.id,
-            "lease": claimed.lease,
-            "status": status,
-            "error": storable.text(error),  # it quotes the endpoint's answer
-            "retry_in": retry_in_s,
-            "give_up": give_up_after_s,
-        },
-    ).first()
-    return (DeliveryStatus(row.status), int(row.attempts)) if row is not None else None
-
-
-def list_deliveries(
-    executor: Executor,
-    *,
-    status: DeliveryStatus | None = None,
-    operation_id: UUID | None = None,
-    limit: int = 50,
-) -> list[Delivery]:
-    """Deliveries, newest first."""
-    t = webhook_deliveries.c
-    # UUIDv7 ids only order by the millisecond; created_at tells apart rows of one statement.
-    query = select(webhook_deliveries).order_by(t.created_at.desc(), t.id.desc()).limit(limit)
-    if status is not None:
-        query = query.where(t.status == status.value)
-    if operation_id is not None:
-        query = query.where(t.operation_id == operation_id)
-    return [Delivery.from_row(row) for row in executor.execute(query).mappings()]

@@ -11,7 +11,7 @@ from uuid import UUID
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import api, statements, transitions
+from outbox import api, sql, transitions
 from outbox.models import Event, Executor, Operation
 from outbox.states import Actor, State
 
@@ -143,7 +143,7 @@ def reload(engine: Engine, operation_id: UUID) -> Operation:
 def events_of(engine: Engine, operation_id: UUID) -> list[Event]:
     """One operation's committed audit trail, oldest first."""
     with engine.connect() as conn:
-        return statements.list_events(conn, operation_id)
+        return sql.intents.list_events(conn, operation_id)
 
 
 def operation_count(engine: Engine) -> int:

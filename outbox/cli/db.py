@@ -11,12 +11,13 @@ from typing import Annotated
 import typer
 from sqlalchemy import Engine
 
-from outbox import migrate, statements
+from outbox import migrate
 from outbox.cli.common import connected, require_schema, transaction
 from outbox.cli.output import console, fail
 from outbox.contracts import CONTRACTS
 from outbox.errors import ConfigError
-from outbox.statements import DedupWindows, PruneCount
+from outbox.sql import retention
+from outbox.sql.retention import DedupWindows, PruneCount
 
 app = typer.Typer(
     help="Manage the outbox schema (tables in the PostgreSQL schema `outbox`) and prune it.",
@@ -109,7 +110,7 @@ def prune_batches(
     """
     while True:
         with engine.begin() as conn:
-            deleted = statements.prune_terminal(
+            deleted = retention.prune_terminal(
                 conn, older_than_s=older_than_s, limit=batch_size, windows=windows
             )
         yield deleted
@@ -209,7 +210,7 @@ def prune(
     windows = dedup_windows()
     ago = f"resolved more than {older_than.strip()} ago"
     with transaction() as session:
-        count = statements.count_prunable(session, older_than_s=older_than_s, windows=windows)
+        count = retention.count_prunable(session, older_than_s=older_than_s, windows=windows)
     if dry_run:
         console.print(
             f"dry run: would prune {_operations(count.prunable)} {ago}, {_PRUNED}; deleted nothing"
@@ -252,7 +253,7 @@ def _forget(engine: Engine, *, older_than_s: float, batch_size: int) -> int:
     total = 0
     while True:
         with engine.begin() as conn:
-            gone = statements.forget_pruned_intents(
+            gone = retention.forget_pruned_intents(
                 conn, older_than_s=older_than_s, limit=batch_size
             )
         total += gone

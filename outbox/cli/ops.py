@@ -8,9 +8,8 @@ from uuid import UUID
 
 import typer
 from rich.table import Table
-from sqlalchemy import func, select
 
-from outbox import api, statements
+from outbox import api, sql
 from outbox.cli.common import transaction
 from outbox.cli.output import age, console, print_json
 from outbox.errors import ConfigError, OperationNotFound
@@ -37,8 +36,8 @@ def list_operations(
     """
     queue = state in RESOLVABLE_STATES
     with transaction() as session:
-        found = statements.list_operations(session, state=state, tool=tool, limit=limit)
-        now = session.execute(select(func.clock_timestamp())).scalar_one()
+        found = sql.intents.list_operations(session, state=state, tool=tool, limit=limit)
+        now = sql.deployment.clock(session)
         reasons = waiting_reasons(session, [op.id for op in found]) if queue else {}
     if as_json:
         extra = [{"reason": reasons.get(op.id)} if queue else {} for op in found]
@@ -63,7 +62,7 @@ def show(
         op = api.get(session, operation_id)
         if op is None:
             raise OperationNotFound(f"no operation {operation_id}")
-        history = statements.list_events(session, op.id)
+        history = sql.intents.list_events(session, op.id)
     if as_json:
         print_json(op.to_dict() | {"events": [event.to_dict() for event in history]})
         return

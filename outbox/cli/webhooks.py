@@ -7,13 +7,12 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
-from sqlalchemy import func, select
 
-from outbox import webhooks
+from outbox import sql, webhooks
 from outbox.cli.common import transaction
 from outbox.cli.output import age, console, print_json
 from outbox.config import get_settings
-from outbox.webhooks import Delivery, DeliveryStatus
+from outbox.models import Delivery, DeliveryStatus
 
 app = typer.Typer(help="Escalation webhooks and their deliveries.", no_args_is_help=True)
 
@@ -33,8 +32,8 @@ def list_deliveries(
     # nothing arrives.
     endpoint = webhooks.check_settings(settings)
     with transaction() as session:
-        found = webhooks.list_deliveries(session, status=status, limit=limit)
-        now = session.execute(select(func.clock_timestamp())).scalar_one()
+        found = sql.webhooks.list_deliveries(session, status=status, limit=limit)
+        now = sql.deployment.clock(session)
     if as_json:
         print_json([delivery.to_dict() for delivery in found])
         return

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from outbox.contracts import ToolContract
-from outbox.statements import ReconcileFacts
+from outbox.sql.reconcile import ReconcileFacts
 
 
 class Action(StrEnum):

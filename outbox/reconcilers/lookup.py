@@ -23,12 +23,12 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, statements, transitions
+from outbox import faults, sql, transitions
 from outbox.backoff import exponential_s, jittered
 from outbox.contracts import ToolContract
 from outbox.reconcilers.decide import Action, decide, usable_window_s
 from outbox.reconcilers.route import apply_decision_and_commit, escalate_unroutable_and_commit
-from outbox.statements import ReconcileFacts
+from outbox.sql.reconcile import ReconcileFacts
 from outbox.states import Actor, State
 from outbox.tools import REGISTRY, Tool, ToolCall, ToolRegistry, run_lookup
 from outbox.tools.results import Applied, FailedRemotely, LookupResult, NotApplied
@@ -91,7 +91,7 @@ def facts_for(conn: Connection, op_id: UUID, contract: ToolContract) -> Reconcil
     that ends with the read (``conn`` must have none open): the moves made on them next are
     each committed on their own. Writes nothing and never commits the caller's work."""
     with conn.begin():
-        return statements.reconcile_facts(
+        return sql.reconcile.reconcile_facts(
             conn,
             op_id,
             horizon_s=contract.inflight_horizon_s,
@@ -109,7 +109,7 @@ def _unknown_operation(conn: Connection, op_id: UUID) -> LookupReport:
         extra={"action": "lookup_unknown_operation", "operation_id": str(op_id)},
     )
     with conn.begin():
-        statements.notify_unknown_operation(conn, "lookup")
+        sql.notify.notify_unknown_operation(conn, "lookup")
     return LookupReport(op_id, LookupOutcome.GONE)
 
 
@@ -117,7 +117,7 @@ def _inspect(
     conn: Connection, op_id: UUID, registry: ToolRegistry, config: LookupConfig
 ) -> LookupReport:
     with conn.begin():
-        current = statements.get_operation(conn, op_id)
+        current = sql.intents.get_operation(conn, op_id)
     if current is None:
         return _unknown_operation(conn, op_id)
     tool = registry.get(current.tool)
@@ -217,7 +217,7 @@ def _not_applied(
     op = facts.operation
     if not facts.horizon_passed:
         with conn.begin():
-            statements.schedule_check(
+            sql.reconcile.schedule_check(
                 conn,
                 op.id,
                 attempt=op.attempts,
@@ -263,7 +263,7 @@ def _inconclusive(
     checks = op.checks + 1
     backoff = exponential_s(checks, base_s=config.base_backoff_s, max_s=config.max_backoff_s)
     with conn.begin():
-        statements.schedule_check(
+        sql.reconcile.schedule_check(
             conn,
             op.id,
             attempt=op.attempts,

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 from sqlalchemy import Engine
 
-from outbox import statements
+from outbox import sql
 from outbox.locks import SWEEP_LOCK_KEY
 from outbox.reconcilers.sweep import RequestLookup, SweepConfig, Sweeper, SweepResult
 from outbox.workers.locking import release
@@ -37,7 +37,7 @@ def sweep_lock(engine: Engine) -> Iterator[bool]:
     """
     with engine.connect() as conn:
         try:
-            taken = statements.try_lock(conn, SWEEP_LOCK_KEY)
+            taken = sql.locks.try_lock(conn, SWEEP_LOCK_KEY)
             conn.commit()
             yield taken
         finally:

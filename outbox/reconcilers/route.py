@@ -7,9 +7,9 @@ from uuid import UUID
 
 from sqlalchemy import Connection
 
-from outbox import statements, transitions
+from outbox import sql, transitions
 from outbox.reconcilers.decide import Action, Decision
-from outbox.statements import ReconcileFacts
+from outbox.sql.reconcile import ReconcileFacts
 from outbox.states import Actor, State
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def apply_decision_and_commit(conn: Connection, facts: ReconcileFacts, decision:
     op = facts.operation
     if decision.action is Action.WAIT:
         with conn.begin():
-            return statements.schedule_check(
+            return sql.reconcile.schedule_check(
                 conn,
                 op.id,
                 attempt=op.attempts,
@@ -69,7 +69,7 @@ def escalate_unroutable_and_commit(conn: Connection, operation_id: UUID, tool: s
     committed. Re-reads the row under the caller's lock; whether it moved.
     """
     with conn.begin():
-        current = statements.get_operation(conn, operation_id)
+        current = sql.intents.get_operation(conn, operation_id)
     if current is None or current.state is not State.UNKNOWN:
         return False
     escalation = transitions.escalate(

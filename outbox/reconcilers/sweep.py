@@ -13,7 +13,7 @@
 
 Two sweeps at once (two beats) are harmless: every move is made under the operation's lock
 and fenced, and before probing a `sent` row's lock a sweep takes its *sweep claim* on the row
-(:func:`outbox.statements.try_sweep_claim`, a lock no dispatcher takes): a row another sweep
+(:func:`outbox.sql.locks.try_sweep_claim`, a lock no dispatcher takes): a row another sweep
 is probing is "busy, next time", so a sweep never mistakes the other's probe for a live
 dispatcher.
 
@@ -32,7 +32,7 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, statements, storable, transitions
+from outbox import faults, sql, storable, transitions
 from outbox.config import Settings, get_settings
 from outbox.locks import operation_lock_key
 from outbox.reconcilers.decide import Action, decide
@@ -122,21 +122,24 @@ class Sweeper:
         with self.engine.connect() as probe:
             try:
                 with probe.begin():
-                    stale = statements.stale_sent(
+                    stale = sql.reconcile.stale_sent(
                         probe,
                         sent_timeout_s=self.config.sent_timeout_s,
                         sent_max_age_s=self.config.sent_max_age_s,
                         limit=self.config.batch_size,
                     )
-                for op_id, attempt, too_old in stale:
+                for row in stale:
+                    op_id = row.id
                     try:
-                        self._sweep_one(probe, op_id, attempt, too_old=too_old, result=result)
+                        self._sweep_one(
+                            probe, op_id, row.attempt, too_old=row.too_old, result=result
+                        )
                     except Exception as exc:  # noqa: BLE001 -- one row must not stop the run
                         _raise_if_connection_lost(exc)
                         # Whatever the row's handling left behind: no transaction, no lock.
                         probe.rollback()
                         with probe.begin():
-                            statements.unlock_all(probe)
+                            sql.locks.unlock_all(probe)
                         self._row_failed(op_id, State.SENT, exc, result)
             finally:
                 release(probe)
@@ -146,7 +149,7 @@ class Sweeper:
     ) -> None:
         key = operation_lock_key(op_id)
         with probe.begin():
-            claimed = statements.try_sweep_claim(probe, key)
+            claimed = sql.locks.try_sweep_claim(probe, key)
         if not claimed:
             result.busy += 1  # another sweep is probing this row: its lock says nothing of ours
             return
@@ -155,7 +158,7 @@ class Sweeper:
         finally:
             if not probe.invalidated:  # a lost connection took its locks with it
                 with probe.begin():
-                    statements.release_sweep_claim(probe, key)
+                    sql.locks.release_sweep_claim(probe, key)
 
     def _probe_sent(
         self,
@@ -168,7 +171,7 @@ class Sweeper:
         result: SweepResult,
     ) -> None:
         with probe.begin():
-            locked = statements.try_lock(probe, key)
+            locked = sql.locks.try_lock(probe, key)
         if locked:
             try:
                 reason = (
@@ -182,13 +185,13 @@ class Sweeper:
             finally:
                 if not probe.invalidated:
                     with probe.begin():
-                        statements.unlock(probe, key)
+                        sql.locks.unlock(probe, key)
             return
         if not too_old:
             result.slow += 1
             return
         with probe.begin():
-            holder = statements.lock_holder_pid(probe, key)
+            holder = sql.locks.lock_holder_pid(probe, key)
         if holder is None:
             result.slow += 1  # released since we probed: it moved on, or it is lost; next time
             return
@@ -221,13 +224,13 @@ class Sweeper:
 
     def _route_unknown(self, result: SweepResult) -> None:
         with self.engine.connect() as conn:
-            due = statements.due_unknown(conn, limit=self.config.batch_size)
-        for op_id, tool_name in due:
+            due = sql.reconcile.due_unknown(conn, limit=self.config.batch_size)
+        for check in due:
             try:
-                self._route_one(op_id, tool_name, result)
+                self._route_one(check.id, check.tool, result)
             except Exception as exc:  # noqa: BLE001 -- one row must not stop the run
                 _raise_if_connection_lost(exc)
-                self._row_failed(op_id, State.UNKNOWN, exc, result)
+                self._row_failed(check.id, State.UNKNOWN, exc, result)
 
     def _row_failed(self, op_id: UUID, state: State, exc: Exception, result: SweepResult) -> None:
         """Log the error, count it on the row (an event), and past ``max_row_failures`` hand
@@ -243,7 +246,7 @@ class Sweeper:
         )
         try:
             with self.engine.begin() as conn:
-                current = statements.get_operation(conn, op_id)
+                current = sql.intents.get_operation(conn, op_id)
                 if current is None or current.state is not state:
                     return  # it moved on meanwhile: whatever failed is not its problem now
                 transitions.note(
@@ -253,9 +256,9 @@ class Sweeper:
                     attempt=current.attempts,
                     actor=Actor.SWEEP,
                     reason=f"the sweep could not handle this operation: {error}",
-                    detail={statements.SWEEP_FAILURE_KEY: error},
+                    detail={sql.reconcile.SWEEP_FAILURE_KEY: error},
                 )
-                failures = statements.sweep_failures(
+                failures = sql.reconcile.sweep_failures(
                     conn, op_id, state=state, attempt=current.attempts
                 )
             if failures >= self.config.max_row_failures:
@@ -329,7 +332,7 @@ class Sweeper:
             decision = decide(facts, tool.contract, lookups_exhausted=False)
             if decision.action is Action.LOOKUP:
                 with conn.begin():
-                    leased = statements.schedule_check(
+                    leased = sql.reconcile.schedule_check(
                         conn,
                         op_id,
                         attempt=facts.operation.attempts,

@@ -32,10 +32,12 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 from standardwebhooks import Webhook
 
-from outbox import faults, webhooks
+from outbox import faults, sql, webhooks
 from outbox.backoff import Backoff, exponential_s, jittered
 from outbox.config import Settings, get_settings
-from outbox.webhooks import Claimed, DeliveryStatus, Endpoint
+from outbox.models import DeliveryStatus
+from outbox.sql.webhooks import AttemptOutcome, Claimed
+from outbox.webhooks import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +156,7 @@ class WebhookDeliverer:
         if self.endpoint is None:
             return NOTHING
         with self.engine.begin() as conn:
-            claimed = webhooks.claim_due(
+            claimed = sql.webhooks.claim_due(
                 conn, limit=self.config.batch_size, lease_s=self.config.lease_s, only=only
             )
         # The claim's own instant on the database clock (its lease ends lease_s after it),
@@ -179,10 +181,12 @@ class WebhookDeliverer:
         retry_in = backoff_s(row.attempts + 1, self.config)
         with self.engine.begin() as conn:
             if error is None and status is not None:
-                attempts = webhooks.record_delivered(conn, row, status=status)
-                outcome = None if attempts is None else (DeliveryStatus.DELIVERED, attempts)
+                attempts = sql.webhooks.record_delivered(conn, row, status=status)
+                outcome = (
+                    None if attempts is None else AttemptOutcome(DeliveryStatus.DELIVERED, attempts)
+                )
             else:
-                outcome = webhooks.record_failed(
+                outcome = sql.webhooks.record_failed(
                     conn,
                     row,
                     status=status,
@@ -191,7 +195,7 @@ class WebhookDeliverer:
                     give_up_after_s=self.config.give_up_after_s,
                 )
         _log_outcome(endpoint, row, outcome, http_status=status, error=error, retry_in=retry_in)
-        return outcome[0] if outcome is not None else None
+        return outcome.status if outcome is not None else None
 
     def _post(
         self, endpoint: Endpoint, row: Claimed, now: datetime
@@ -270,7 +274,7 @@ class WebhookDeliverer:
 def _log_outcome(
     endpoint: Endpoint,
     row: Claimed,
-    outcome: tuple[DeliveryStatus, int] | None,
+    outcome: AttemptOutcome | None,
     *,
     http_status: int | None,
     error: str | None,
@@ -292,7 +296,7 @@ def _log_outcome(
             extra={"action": "webhook_lease_lost", **fields},
         )
         return
-    status, attempts = outcome
+    status, attempts = outcome.status, outcome.attempts
     fields["attempts"] = attempts
     if status is DeliveryStatus.DELIVERED:
         log.info("webhook %s delivered", row.id, extra={"action": "webhook_delivered", **fields})

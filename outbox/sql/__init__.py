@@ -1,1 +1,68 @@
-"""Every SQL statement of the outbox core, grouped by the component that runs it."""
+"""Every SQL statement of the outbox, in one style, split by the component that runs it.
+
+The one style:
+
+* **A statement is a module-level constant**: a ``text()`` whose values are bound parameters
+  (``:name``), or a SQLAlchemy Core construct over the tables of :mod:`outbox.schema`. A Core
+  query whose shape depends on the arguments (an optional filter) is built inside its
+  function, from the same tables, its values bound too.
+* **The measured hot path is a** :class:`~outbox.driver.DriverStatement` **constant**: the
+  statements an enqueue or an attempt runs (``intents.insert_intent``, ``relay.claim_due``,
+  ``relay.mark_published``, ``locks.try_lock_and_read``, and the move statements) are compiled
+  once and run on psycopg directly, in the caller's transaction (why: :mod:`outbox.driver`).
+  That is the only other mechanism.
+* **One function per statement** runs it in the caller's transaction (or autocommit
+  connection) and never begins, commits or rolls back; it returns a named type (an
+  :mod:`outbox.models` row, a frozen dataclass defined beside the statement), a scalar, or
+  nothing. Never an anonymous tuple.
+* **No SQL is built from strings**: no f-string, no ``%``, ``format`` or ``+`` concatenation
+  of SQL (adjacent string literals are one literal). A value always travels as a bound
+  parameter. What PostgreSQL cannot bind (a ``LISTEN`` channel, the terminal states a
+  partial-index predicate names) is written out in the text, and tests check it against the
+  Python constant it spells (tests/unit/test_sql_in_one_place.py, which also fails on SQL
+  text anywhere in ``outbox/`` outside this package and the migrations).
+
+Times come from the database: statements use ``statement_timestamp()`` (the start of *this*
+statement, not of the transaction like ``now()``) where one instant must be written to
+several columns, and ``clock_timestamp()`` where a wait inside the statement must count.
+
+The modules, by consumer: :mod:`~outbox.sql.intents` (the agent: insert and read
+operations, pruned intents, waiters), :mod:`~outbox.sql.notify` (LISTEN/NOTIFY),
+:mod:`~outbox.sql.relay`, :mod:`~outbox.sql.locks` (advisory and row locks, the dispatcher's
+read, ``synchronous_commit``), :mod:`~outbox.sql.reconcile` (the sweep and lookups),
+:mod:`~outbox.sql.resolve` (operator verdicts), :mod:`~outbox.sql.webhooks` (delivery rows),
+:mod:`~outbox.sql.metrics`, :mod:`~outbox.sql.retention` (prune, forget),
+:mod:`~outbox.sql.deployment` (the database's identity, its standbys),
+:mod:`~outbox.sql.broker` (the database broker's tables) and :mod:`~outbox.sql.moves` (the
+state moves' statements, run only by :mod:`outbox.transitions`).
+"""
+
+from outbox.sql import (
+    broker,
+    deployment,
+    intents,
+    locks,
+    metrics,
+    moves,
+    notify,
+    reconcile,
+    relay,
+    resolve,
+    retention,
+    webhooks,
+)
+
+__all__ = [
+    "broker",
+    "deployment",
+    "intents",
+    "locks",
+    "metrics",
+    "moves",
+    "notify",
+    "reconcile",
+    "relay",
+    "resolve",
+    "retention",
+    "webhooks",
+]

@@ -43,13 +43,9 @@ from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 from outbox.driver import DriverStatement
 from outbox.models import Executor, Operation
 from outbox.schema import events, operations, waiters
+from outbox.sql.columns import OPERATION_COLUMNS
+from outbox.sql.notify import SETTLED_CHANNEL
 from outbox.states import SETTLED_STATES, TERMINAL_STATES, Actor, State
-
-#: NOTIFY channel announcing that an operation settled; its payload is the operation id.
-SETTLED_CHANNEL = "outbox_settled"
-
-#: The operation row's columns in declaration order: what the move statement returns.
-_OPERATION_COLUMNS = tuple(column.name for column in operations.c)
 
 
 @dataclass(frozen=True)
@@ -184,7 +180,7 @@ def _move_statement(shape: MoveShape) -> DriverStatement:
         ),
     )
     columns: list[Any] = [moved]
-    names = list(_OPERATION_COLUMNS)
+    names = list(OPERATION_COLUMNS)
     if shape.to_state in SETTLED_STATES:
         # Only while someone waits for this operation (outbox.waiters): a NOTIFY holds a
         # cluster-wide lock from before the commit until it is flushed, so one on every

@@ -38,7 +38,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from outbox import api, migrate, statements
+from outbox import api, migrate, sql
 from outbox.db import create_engine
 from outbox.errors import DatabaseUnavailable
 from outbox.locks import operation_lock_key
@@ -434,7 +434,7 @@ class _Run:
             while time.monotonic() < deadline:
                 for key in service.in_flight():
                     with suppress(ValueError), engine.begin() as conn:
-                        pid = statements.lock_holder_pid(conn, operation_lock_key(uuid.UUID(key)))
+                        pid = sql.locks.lock_holder_pid(conn, operation_lock_key(uuid.UUID(key)))
                         if pid is None:
                             continue
                         conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})

@@ -20,10 +20,11 @@ from typing import Any
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport.sqlalchemy import Channel as SQLAlchemyChannel
 from kombu.transport.sqlalchemy import Transport as SQLAlchemyTransport
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
 
+from outbox import sql
 from outbox.locks import advisory_key
 
 # kombu's models use lazy="noload", which SQLAlchemy 2.1 deprecates; nothing we can act on.
@@ -50,11 +51,11 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
         lock = create_engine(url, poolclass=NullPool, hide_parameters=True)
         try:
             with lock.connect() as conn:
-                conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": TABLES_LOCK_KEY})
+                sql.locks.lock(conn, TABLES_LOCK_KEY)
                 try:
                     return super()._open()
                 finally:
-                    conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": TABLES_LOCK_KEY})
+                    sql.locks.unlock(conn, TABLES_LOCK_KEY)
         finally:
             lock.dispose()
 

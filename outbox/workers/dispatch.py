@@ -39,12 +39,13 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, statements, transitions
+from outbox import faults, sql, transitions
 from outbox.backoff import exponential_s, jittered
 from outbox.canonical import canonical_json, intent_hash, payload_hash
 from outbox.contracts import ToolContract
 from outbox.errors import ReplayDeadlinePassed
 from outbox.models import Operation
+from outbox.sql.locks import DispatchView
 from outbox.states import Actor, State
 from outbox.tools import REGISTRY, Tool, ToolCall, run_dispatch
 from outbox.tools.registry import ToolRegistry
@@ -57,7 +58,7 @@ from outbox.tools.results import (
     Rejected,
 )
 from outbox.transitions import Move, Moved
-from outbox.workers.locking import DispatchLocks, Found
+from outbox.workers.locking import DispatchLocks
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def _attempt(
     engine: Engine,
     conn: Connection,
     op_id: UUID,
-    found: Found | None,
+    found: DispatchView | None,
     *,
     registry: ToolRegistry,
     config: DispatchConfig,
@@ -152,7 +153,7 @@ def _attempt(
 ) -> DispatchReport:
     if found is None:
         return _unknown_operation(conn, op_id)
-    ready = _ready_to_send(conn, *found, registry)
+    ready = _ready_to_send(conn, found.operation, found.due, found.replay_expired, registry)
     if isinstance(ready, DispatchReport):
         return ready
     op, tool = ready
@@ -214,7 +215,7 @@ def _unknown_operation(conn: Connection, op_id: UUID) -> DispatchReport:
         op_id,
         extra={"action": "dispatch_unknown_operation", "operation_id": str(op_id)},
     )
-    statements.notify_unknown_operation(conn, "dispatch")
+    sql.notify.notify_unknown_operation(conn, "dispatch")
     return DispatchReport(op_id, Outcome.GONE)
 
 
@@ -288,7 +289,7 @@ def _commit_sent(
                 ),
             )
         except DBAPIError as exc:
-            if not statements.is_row_lock_busy(exc):
+            if not sql.locks.is_row_lock_busy(exc):
                 raise
             if not _row_freed(conn, op.id, wait_until - time.monotonic()):
                 reason = "its row stayed locked by another transaction"
@@ -315,10 +316,10 @@ def _row_freed(conn: Connection, op_id: UUID, timeout_s: float) -> bool:
     if timeout_s <= 0:
         return False
     try:
-        statements.wait_for_row_lock(conn, op_id, timeout_s=timeout_s)
+        sql.locks.wait_for_row_lock(conn, op_id, timeout_s=timeout_s)
     except DBAPIError as exc:
         conn.rollback()
-        if statements.is_row_lock_busy(exc):
+        if sql.locks.is_row_lock_busy(exc):
             return False
         raise
     conn.commit()

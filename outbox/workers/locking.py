@@ -17,13 +17,9 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, statements
+from outbox import faults, sql
 from outbox.locks import operation_lock_key
-from outbox.models import Operation
-
-#: What :meth:`DispatchLocks.lock` read with the lock: the operation, whether it is due, whether
-#: its replay deadline has passed (``statements.try_lock_and_read``).
-Found = tuple[Operation, bool, bool]
+from outbox.sql.locks import DispatchView
 
 #: Takes the lock on a fresh connection: (taken, the session's ``synchronous_commit`` if read).
 _Take = Callable[[Connection], tuple[bool, str | None]]
@@ -46,8 +42,9 @@ def operation_lock(
 
     def take(conn: Connection) -> tuple[bool, str | None]:
         if autocommit:
-            return statements.try_lock_durable(conn, key)
-        return statements.try_lock(conn, key), None
+            durable = sql.locks.try_lock_durable(conn, key)
+            return durable.taken, durable.synchronous_commit
+        return sql.locks.try_lock(conn, key), None
 
     conn, taken = _locked_connection(engine, take, autocommit=autocommit)
     try:
@@ -76,25 +73,23 @@ class DispatchLocks:
         self.close()
 
     @contextmanager
-    def lock(self, operation_id: UUID) -> Iterator[tuple[Connection, Found | None] | None]:
+    def lock(self, operation_id: UUID) -> Iterator[tuple[Connection, DispatchView | None] | None]:
         """``(connection, found)`` holding ``operation_id``'s lock, ``found`` being ``None``
         if the operation does not exist; ``None`` if another holder has the lock.
 
-        The row is read after the lock was granted (``statements.try_lock_and_read``), so it
+        The row is read after the lock was granted (``sql.locks.try_lock_and_read``), so it
         shows every move the lock's previous holder committed. A block that raises, or leaves
         the connection broken or inside a transaction, gets its lock released and its
         connection returned at once; the next lock takes a fresh one.
         """
         key = operation_lock_key(operation_id)
-        read: list[Found | None] = []
+        read: list[DispatchView | None] = []
         unlock_first = self._conn is not None
 
         def take(conn: Connection) -> tuple[bool, str | None]:
-            taken, synchronous_commit, found = statements.try_lock_and_read(
-                conn, key, operation_id, unlock_first=unlock_first
-            )
-            read[:] = [found]
-            return taken, synchronous_commit
+            locked = sql.locks.try_lock_and_read(conn, key, operation_id, unlock_first=unlock_first)
+            read[:] = [locked.found]
+            return locked.taken, locked.synchronous_commit
 
         conn, taken = self._next_connection(take)
         kept = False
@@ -164,7 +159,7 @@ def _take_durably(conn: Connection, take: _Take) -> bool:
     if taken:
         faults.point("lock_granted")
     if taken and synchronous_commit not in (None, "on"):
-        statements.set_synchronous_commit(conn)
+        sql.locks.set_synchronous_commit(conn)
     conn.commit()
     return taken
 
@@ -173,7 +168,7 @@ def release(conn: Connection) -> None:
     """Leave no lock behind on a pooled connection: unlock, or throw the connection away."""
     try:
         conn.rollback()
-        statements.unlock_all(conn)
+        sql.locks.unlock_all(conn)
         conn.commit()
     except Exception:  # noqa: BLE001 -- whatever broke, the connection must not keep the lock
         conn.invalidate()

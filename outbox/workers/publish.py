@@ -27,11 +27,12 @@ from uuid import UUID
 from celery import Celery
 from kombu import Connection
 from kombu.messaging import Producer
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
+from outbox import sql
 from outbox.errors import BrokerUnavailable
 from outbox.relay import OutboundMessage
-from outbox.workers.app import BROKER_MESSAGE_TABLE, DISPATCH_TASK, uses_database_broker
+from outbox.workers.app import DISPATCH_TASK, uses_database_broker
 
 log = logging.getLogger(__name__)
 
@@ -230,5 +231,4 @@ def prune_consumed_messages(engine: Engine) -> int:
     delivers it again, so deleting invisible rows loses nothing.
     """
     with engine.begin() as conn:
-        result = conn.execute(text(f"DELETE FROM {BROKER_MESSAGE_TABLE} WHERE visible = false"))  # noqa: S608
-    return int(result.rowcount)
+        return sql.broker.prune_consumed_messages(conn)

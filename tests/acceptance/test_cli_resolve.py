@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from outbox import statements
+from outbox import sql
 from outbox.locks import operation_lock_key
 from outbox.models import Operation
 from outbox.states import Actor, State
@@ -193,12 +193,12 @@ def test_a_busy_operation_is_one_line(outbox_cli: CLI, engine: Engine) -> None:
     """While another component holds the operation's lock the command exits 1: try again."""
     op = waiting(engine)
     with engine.connect() as holder:
-        assert statements.try_lock(holder, operation_lock_key(op.id))
+        assert sql.locks.try_lock(holder, operation_lock_key(op.id))
         holder.commit()
         try:
             busy = outbox_cli(*resolve_args(op, "--applied", "--remote-ref", "r"))
         finally:
-            statements.unlock_all(holder)
+            sql.locks.unlock_all(holder)
             holder.commit()
     assert_one_line_error(busy, "is working on operation", "try again")
     assert reload(engine, op.id) == op

@@ -48,7 +48,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import api, statements
+from outbox import api, sql
 from outbox.locks import operation_lock_key
 from outbox.models import Event, Operation
 from outbox.states import State
@@ -204,7 +204,7 @@ def _cut_lock_connection(engine: Engine, op_id: str) -> None:
     """Terminate the backend holding the operation's lock (it must be the zombie's)."""
     key = operation_lock_key(op_id)
     with engine.connect() as conn:
-        pid = statements.lock_holder_pid(conn, key)
+        pid = sql.locks.lock_holder_pid(conn, key)
         assert pid is not None, "nobody holds the operation's lock: the dispatcher let go early"
         app_name = conn.execute(
             text("SELECT application_name FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
@@ -215,7 +215,7 @@ def _cut_lock_connection(engine: Engine, op_id: str) -> None:
 
     def lock_free() -> bool:
         with engine.connect() as conn:
-            return statements.lock_holder_pid(conn, key) is None
+            return sql.locks.lock_holder_pid(conn, key) is None
 
     wait_until(lock_free, timeout=10, interval=0.02, what="the zombie's lock to be freed")
 
@@ -225,14 +225,14 @@ def _cut_lock_connection(engine: Engine, op_id: str) -> None:
 
 def _operation(engine: Engine, op_id: str) -> Operation:
     with engine.connect() as conn:
-        op = statements.get_operation(conn, UUID(op_id))
+        op = sql.intents.get_operation(conn, UUID(op_id))
     assert op is not None
     return op
 
 
 def _events(engine: Engine, op_id: str) -> list[Event]:
     with engine.connect() as conn:
-        return statements.list_events(conn, UUID(op_id))
+        return sql.intents.list_events(conn, UUID(op_id))
 
 
 def _at(engine: Engine, op_id: str, state: State, attempts: int) -> bool:

@@ -15,7 +15,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import faults, statements
+from outbox import faults, sql
 from outbox.contracts import ContractTable
 from outbox.locks import operation_lock_key
 from outbox.states import Actor, State
@@ -216,10 +216,10 @@ def test_a_held_lock_means_hands_off(
     """While another component holds the operation's lock, dispatch neither writes nor calls."""
     op = make_operation(engine)
     with engine.connect() as holder:
-        assert statements.try_lock(holder, operation_lock_key(op.id))
+        assert sql.locks.try_lock(holder, operation_lock_key(op.id))
         holder.commit()
         report = dispatch(op.id, engine=engine, registry=registry)
-        statements.unlock_all(holder)
+        sql.locks.unlock_all(holder)
         holder.commit()
     assert report.outcome is Outcome.LOCK_BUSY
     assert reload(engine, op.id).state is State.PLANNED
@@ -233,7 +233,7 @@ def test_the_lock_is_released_after_an_attempt(
     op = make_operation(engine)
     dispatch(op.id, engine=engine, registry=registry)
     with engine.connect() as probe:
-        assert statements.lock_holder_pid(probe, operation_lock_key(op.id)) is None
+        assert sql.locks.lock_holder_pid(probe, operation_lock_key(op.id)) is None
 
 
 def test_a_failing_sent_commit_is_never_followed_by_a_call(
@@ -406,7 +406,7 @@ def test_a_cut_connection_still_records_the_outcome(
 
     def cut_my_connection(call: ToolCall) -> DispatchResult:
         with engine.begin() as conn:
-            pid = statements.lock_holder_pid(conn, operation_lock_key(op.id))
+            pid = sql.locks.lock_holder_pid(conn, operation_lock_key(op.id))
             assert pid is not None
             conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
         return Applied("ref-after-cut")
@@ -696,28 +696,28 @@ def test_the_lock_and_read_reports_busy_gone_and_found(engine: Engine) -> None:
     op = make_operation(engine)
     key = operation_lock_key(op.id)
     with engine.connect() as holder, engine.connect() as conn:
-        assert statements.try_lock(holder, key)
-        taken, _, found = statements.try_lock_and_read(conn, key, op.id)
-        assert (taken, found) == (False, None)
-        statements.unlock_all(holder)
-        taken, synchronous_commit, found = statements.try_lock_and_read(conn, key, op.id)
-        assert taken
-        assert synchronous_commit in {"on", "off", "local", "remote_write", "remote_apply"}
-        assert found is not None
-        assert found[0] == reload(engine, op.id)
-        assert found[1:] == (True, False)  # due, replay deadline not passed
-        statements.unlock_all(conn)
+        assert sql.locks.try_lock(holder, key)
+        read = sql.locks.try_lock_and_read(conn, key, op.id)
+        assert (read.taken, read.found) == (False, None)
+        sql.locks.unlock_all(holder)
+        read = sql.locks.try_lock_and_read(conn, key, op.id)
+        assert read.taken
+        assert read.synchronous_commit in {"on", "off", "local", "remote_write", "remote_apply"}
+        assert read.found is not None
+        assert read.found.operation == reload(engine, op.id)
+        assert (read.found.due, read.found.replay_expired) == (True, False)
+        sql.locks.unlock_all(conn)
         missing = uuid.uuid4()
-        taken, _, found = statements.try_lock_and_read(conn, operation_lock_key(missing), missing)
-        assert (taken, found) == (True, None)
-        statements.unlock_all(conn)
+        read = sql.locks.try_lock_and_read(conn, operation_lock_key(missing), missing)
+        assert (read.taken, read.found) == (True, None)
+        sql.locks.unlock_all(conn)
 
 
 def _free(engine: Engine, operation_id: uuid.UUID) -> bool:
     """Whether another connection can take the operation's lock (and gives it back)."""
     with engine.connect() as probe:
-        taken = statements.try_lock(probe, operation_lock_key(operation_id))
-        statements.unlock_all(probe)
+        taken = sql.locks.try_lock(probe, operation_lock_key(operation_id))
+        sql.locks.unlock_all(probe)
         return taken
 
 
@@ -731,7 +731,7 @@ def test_a_message_s_locks_are_taken_in_turn_on_one_connection(engine: Engine) -
             assert locked is not None
             conn, found = locked
             assert found is not None
-            assert found[0].id == first.id
+            assert found.operation.id == first.id
             assert not _free(engine, first.id)
         assert not _free(engine, first.id)  # held until the next lock is taken
         pid = conn.connection.driver_connection.info.backend_pid  # type: ignore[union-attr]
@@ -741,11 +741,11 @@ def test_a_message_s_locks_are_taken_in_turn_on_one_connection(engine: Engine) -
             assert _free(engine, first.id)
             assert not _free(engine, second.id)
         with engine.connect() as holder:
-            assert statements.try_lock(holder, operation_lock_key(third.id))
+            assert sql.locks.try_lock(holder, operation_lock_key(third.id))
             with locks.lock(third.id) as locked:
                 assert locked is None  # busy, and the second's lock went with the attempt
                 assert _free(engine, second.id)
-            statements.unlock_all(holder)
+            sql.locks.unlock_all(holder)
 
         def broken_attempt() -> None:
             with locks.lock(fourth.id) as locked:
@@ -808,7 +808,7 @@ def _hold_row_like_a_relay(
             )
             held.set()
             time.sleep(hold_s)
-            statements.mark_published(conn, [operation_id])
+            sql.relay.mark_published(conn, [operation_id])
 
     holder = threading.Thread(target=claim)
     holder.start()

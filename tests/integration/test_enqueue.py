@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import api, statements
+from outbox import api, sql
 from outbox.config import get_settings
 from outbox.errors import (
     IntentConflict,
@@ -406,7 +406,7 @@ def test_wait_times_out_with_the_last_seen_operation(engine: Engine) -> None:
 def _notifications(engine: Engine, act: Callable[[], object]) -> list[str]:
     """Payloads on the settled channel while ``act()`` runs (and 0.3 s after)."""
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text(f"LISTEN {statements.SETTLED_CHANNEL}"))
+        conn.execute(text(f"LISTEN {sql.notify.SETTLED_CHANNEL}"))
         act()
         listener = conn.connection.driver_connection
         return [n.payload for n in listener.notifies(timeout=0.3)]  # type: ignore[union-attr]
@@ -417,7 +417,7 @@ def test_a_settled_move_notifies_only_while_someone_waits(engine: Engine) -> Non
     unwatched = make_operation(engine, State.SENT)
     watched = make_operation(engine, State.SENT)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as waiter:
-        statements.register_waiter(waiter, watched.id)
+        sql.intents.register_waiter(waiter, watched.id)
         payloads = _notifications(
             engine,
             lambda: [
@@ -426,7 +426,7 @@ def test_a_settled_move_notifies_only_while_someone_waits(engine: Engine) -> Non
             ],
         )
         assert payloads == [str(watched.id)]
-        statements.forget_waiter(waiter, watched.id)
+        sql.intents.forget_waiter(waiter, watched.id)
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM outbox.waiters")).scalar_one() == 0
 

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, statements
+from outbox import faults, sql
 from outbox.db import create_engine
 from outbox.locks import operation_lock_key
 from outbox.workers.locking import DispatchLocks, operation_lock
@@ -49,8 +49,8 @@ def _advisory_locks(engine: Engine) -> list[int]:
 def _free(engine: Engine, operation_id: uuid.UUID) -> bool:
     """Whether another connection can take the operation's lock (and gives it back)."""
     with engine.connect() as probe:
-        taken = statements.try_lock(probe, operation_lock_key(operation_id))
-        statements.unlock_all(probe)
+        taken = sql.locks.try_lock(probe, operation_lock_key(operation_id))
+        sql.locks.unlock_all(probe)
         return taken
 
 
@@ -85,7 +85,7 @@ def test_a_lock_step_failing_after_the_grant_leaves_no_lock_behind(
         with faults.armed("lock_granted", "raise"), pytest.raises(faults.InjectedFault):
             lock(one_connection, op.id)
     else:
-        monkeypatch.setattr(statements, "set_synchronous_commit", _failing_set)
+        monkeypatch.setattr(sql.locks, "set_synchronous_commit", _failing_set)
         with pytest.raises(DBAPIError, match="synchronous_commit"):
             lock(one_connection, op.id)
         monkeypatch.undo()
@@ -103,7 +103,7 @@ def test_the_pool_releases_a_session_lock_left_on_a_returned_connection(
     op = make_operation(engine)
     key = operation_lock_key(op.id)
     with one_connection.connect() as conn:
-        assert statements.try_lock(conn, key)
+        assert sql.locks.try_lock(conn, key)
         conn.commit()
         pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
     assert _advisory_locks(engine) == []

@@ -206,7 +206,7 @@ def test_only_backing_off_planned_rows_read_zero(
 
 def test_the_oldest_ages_are_index_probes(engine: Engine) -> None:
     """Each live state's minimum reads its partial index (docs/metrics.md's cost claim)."""
-    from outbox.metrics import _OLDEST  # noqa: PLC0415 -- the exporter's own statement
+    from outbox.sql.metrics import _OLDEST  # noqa: PLC0415 -- the exporter's own statement
 
     with engine.begin() as conn:
         conn.execute(text("SET LOCAL enable_seqscan = off"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy import Engine
 
-from outbox import statements
+from outbox import sql
 from outbox.locks import SWEEP_LOCK_KEY
 from outbox.reconcilers.periodic import sweep_once
 from outbox.reconcilers.sweep import SweepConfig
@@ -16,8 +16,8 @@ CONFIG = SweepConfig(sent_timeout_s=60.0)
 
 def _lock_is_free(engine: Engine) -> bool:
     with engine.connect() as conn:
-        taken = statements.try_lock(conn, SWEEP_LOCK_KEY)
-        statements.unlock_all(conn)
+        taken = sql.locks.try_lock(conn, SWEEP_LOCK_KEY)
+        sql.locks.unlock_all(conn)
         conn.commit()
     return taken
 
@@ -27,10 +27,10 @@ def test_a_sweep_while_another_runs_returns_at_once_and_touches_nothing(engine: 
     lost = make_operation(engine, State.SENT)
     age(engine, lost.id, 120, "sent_at", "first_sent_at")
     with engine.connect() as other_sweep:
-        assert statements.try_lock(other_sweep, SWEEP_LOCK_KEY)
+        assert sql.locks.try_lock(other_sweep, SWEEP_LOCK_KEY)
         other_sweep.commit()
         assert sweep_once(engine, CONFIG) is None
-        statements.unlock_all(other_sweep)
+        sql.locks.unlock_all(other_sweep)
         other_sweep.commit()
     assert reload(engine, lost.id).state is State.SENT
 

@@ -10,10 +10,10 @@ import pytest
 from alembic import command
 from sqlalchemy import Engine, text
 
-from outbox import migrate, statements
+from outbox import migrate, sql
 from outbox.cli.db import parse_duration, prune_batches
 from outbox.db import create_engine
-from outbox.statements import DedupWindows
+from outbox.sql.retention import DedupWindows
 from outbox.states import LIVE_STATES, TERMINAL_STATES, State
 from tests.conftest import Databases
 from tests.factories import age, make_operation
@@ -92,7 +92,9 @@ def _prune_all(engine: Engine, older_than_s: float, batch_size: int = 1000) -> l
 
 def _prunable(engine: Engine, older_than_s: float) -> int:
     with engine.connect() as conn:
-        return statements.count_prunable(conn, older_than_s=older_than_s, windows=WINDOWS).prunable
+        return sql.retention.count_prunable(
+            conn, older_than_s=older_than_s, windows=WINDOWS
+        ).prunable
 
 
 def test_prune_removes_exactly_the_old_finished_operations(engine: Engine) -> None:
@@ -160,7 +162,7 @@ def test_batches_delete_the_oldest_first_each_in_its_own_transaction(engine: Eng
     ids = [_finished(engine, TERMINAL[n % 3], (31 + n) * DAY) for n in range(7)]
     oldest_first = ids[::-1]
     with engine.begin() as conn:
-        assert statements.prune_terminal(conn, older_than_s=MONTH, limit=3, windows=WINDOWS) == 3
+        assert sql.retention.prune_terminal(conn, older_than_s=MONTH, limit=3, windows=WINDOWS) == 3
     assert set(_counts(engine)) == set(oldest_first[3:])
 
     # The remaining four: a full batch of 3, then a short batch of 1 ends the run.
@@ -207,7 +209,8 @@ def test_a_row_locked_elsewhere_is_skipped_not_waited_for(engine: Engine) -> Non
         with engine.begin() as conn:
             conn.execute(text("SET LOCAL lock_timeout = '2s'"))
             assert (
-                statements.prune_terminal(conn, older_than_s=MONTH, limit=10, windows=WINDOWS) == 1
+                sql.retention.prune_terminal(conn, older_than_s=MONTH, limit=10, windows=WINDOWS)
+                == 1
             )
         holder.rollback()
     assert set(_counts(engine)) == {locked}
@@ -243,7 +246,7 @@ def test_the_batch_reads_the_resolved_at_index(engine: Engine) -> None:
         conn.execute(text("ANALYZE outbox.webhook_deliveries"))
         conn.commit()
         params = {"older_than": MONTH, "limit": 1000, **WINDOWS.params()}
-        from outbox.statements import (  # noqa: PLC0415 -- the statements' own SQL
+        from outbox.sql.retention import (  # noqa: PLC0415 -- the statements' own SQL
             _COUNT_PRUNABLE,
             _PRUNE_BATCH,
         )
@@ -257,7 +260,8 @@ def test_the_batch_reads_the_resolved_at_index(engine: Engine) -> None:
         conn.rollback()
     with engine.begin() as conn:
         assert (
-            statements.prune_terminal(conn, older_than_s=MONTH, limit=1000, windows=WINDOWS) == 171
+            sql.retention.prune_terminal(conn, older_than_s=MONTH, limit=1000, windows=WINDOWS)
+            == 171
         )  # days 30 to 200
 
 

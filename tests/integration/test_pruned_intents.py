@@ -9,11 +9,11 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import api, statements
+from outbox import api, sql
 from outbox.api import Intent
 from outbox.cli.db import prune_batches
 from outbox.errors import IntentAlreadyDone, IntentConflict
-from outbox.statements import DedupWindows
+from outbox.sql.retention import DedupWindows
 from outbox.states import State
 from tests.factories import age, make_operation
 
@@ -103,7 +103,7 @@ def test_the_pruned_intent_keeps_what_identifies_it(engine: Engine) -> None:
     age(engine, op.id, 40 * DAY, "resolved_at")
     assert _prune(engine) == 1
     with engine.connect() as conn:
-        [kept] = statements.find_pruned_intents(conn, ["k-1"])
+        [kept] = sql.intents.find_pruned_intents(conn, ["k-1"])
     assert (kept.operation_id, kept.tool, kept.target, kept.payload_hash) == (
         op.id,
         TOOL,
@@ -122,7 +122,7 @@ def test_an_operation_inside_its_dedup_window_is_not_pruned(engine: Engine) -> N
     age(engine, op.id, 40 * DAY, "resolved_at", "updated_at", "created_at")
     age(engine, op.id, 40 * DAY, "first_sent_at", "sent_at")
     with engine.connect() as conn:
-        count = statements.count_prunable(conn, older_than_s=MONTH, windows=windows)
+        count = sql.retention.count_prunable(conn, older_than_s=MONTH, windows=windows)
     assert (count.prunable, count.in_window) == (0, 1)
     assert _prune(engine, windows) == 0
     age(engine, op.id, 21 * DAY, "first_sent_at", "sent_at", "resolved_at", "created_at")
@@ -134,7 +134,7 @@ def test_an_operation_of_an_unregistered_tool_is_kept(engine: Engine) -> None:
     op = make_operation(engine, State.CANCELLED, tool="legacy.tool")
     age(engine, op.id, 40 * DAY, "resolved_at")
     with engine.connect() as conn:
-        count = statements.count_prunable(conn, older_than_s=MONTH, windows=NO_WINDOW)
+        count = sql.retention.count_prunable(conn, older_than_s=MONTH, windows=NO_WINDOW)
     assert (count.prunable, count.unknown_tool) == (0, 1)
     assert _prune(engine) == 0
     assert _prune(engine, DedupWindows({TOOL: None, "legacy.tool": None})) == 1
@@ -144,8 +144,8 @@ def test_forgotten_intents_can_be_enqueued_anew(engine: Engine) -> None:
     """forget_pruned_intents removes old pruned intents only; their keys are free again."""
     _pruned(engine)
     with engine.begin() as conn:
-        assert statements.forget_pruned_intents(conn, older_than_s=50 * DAY, limit=10) == 0
-        assert statements.forget_pruned_intents(conn, older_than_s=MONTH, limit=10) == 1
+        assert sql.retention.forget_pruned_intents(conn, older_than_s=50 * DAY, limit=10) == 0
+        assert sql.retention.forget_pruned_intents(conn, older_than_s=MONTH, limit=10) == 1
     with Session(engine) as session, session.begin():
         again = api.enqueue(
             session, tool=TOOL, target="project-a", payload=PAYLOAD, intent_key="conv-1/step-3"

@@ -13,7 +13,7 @@ from uuid import UUID
 import pytest
 from sqlalchemy import Engine, event
 
-from outbox import statements
+from outbox import sql
 from outbox.contracts import ContractTable
 from outbox.db import create_engine
 from outbox.locks import operation_lock_key
@@ -295,7 +295,7 @@ def test_a_slow_live_dispatcher_is_left_alone_until_the_max_age(
     op = make_operation(engine, State.SENT)
     age(engine, op.id, 10, "sent_at", "first_sent_at")
     with engine.connect() as holder:
-        assert statements.try_lock(holder, operation_lock_key(op.id))
+        assert sql.locks.try_lock(holder, operation_lock_key(op.id))
         holder.commit()
         result = _sweeper(engine, registry).run_once()
         assert (result.lost, result.slow) == (0, 1)
@@ -303,7 +303,7 @@ def test_a_slow_live_dispatcher_is_left_alone_until_the_max_age(
         age(engine, op.id, 60, "sent_at", "first_sent_at")
         result = _sweeper(engine, registry).run_once()
         assert result.stuck == 1
-        statements.unlock_all(holder)
+        sql.locks.unlock_all(holder)
         holder.commit()
     stuck = reload(engine, op.id)
     assert stuck.state is State.NEEDS_HUMAN

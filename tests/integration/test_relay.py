@@ -12,8 +12,7 @@ from celery import Celery
 from kombu import Connection
 from sqlalchemy import Engine, make_url, text
 
-from outbox import faults
-from outbox import statements as outbox_statements
+from outbox import faults, sql
 from outbox.config import load_settings
 from outbox.db import create_engine
 from outbox.deployment import deployment_name
@@ -268,13 +267,13 @@ def test_a_backlog_silences_the_bell_and_the_relay_rings_it_again_when_drained(
     backlog = [make_operation(engine) for _ in range(12)]
     flags: list[bool] = []
     relay = make_relay(app, poll_interval_s=30, batch_size=2, busy_after_batches=2)
-    announce = outbox_statements.announce_relay
+    announce = sql.relay.announce_relay
 
     def spy(executor: Any, name: str, **kwargs: Any) -> None:
         flags.append(kwargs["idle"])
         announce(executor, name, **kwargs)
 
-    monkeypatch.setattr(outbox_statements, "announce_relay", spy)
+    monkeypatch.setattr(sql.relay, "announce_relay", spy)
     runner = threading.Thread(target=relay.run_forever)
     try:
         runner.start()

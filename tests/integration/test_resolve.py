@@ -11,7 +11,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import statements, transitions
+from outbox import sql, transitions
 from outbox.contracts import CONTRACTS, ToolContract
 from outbox.errors import (
     OperationBusy,
@@ -270,7 +270,7 @@ def test_a_held_lock_makes_it_busy_and_nothing_is_written(engine: Engine) -> Non
     op = waiting(engine)
     events_before = event_count(engine, op.id)
     with engine.connect() as holder:
-        assert statements.try_lock(holder, operation_lock_key(op.id))
+        assert sql.locks.try_lock(holder, operation_lock_key(op.id))
         holder_pid = holder.execute(text("SELECT pg_backend_pid()")).scalar_one()
         holder.commit()  # a session lock outlives the transaction that took it
         try:
@@ -280,7 +280,7 @@ def test_a_held_lock_makes_it_busy_and_nothing_is_written(engine: Engine) -> Non
             assert busy.value.holder_pid == holder_pid
             assert_untouched(engine, op, events_before)
         finally:
-            statements.unlock_all(holder)
+            sql.locks.unlock_all(holder)
             holder.commit()
     assert committed_resolve(engine, op.id, applied=True, remote_ref="r").state is State.CONFIRMED
 
@@ -292,10 +292,10 @@ def test_the_lock_lasts_until_the_callers_transaction_ends(engine: Engine) -> No
     with engine.connect() as dispatcher:
         with Session(engine) as session, session.begin():
             resolve(session, op.id, applied=True, remote_ref="r", by="alice", note=NOTE)
-            assert not statements.try_lock(dispatcher, key)
+            assert not sql.locks.try_lock(dispatcher, key)
             dispatcher.commit()
-        assert statements.try_lock(dispatcher, key)
-        statements.unlock_all(dispatcher)
+        assert sql.locks.try_lock(dispatcher, key)
+        sql.locks.unlock_all(dispatcher)
         dispatcher.commit()
 
 

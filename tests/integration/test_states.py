@@ -16,7 +16,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
-from outbox import api, statements
+from outbox import api, sql
 from outbox.errors import (
     NotCancellable,
     OperationNotFound,
@@ -482,7 +482,7 @@ def test_racing_cas_has_exactly_one_winner(engine: Engine, round_: int) -> None:
                 except StaleTransition as exc:
                     outcomes.append(exc)
                 except DBAPIError as exc:
-                    if not statements.is_row_lock_busy(exc):
+                    if not sql.locks.is_row_lock_busy(exc):
                         outcomes.append(exc)  # anything else fails the count below
                         return
                     time.sleep(0.05)  # the winner's move is still open: ask again

@@ -9,10 +9,10 @@ from uuid import UUID
 import pytest
 from sqlalchemy import Engine
 
-from outbox import transitions, webhooks
+from outbox import sql, transitions
 from outbox.config import get_settings
 from outbox.errors import StaleTransition
-from outbox.models import Operation
+from outbox.models import Operation, WebhookEvent
 from outbox.states import Actor, State
 from outbox.transitions import Moved
 from tests.factories import event_count, events_of, make_operation, move, reload
@@ -73,10 +73,8 @@ def test_on_an_autocommit_connection_a_move_and_its_webhook_commit_together(
         assert isinstance(transitions.apply_and_commit(conn, _escalation(op)), Moved)
         assert conn.get_execution_options()["isolation_level"] == "AUTOCOMMIT"
     with engine.connect() as conn:
-        deliveries = webhooks.list_deliveries(conn)
-    assert [(d.operation_id, d.event) for d in deliveries] == [
-        (op.id, webhooks.WebhookEvent.NEEDS_HUMAN)
-    ]
+        deliveries = sql.webhooks.list_deliveries(conn)
+    assert [(d.operation_id, d.event) for d in deliveries] == [(op.id, WebhookEvent.NEEDS_HUMAN)]
     assert reload(engine, op.id).state is State.NEEDS_HUMAN
 
 

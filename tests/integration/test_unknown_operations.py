@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Connection, Engine, text
 
-from outbox import statements
+from outbox import sql
 from outbox.metrics import serve_metrics
 from outbox.reconcilers.lookup import LookupOutcome, lookup
 from outbox.workers.dispatch import Outcome, dispatch
@@ -24,7 +24,7 @@ COUNTER = "outbox_unknown_operation_messages_total"
 def listener(engine: Engine) -> Iterator[Connection]:
     """A session listening on the workers' report channel, as the exporter does."""
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text(f"LISTEN {statements.UNKNOWN_OPERATION_CHANNEL}"))
+        conn.execute(text(f"LISTEN {sql.notify.UNKNOWN_OPERATION_CHANNEL}"))
         yield conn
         conn.execute(text("UNLISTEN *"))
 
@@ -84,7 +84,7 @@ def test_the_exporter_counts_the_reports_by_task(engine: Engine) -> None:
         assert _counts(server.url) == {"dispatch": 0, "lookup": 0}
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             for task in ("dispatch", "dispatch", "lookup", "something-else"):
-                statements.notify_unknown_operation(conn, task)
+                sql.notify.notify_unknown_operation(conn, task)
         wait_until(
             lambda: _counts(server.url) == {"dispatch": 2, "lookup": 1, "other": 1},
             timeout=10,

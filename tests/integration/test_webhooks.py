@@ -19,9 +19,10 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import IntegrityError
 from standardwebhooks import Webhook
 
-from outbox import webhooks
+from outbox import sql, webhooks
 from outbox.config import WEBHOOK_EVENT_NAMES, Settings, get_settings, load_settings
 from outbox.errors import ConfigError, StaleTransition
+from outbox.models import Delivery, DeliveryStatus, WebhookEvent
 from outbox.reconcilers.webhooks import (
     DeliveryConfig,
     WebhookDeliverer,
@@ -29,7 +30,6 @@ from outbox.reconcilers.webhooks import (
     deliver_one,
 )
 from outbox.states import Actor, State
-from outbox.webhooks import Delivery, DeliveryStatus, WebhookEvent
 from tests.factories import apply_move, make_operation, move, reload
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
@@ -167,7 +167,7 @@ def make_deliverer(engine: Engine) -> Iterator[MakeDeliverer]:
 def deliveries(engine: Engine, operation_id: UUID | None = None) -> list[Delivery]:
     """The committed deliveries (of one operation), oldest first."""
     with engine.connect() as conn:
-        found = webhooks.list_deliveries(conn, operation_id=operation_id, limit=1000)
+        found = sql.webhooks.list_deliveries(conn, operation_id=operation_id, limit=1000)
     return found[::-1]
 
 
@@ -226,7 +226,7 @@ def test_escalation_writes_one_pending_delivery_in_the_same_transaction(
             actor=Actor.RECONCILER,
             reason="no lookup, no dedup contract",
         )
-        inside = webhooks.list_deliveries(conn)
+        inside = sql.webhooks.list_deliveries(conn)
         assert [(d.event, d.status) for d in inside] == [
             (WebhookEvent.NEEDS_HUMAN, DeliveryStatus.PENDING)
         ]
@@ -561,7 +561,7 @@ def test_a_deliverer_killed_mid_send_is_replaced_after_its_lease(
     escalate(engine)
     config = DeliveryConfig()
     with engine.begin() as conn:
-        [claimed] = webhooks.claim_due(conn, limit=10, lease_s=config.lease_s)
+        [claimed] = sql.webhooks.claim_due(conn, limit=10, lease_s=config.lease_s)
     # The claiming deliverer is gone (never POSTed, never recorded).
     deliverer = make_deliverer()
     assert deliverer.run_once().attempted == 0
@@ -577,12 +577,12 @@ def test_a_lost_lease_does_not_overwrite_the_new_holder(
     """An outcome fenced on an expired, re-claimed lease is not recorded."""
     escalate(engine)
     with engine.begin() as conn:
-        [first] = webhooks.claim_due(conn, limit=10, lease_s=300)
+        [first] = sql.webhooks.claim_due(conn, limit=10, lease_s=300)
     age_deliveries(engine, 301, "next_attempt_at")
     with engine.begin() as conn:
-        [second] = webhooks.claim_due(conn, limit=10, lease_s=300)
-        assert webhooks.record_delivered(conn, first, status=200) is None
-        assert webhooks.record_delivered(conn, second, status=200) == 1
+        [second] = sql.webhooks.claim_due(conn, limit=10, lease_s=300)
+        assert sql.webhooks.record_delivered(conn, first, status=200) is None
+        assert sql.webhooks.record_delivered(conn, second, status=200) == 1
     assert only_delivery(engine).status is DeliveryStatus.DELIVERED
 
 
@@ -759,8 +759,8 @@ def test_unstorable_reasons_and_errors_are_stored_escaped(
     op = make_operation(engine, State.UNKNOWN)
     move(engine, op, State.NEEDS_HUMAN, Actor.RECONCILER, reason="HTTP 200: a\x00b\udcff")
     with engine.begin() as conn:
-        [claimed] = webhooks.claim_due(conn, limit=10, lease_s=300)
-        recorded = webhooks.record_failed(
+        [claimed] = sql.webhooks.claim_due(conn, limit=10, lease_s=300)
+        recorded = sql.webhooks.record_failed(
             conn,
             claimed,
             status=502,

@@ -46,7 +46,7 @@ from hypothesis.stateful import (
 from sqlalchemy import Engine, text
 
 import outbox
-from outbox import faults, statements
+from outbox import faults, sql
 from outbox.canonical import canonical_json, payload_hash
 from outbox.contracts import ContractTable
 from outbox.errors import NotCancellable
@@ -222,7 +222,7 @@ class FakeRemote:
     def _check_sent_committed(self, call: ToolCall) -> None:
         """No call without a committed `sent` row for exactly this attempt (read apart)."""
         with self.engine.connect() as conn:
-            row = statements.get_operation(conn, UUID(call.operation_id))
+            row = sql.intents.get_operation(conn, UUID(call.operation_id))
         if row is None or row.state is not State.SENT or row.attempts != call.attempt:
             seen = f"{row.state.value} at attempt {row.attempts}" if row else "missing"
             self.violations.append(

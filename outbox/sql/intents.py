@@ -1,0 +1,285 @@
+"""The agent's statements: insert intents, read operations, their events and pruned intents,
+and the waiters a settled move notifies."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+from uuid import UUID
+
+from sqlalchemy import bindparam, select, text
+
+from outbox.driver import DriverStatement
+from outbox.models import Event, Executor, Operation, PrunedIntent
+from outbox.schema import events, operations, pruned_intents
+from outbox.states import State
+
+_INSERT_INTENT = DriverStatement.of(
+    text(
+        """
+    WITH new AS (SELECT outbox.uuid_v7() AS id),
+    inserted AS (
+        INSERT INTO outbox.operations
+            (id, intent_key, tool, target, payload, payload_hash, intent_hash, metadata,
+             requested_by)
+        SELECT new.id, coalesce(:intent_key, new.id::text), :tool, :target,
+               CAST(:payload AS jsonb), :payload_hash, :intent_hash, CAST(:metadata AS jsonb),
+               :requested_by
+        FROM new
+        -- A key whose operation was pruned is done: one primary-key probe, in this statement.
+        WHERE NOT EXISTS (SELECT FROM outbox.pruned_intents WHERE intent_key = :intent_key)
+        ON CONFLICT (intent_key) DO NOTHING
+        RETURNING *
+    ),
+    logged AS (
+        INSERT INTO outbox.events (operation_id, from_state, to_state, attempt, actor, reason)
+        SELECT id, NULL, state, attempts, 'agent', 'enqueued' FROM inserted
+    )
+    -- Only what the database chose: the rest of the new row is what the caller passed and
+    -- the columns' defaults (reading all of it back was a third of enqueue's CPU).
+    SELECT inserted.id, inserted.intent_key, inserted.created_at, inserted.updated_at,
+           inserted.available_at,
+           -- Ring the relay only while one sleeps: NOTIFY serialises commits cluster-wide,
+           -- so a busy relay (which polls anyway) must not cost the agent's commit that lock.
+           (SELECT pg_notify('outbox_planned', '')
+            WHERE EXISTS (SELECT FROM outbox.relays WHERE idle)) AS rang
+    FROM inserted
+    """
+    ),
+    ["id", "intent_key", "created_at", "updated_at", "available_at", "rang"],
+)
+
+
+def insert_intent(
+    executor: Executor,
+    *,
+    intent_key: str | None,
+    tool: str,
+    target: str,
+    canonical_payload: str,
+    payload_hash: str,
+    intent_hash: str,
+    metadata: Mapping[str, Any],
+    requested_by: str | None,
+) -> Operation | None:
+    """Insert a ``planned`` operation and its first event; ``None`` if the key is taken
+    (by an operation, or by a pruned one: :func:`find_pruned_intent`).
+
+    A concurrent transaction inserting the same key makes this wait for its outcome
+    (``ON CONFLICT DO NOTHING``), so racing agents end with one row and no IntegrityError.
+    """
+    row = _INSERT_INTENT.fetch_one(
+        executor,
+        {
+            "intent_key": intent_key,
+            "tool": tool,
+            "target": target,
+            "payload": canonical_payload,
+            "payload_hash": payload_hash,
+            "intent_hash": intent_hash,
+            "metadata": json.dumps(dict(metadata)),
+            "requested_by": requested_by,
+        },
+    )
+    if row is None:
+        return None
+    return Operation(
+        id=row["id"],
+        intent_key=row["intent_key"],
+        tool=tool,
+        target=target,
+        payload=json.loads(canonical_payload),
+        payload_hash=payload_hash,
+        state=State.PLANNED,
+        attempts=0,
+        checks=0,
+        maybe_applied=False,
+        remote_ref=None,
+        result=None,
+        last_error=None,
+        metadata=dict(metadata),
+        requested_by=requested_by,
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        available_at=row["available_at"],
+        published_at=None,
+        first_sent_at=None,
+        sent_at=None,
+        next_check_at=None,
+        replay_deadline=None,
+        resolved_at=None,
+        attempt_budget_base=0,
+        intent_hash=intent_hash,
+    )
+
+
+_INSERT_INTENTS = text(
+    """
+    WITH input AS (
+        SELECT * FROM unnest(
+            CAST(:intent_keys AS text[]), CAST(:tools AS text[]), CAST(:targets AS text[]),
+            CAST(:payloads AS jsonb[]), CAST(:payload_hashes AS text[]),
+            CAST(:intent_hashes AS text[]), CAST(:metadata AS jsonb[]),
+            CAST(:requested_by AS text[])
+        ) WITH ORDINALITY
+          AS i(intent_key, tool, target, payload, payload_hash, intent_hash, metadata,
+               requested_by, n)
+    ),
+    new AS (SELECT outbox.uuid_v7() AS id, input.* FROM input),
+    inserted AS (
+        INSERT INTO outbox.operations
+            (id, intent_key, tool, target, payload, payload_hash, intent_hash, metadata,
+             requested_by)
+        SELECT id, coalesce(intent_key, id::text), tool, target, payload, payload_hash,
+               intent_hash, metadata, requested_by
+        FROM new
+        WHERE NOT EXISTS (SELECT FROM outbox.pruned_intents p WHERE p.intent_key = new.intent_key)
+        ORDER BY n
+        ON CONFLICT (intent_key) DO NOTHING
+        RETURNING *
+    ),
+    logged AS (
+        INSERT INTO outbox.events (operation_id, from_state, to_state, attempt, actor, reason)
+        SELECT id, NULL, state, attempts, 'agent', 'enqueued' FROM inserted
+    ),
+    rang AS (
+        SELECT pg_notify('outbox_planned', '')
+        WHERE EXISTS (SELECT FROM inserted) AND EXISTS (SELECT FROM outbox.relays WHERE idle)
+    )
+    SELECT inserted.*, new.n AS position, (SELECT count(*) FROM rang) AS rang
+    FROM inserted JOIN new ON new.id = inserted.id
+    ORDER BY new.n
+    """
+)
+
+
+def insert_intents(
+    executor: Executor,
+    *,
+    intent_keys: Sequence[str | None],
+    tools: Sequence[str],
+    targets: Sequence[str],
+    canonical_payloads: Sequence[str],
+    payload_hashes: Sequence[str],
+    intent_hashes: Sequence[str],
+    metadata: Sequence[str],
+    requested_by: Sequence[str | None],
+) -> dict[int, Operation]:
+    """Insert many ``planned`` operations and their first events in one statement.
+
+    Keys already taken (or being inserted by a concurrent transaction, which this waits
+    for), and keys of pruned operations, are skipped: the result maps the position (from 0)
+    of each intent this statement inserted to its operation.
+    """
+    rows = executor.execute(
+        _INSERT_INTENTS,
+        {
+            "intent_keys": list(intent_keys),
+            "tools": list(tools),
+            "targets": list(targets),
+            "payloads": list(canonical_payloads),
+            "payload_hashes": list(payload_hashes),
+            "intent_hashes": list(intent_hashes),
+            "metadata": list(metadata),
+            "requested_by": list(requested_by),
+        },
+    )
+    return {int(row["position"]) - 1: Operation.from_row(row) for row in rows.mappings()}
+
+
+_FIND_OPERATIONS = select(operations).where(
+    operations.c.intent_key.in_(bindparam("intent_keys", expanding=True))
+)
+
+
+def find_operations(executor: Executor, intent_keys: Sequence[str]) -> list[Operation]:
+    """The operations recorded under these intent keys (those that exist)."""
+    rows = executor.execute(_FIND_OPERATIONS, {"intent_keys": list(intent_keys)})
+    return [Operation.from_row(row) for row in rows.mappings()]
+
+
+_FIND_PRUNED_INTENTS = select(pruned_intents).where(
+    pruned_intents.c.intent_key.in_(bindparam("intent_keys", expanding=True))
+)
+
+
+def find_pruned_intents(executor: Executor, intent_keys: Sequence[str]) -> list[PrunedIntent]:
+    """What is kept of the pruned operations recorded under these intent keys (those pruned)."""
+    rows = executor.execute(_FIND_PRUNED_INTENTS, {"intent_keys": list(intent_keys)})
+    return [PrunedIntent.from_row(row) for row in rows.mappings()]
+
+
+_GET_OPERATION = select(operations).where(operations.c.id == bindparam("operation_id"))
+
+
+def get_operation(executor: Executor, operation_id: UUID) -> Operation | None:
+    """The operation with this id, or ``None``."""
+    row = executor.execute(_GET_OPERATION, {"operation_id": operation_id})
+    found = row.mappings().one_or_none()
+    return Operation.from_row(found) if found is not None else None
+
+
+_FIND_OPERATION = select(operations).where(operations.c.intent_key == bindparam("intent_key"))
+
+
+def find_operation(executor: Executor, intent_key: str) -> Operation | None:
+    """The operation recorded under this intent key, or ``None``."""
+    row = executor.execute(_FIND_OPERATION, {"intent_key": intent_key})
+    found = row.mappings().one_or_none()
+    return Operation.from_row(found) if found is not None else None
+
+
+def list_operations(
+    executor: Executor,
+    *,
+    state: State | None = None,
+    tool: str | None = None,
+    limit: int = 50,
+) -> list[Operation]:
+    """The newest operations first (ids are UUIDv7, so id order is creation order)."""
+    query = select(operations).order_by(operations.c.id.desc()).limit(limit)
+    if state is not None:
+        query = query.where(operations.c.state == state.value)
+    if tool is not None:
+        query = query.where(operations.c.tool == tool)
+    return [Operation.from_row(row) for row in executor.execute(query).mappings()]
+
+
+_LIST_EVENTS = (
+    select(events).where(events.c.operation_id == bindparam("operation_id")).order_by(events.c.id)
+)
+
+
+def list_events(executor: Executor, operation_id: UUID) -> list[Event]:
+    """An operation's audit trail, oldest first."""
+    rows = executor.execute(_LIST_EVENTS, {"operation_id": operation_id})
+    return [Event.from_row(row) for row in rows.mappings()]
+
+
+_REGISTER_WAITER = text(
+    "WITH gone AS (DELETE FROM outbox.waiters WHERE backend_pid NOT IN "
+    "(SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)) "
+    "INSERT INTO outbox.waiters (operation_id, backend_pid) "
+    "VALUES (:operation_id, pg_backend_pid()) ON CONFLICT DO NOTHING"
+)
+
+
+def register_waiter(executor: Executor, operation_id: UUID) -> None:
+    """Ask settled moves of ``operation_id`` to NOTIFY this session (until forget_waiter).
+
+    Also drops rows of sessions that ended without forgetting theirs (a killed waiter):
+    each would cost its operation one needless NOTIFY.
+    """
+    executor.execute(_REGISTER_WAITER, {"operation_id": operation_id})
+
+
+_FORGET_WAITER = text(
+    "DELETE FROM outbox.waiters "
+    "WHERE operation_id = :operation_id AND backend_pid = pg_backend_pid()"
+)
+
+
+def forget_waiter(executor: Executor, operation_id: UUID) -> None:
+    """Undo :func:`register_waiter` for this session."""
+    executor.execute(_FORGET_WAITER, {"operation_id": operation_id})

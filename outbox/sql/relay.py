@@ -1,0 +1,120 @@
+"""The relay's statements: claim due intents, mark them published, and the relays' own rows
+(their idle flag rings the enqueue bell, :mod:`outbox.sql.notify`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from uuid import UUID
+
+from sqlalchemy import text
+
+from outbox.driver import DriverStatement
+from outbox.models import Executor
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedIntent:
+    """A due ``planned`` row the relay claimed (locked) to publish."""
+
+    id: UUID
+    tool: str
+    target: str
+
+
+# The queue scans bound time with statement_timestamp(), not clock_timestamp(): a volatile
+# function cannot be an index condition, so the partial index would only order the scan and
+# every not-yet-due row of the queue would be read and filtered (bench/scale.py --not-due).
+_CLAIM_DUE = DriverStatement.of(
+    text(
+        """
+    SELECT id, tool, target FROM outbox.operations
+    WHERE state = 'planned'
+      AND available_at <= statement_timestamp()
+      AND (published_at IS NULL
+           OR published_at <= statement_timestamp() - make_interval(secs => :republish_after))
+    ORDER BY available_at
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+    """
+    ),
+    ["id", "tool", "target"],
+)
+
+
+def claim_due(executor: Executor, *, limit: int, republish_after_s: float) -> list[ClaimedIntent]:
+    """Lock up to ``limit`` due ``planned`` rows not published recently.
+
+    ``SKIP LOCKED`` lets several relays claim disjoint batches; the row locks last until the
+    caller's transaction ends, so a batch is published by one relay at a time.
+    """
+    rows = _CLAIM_DUE.fetch_all(executor, {"limit": limit, "republish_after": republish_after_s})
+    return [ClaimedIntent(row["id"], row["tool"], row["target"]) for row in rows]
+
+
+_MARK_PUBLISHED = DriverStatement.of(
+    text(
+        """
+    WITH marked AS (
+        UPDATE outbox.operations SET published_at = clock_timestamp()
+        WHERE id = ANY(CAST(:ids AS uuid[])) AND state = 'planned'
+        RETURNING 1
+    )
+    SELECT count(*) AS updated FROM marked
+    """
+    ),
+    ["updated"],
+)
+
+
+def mark_published(executor: Executor, operation_ids: list[UUID]) -> int:
+    """Record that these rows' messages were confirmed by the broker; returns rows updated."""
+    if not operation_ids:
+        return 0
+    row = _MARK_PUBLISHED.fetch_one(executor, {"ids": operation_ids})
+    assert row is not None  # noqa: S101 -- a count always returns a row
+    return int(row["updated"])
+
+
+_ANNOUNCE_RELAY = text(
+    "INSERT INTO outbox.relays (name, pid, host, idle) VALUES (:name, :pid, :host, :idle) "
+    "ON CONFLICT (name) DO UPDATE SET idle = :idle, heartbeat_at = clock_timestamp()"
+)
+
+
+def announce_relay(executor: Executor, name: str, *, pid: int, host: str, idle: bool) -> None:
+    """Record a running relay and whether it sleeps on LISTEN (then enqueue rings the bell).
+
+    An upsert, so it doubles as the heartbeat and survives a peer's clean-up of its row.
+    """
+    executor.execute(_ANNOUNCE_RELAY, {"name": name, "pid": pid, "host": host, "idle": idle})
+
+
+_ANY_DUE_UNPUBLISHED = text(
+    "SELECT EXISTS (SELECT FROM outbox.operations WHERE state = 'planned' "
+    "AND available_at <= statement_timestamp() AND published_at IS NULL)"
+)
+
+
+def any_due_unpublished(executor: Executor) -> bool:
+    """Whether some due ``planned`` row has never been published."""
+    row = executor.execute(_ANY_DUE_UNPUBLISHED)
+    return bool(row.scalar_one())
+
+
+_FORGET_RELAY = text("DELETE FROM outbox.relays WHERE name = :name")
+
+
+def forget_relay(executor: Executor, name: str) -> None:
+    """Remove a relay's row when it stops."""
+    executor.execute(_FORGET_RELAY, {"name": name})
+
+
+_FORGET_SILENT_RELAYS = text(
+    "DELETE FROM outbox.relays WHERE heartbeat_at < clock_timestamp() - make_interval(secs => :age)"
+)
+
+
+def forget_silent_relays(executor: Executor, *, older_than_s: float) -> int:
+    """Remove rows of relays that stopped heartbeating (killed): they would keep the bell on."""
+    result = executor.execute(_FORGET_SILENT_RELAYS, {"age": older_than_s})
+    return int(result.rowcount)  # type: ignore[attr-defined]
