@@ -39,7 +39,7 @@ from common import Case, CpuMeter, Results, ServiceProcess, percentile, pids_nam
 from rich.markup import escape
 from sqlalchemy import Engine, text
 
-from outbox.testing.stack import Service
+from outbox.dev.stack import Service
 from peer_drivers.job import TABLES, TABLES_DDL, sqlalchemy_url
 
 PER_S, MS, CORE = "ops/s", "ms", "% core"

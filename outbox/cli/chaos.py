@@ -69,7 +69,7 @@ def chaos_command(
     verdict the remote's ledger contradicts. Needs no configuration (OUTBOX_* is ignored).
     """
     # Deferred: the chaos machinery (process runner, reference service) loads only here.
-    from outbox.testing.chaos import ChaosConfig, run_chaos  # noqa: PLC0415
+    from outbox.dev.chaos import ChaosConfig, run_chaos  # noqa: PLC0415
 
     if broker not in {None, "rabbitmq", "database"}:
         fail(f"unknown --broker {broker!r}; choose rabbitmq or database")

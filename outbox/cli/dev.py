@@ -11,7 +11,7 @@ import typer
 from outbox.cli.output import fail
 from outbox.config import get_settings
 from outbox.db import database_url
-from outbox.testing.deploy_service import (
+from outbox.dev.service import (
     DEFAULT_FAULT_DELAY_S,
     DEFAULT_PORT,
     FAULT_MODES,
@@ -136,7 +136,7 @@ def scenario_command(
     OUTBOX_BROKER_URL; it empties the outbox tables of that database first.
     """
     # Deferred: imports the webhook verifier and the process runner only when used.
-    from outbox.testing.scenario import MODES, report_json, run_scenario  # noqa: PLC0415
+    from outbox.dev.scenario import MODES, report_json, run_scenario  # noqa: PLC0415
 
     modes = mode or list(MODES)
     unknown = sorted(set(modes) - set(MODES))

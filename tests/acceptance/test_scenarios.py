@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from outbox.testing.scenario import MODES, Mode, run_scenario
+from outbox.dev.scenario import MODES, Mode, run_scenario
 from tests.conftest import Databases
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from outbox.testing.chaos import rabbitmq_reachable
+from outbox.dev.chaos import rabbitmq_reachable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -40,12 +40,12 @@ from sqlalchemy.orm import Session
 
 from outbox import api, migrate, statements
 from outbox.db import create_engine
+from outbox.dev.clusters import LocalCluster
+from outbox.dev.service import DeployService
+from outbox.dev.stack import Service, Services
+from outbox.dev.tool_config import TOOL, http_tool_toml
 from outbox.errors import DatabaseUnavailable
 from outbox.locks import operation_lock_key
-from outbox.testing.deploy_service import DeployService
-from outbox.testing.pgcluster import LocalCluster
-from outbox.testing.stack import Service, Services
-from outbox.testing.tool_config import TOOL, http_tool_toml
 
 BrokerKind = Literal["rabbitmq", "database"]
 DECIDED = ("confirmed", "failed", "needs_human")

@@ -35,9 +35,9 @@ from sqlalchemy.orm import Session
 
 from outbox import api, migrate
 from outbox.db import create_engine
-from outbox.testing.deploy_service import DeployService
-from outbox.testing.stack import Services
-from outbox.testing.tool_config import TOOL, http_tool_toml
+from outbox.dev.service import DeployService
+from outbox.dev.stack import Services
+from outbox.dev.tool_config import TOOL, http_tool_toml
 
 Mode = Literal["lookup", "dedup", "neither"]
 MODES: tuple[Mode, ...] = ("lookup", "dedup", "neither")
