@@ -219,7 +219,7 @@ class _Handler(BaseHTTPRequestHandler):
             return _Reply(422, {"error": "rejected"})
         if fault == "slow" and not self._pause():
             return _DROP
-        outcome, effect = service._store().record(target, key, text, service.dedup_window_s)
+        outcome, effect = service.store().record(target, key, text, service.dedup_window_s)
         service.stats.add("rejected.key_reused" if outcome == "key_reused" else outcome)
         if outcome == "key_reused":
             reply = _Reply(422, {"error": "key reused with another payload"})
@@ -249,7 +249,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not service.lookup_enabled:
             service.stats.add("lookups.disabled")
             return _Reply(501, {"error": "lookup disabled"})
-        effect = service._store().first(target, key)
+        effect = service.store().first(target, key)
         service.stats.add("lookups.missing" if effect is None else "lookups.found")
         if effect is None:
             return _Reply(404, {"error": "no release for key"})

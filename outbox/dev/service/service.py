@@ -138,7 +138,7 @@ class DeployService:
 
     def ledger(self) -> list[Effect]:
         """Every effect committed so far, in order (while the service runs)."""
-        return self._store().effects()
+        return self.store().effects()
 
     def in_flight(self) -> list[str]:
         """Keys of the create requests being handled right now (a fault may be holding them)."""
@@ -160,7 +160,7 @@ class DeployService:
 
     def effects_by_key(self) -> dict[str, int]:
         """How many effects each idempotency key produced."""
-        return self._store().counts_by_key()
+        return self.store().counts_by_key()
 
     def contradicted(self, verdicts: Iterable[tuple[str, str, str | None]]) -> int:
         """How many of the outbox's verdicts ``(operation id, state, remote_ref)`` the ledger
@@ -189,7 +189,7 @@ class DeployService:
 
     def clear(self) -> None:
         """Forget every effect, arrival and the stats (fault settings stay)."""
-        self._store().clear()
+        self.store().clear()
         self.stats.clear()
         with self._in_flight_lock:
             self._arrivals.clear()
@@ -205,7 +205,8 @@ class DeployService:
             f"ledger: {self.ledger_path or 'memory'}, fault rates: {rates})"
         )
 
-    def _store(self) -> Ledger:
+    def store(self) -> Ledger:
+        """The open ledger (while the service runs); the HTTP handlers record into it."""
         if self._ledger is None:
             raise RuntimeError("the deploy service is not running")
         return self._ledger
