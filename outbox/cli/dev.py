@@ -155,7 +155,7 @@ def scenario_command(
     modes = mode or list(MODES)
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
-        fail(f"unknown --mode {', '.join(unknown)}; choose from {', '.join(MODES)}")
+        fail(f"unknown --mode {', '.join(unknown)}; choose from {', '.join(MODES)}", code=2)
     settings = get_settings()
     url = settings.database_url.get_secret_value() if settings.database_url else None
     _check_owned(url, i_own_this_database)
