@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session
 from outbox import api, migrate, statements
 from outbox.db import create_engine
 from outbox.dev.clusters import LocalCluster
-from outbox.dev.rabbitmq import RabbitNode, rabbitmq_installed, rabbitmq_script
+from outbox.dev.rabbitmq import RabbitNode, rabbitmq_installed
 from outbox.dev.service import DeployService
 from outbox.dev.stack import Service, Services
 from outbox.dev.tool_config import TOOL, http_tool_toml
@@ -158,7 +158,7 @@ class ChaosRefused(ValueError):
 
 def rabbitmq_reachable() -> bool:
     """Whether a broker answers on 127.0.0.1:5672 and ``rabbitmqctl`` is installed."""
-    if rabbitmq_script("rabbitmqctl") is None:
+    if shutil.which("rabbitmqctl") is None:
         return False
     try:
         with socket.create_connection(("127.0.0.1", RABBITMQ_PORT), timeout=1):
@@ -262,7 +262,9 @@ def _named_vhost(node: str, say: Progress) -> Iterator[str]:
 
 
 def _rabbitmqctl(node: str, *args: str, check: bool = True) -> None:
-    ctl = rabbitmq_script("rabbitmqctl") or "rabbitmqctl"
+    # The named node is an installed one: rabbitmqctl as found on PATH (Debian's wrapper runs
+    # it as the rabbitmq user, whose Erlang cookie that node accepts).
+    ctl = shutil.which("rabbitmqctl") or "rabbitmqctl"
     subprocess.run(  # noqa: S603 -- the installed rabbitmqctl, our own arguments
         [str(ctl), "-n", node, *args], check=check, capture_output=True, timeout=120
     )
