@@ -63,8 +63,8 @@ from throwaway import rabbitmq_available, throwaway_database, throwaway_vhost
 
 from outbox import api
 from outbox.db import normalize_url
-from outbox.testing.stack import Services
-from outbox.testing.tool_config import TOOL, http_tool_toml
+from outbox.dev.stack import Services
+from outbox.dev.tool_config import TOOL, http_tool_toml
 
 BROKERS = ("rabbitmq", "database")
 MODES = ("flat", "steady")

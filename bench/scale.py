@@ -79,7 +79,7 @@ does not, and the claim then measures that backlog, not the table.
 
 Autovacuum must run for the soak to mean anything, and the CI server here has
 ``autovacuum = off``; so, unless ``--soak-url`` names a server, the soak starts a PostgreSQL
-of its own (:class:`outbox.testing.pgcluster.LocalCluster`: the wheel's binaries, the default
+of its own (:class:`outbox.dev.clusters.LocalCluster`: the wheel's binaries, the default
 configuration, ``autovacuum = on``, fsync and synchronous_commit on, every autovacuum logged)
 and removes it at the end. The server's autovacuum settings, the tables' storage options and
 every autovacuum of an outbox table during the soak (from the server's log: whether its index

@@ -110,7 +110,7 @@ class Scale:
             for _ in range(calls):
                 with conn.begin() as tx:
                     started = time.perf_counter()
-                    claimed = sql.webhooks.claim_due(
+                    claimed = sql.relay.claim_due(
                         conn, limit=BATCH, republish_after_s=REPUBLISH_AFTER_S
                     )
                     times.append(time.perf_counter() - started)

@@ -165,7 +165,7 @@ def soak_server(args: argparse.Namespace) -> Iterator[SoakServer]:
     if args.soak_url:
         yield SoakServer(args.soak_url, None)
         return
-    from outbox.testing.pgcluster import LocalCluster  # noqa: PLC0415 -- only for the soak
+    from outbox.dev.clusters import LocalCluster  # noqa: PLC0415 -- only for the soak
 
     root = Path(tempfile.mkdtemp(prefix="outbox-scale-"))
     cluster = LocalCluster(root / "cluster")

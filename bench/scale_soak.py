@@ -277,7 +277,7 @@ class Soak:
             try:
                 with conn.begin():
                     found = sql.locks.get_for_dispatch(conn, op_id)
-                    if found is None or found[0].state is not State.PLANNED:
+                    if found is None or found.operation.state is not State.PLANNED:
                         return False  # a duplicate message: the row moved on
                     sql.locks.require_synchronous_commit(conn)
                     transitions.apply(

@@ -10,7 +10,7 @@ from typing import Any
 
 def _serve(conn: multiprocessing.connection.Connection, options: dict[str, Any]) -> None:
     """The child: run a DeployService and answer method calls from the pipe until "stop"."""
-    from outbox.testing.deploy_service import DeployService  # noqa: PLC0415 -- in the child
+    from outbox.dev.service import DeployService  # noqa: PLC0415 -- in the child
 
     with DeployService(**options) as service:
         conn.send(service.url)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from outbox.testing.stack import Service, Services
+from outbox.dev.stack import Service, Services
 
 __all__ = ["Service", "Services", "wait_until"]
 

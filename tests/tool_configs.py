@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from outbox.contracts import ContractTable
-from outbox.testing.tool_config import TOOL, http_tool_toml
+from outbox.dev.tool_config import TOOL, http_tool_toml
 from outbox.tools import ToolRegistry
 from outbox.tools.http import load_http_tools
 

@@ -42,7 +42,7 @@ from rounds import Case, percentile
 from services import ServiceProcess
 from sqlalchemy import Engine, text
 
-from outbox.testing.stack import Service
+from outbox.dev.stack import Service
 from peer_drivers.job import TABLES, TABLES_DDL, sqlalchemy_url
 
 PER_S, MS, CORE = "ops/s", "ms", "% core"

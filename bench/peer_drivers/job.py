@@ -6,7 +6,7 @@ the benchmark harness (only httpx). One operation is:
 1. record the intent durably (a row of ``bench_intents``: a UUID, a target, a JSON payload);
 2. POST its payload once to the reference service, ``POST {service}/projects/{target}/releases``
    with the header ``Idempotency-Key: <the intent's UUID>``, exactly as our HTTP tool calls it
-   (``outbox.testing.tool_config.http_tool_toml``): JSON body, 30 s timeout;
+   (``outbox.dev.tool_config.http_tool_toml``): JSON body, 30 s timeout;
 3. record the result (a row of ``bench_results``: the HTTP status and the release id), whose
    ``recorded_at`` is PostgreSQL's ``clock_timestamp()`` just before that transaction commits,
    as our ``confirmed`` event's ``at`` is.

@@ -22,7 +22,10 @@ def chaos_command(
         int, typer.Option(min=0, help="PostgreSQL crashes (immediate stop) and restarts.")
     ] = 1,
     rabbitmq_restarts: Annotated[
-        int, typer.Option(min=0, help="RabbitMQ stop_app/start_app cycles (RabbitMQ broker).")
+        int,
+        typer.Option(
+            min=0, help="stop_app/start_app cycles of its RabbitMQ node (RabbitMQ broker)."
+        ),
     ] = 1,
     cuts: Annotated[
         int,
@@ -40,10 +43,19 @@ def chaos_command(
     ] = 0.2,
     broker: Annotated[
         str | None,
-        typer.Option(help="rabbitmq or database (default: RabbitMQ if one answers locally)."),
+        typer.Option(
+            help="rabbitmq or database (default: RabbitMQ if it can start a node of its own)."
+        ),
     ] = None,
     rabbitmq_node: Annotated[
-        str | None, typer.Option(help="The node `rabbitmqctl -n` restarts (default: its own).")
+        str | None,
+        typer.Option(
+            "--i-own-this-rabbitmq-node",
+            "--rabbitmq-node",
+            metavar="NODE",
+            help="Use and restart this existing node (`rabbitmqctl -n NODE`, AMQP on "
+            "127.0.0.1:5672), which you own, instead of a node of its own.",
+        ),
     ] = None,
     seed: Annotated[int | None, typer.Option(help="Seed the faults, to replay a run.")] = None,
     workdir: Annotated[
@@ -57,22 +69,23 @@ def chaos_command(
 ) -> None:
     """Run the whole stack under random crashes, then judge it by the remote's ledger.
 
-    It makes its **own PostgreSQL cluster** (so crashing it disturbs nothing else) and a
-    throw-away RabbitMQ vhost (or uses the database broker), starts two relays, two workers
-    and beat as real processes and the reference service with ambiguous faults, and enqueues
-    the intents while it SIGKILLs workers and relays at random, crash-restarts PostgreSQL,
-    restarts RabbitMQ (`rabbitmqctl stop_app/start_app`: this one is the machine's broker) and
-    cuts dispatchers' database connections mid-call. Then it waits until every operation is
-    decided and prints the verdict.
+    It makes its **own PostgreSQL cluster** and its **own RabbitMQ node** (own name, ports and
+    data, halted at the end; or uses the database broker), so crashing or restarting them
+    disturbs nothing else. It starts two relays, two workers and beat as real processes and
+    the reference service with ambiguous faults, and enqueues the intents while it SIGKILLs
+    workers and relays at random, crash-restarts PostgreSQL, restarts its RabbitMQ node
+    (`rabbitmqctl stop_app/start_app`) and cuts dispatchers' database connections mid-call.
+    Then it waits until every operation is decided and prints the verdict. It restarts an
+    existing RabbitMQ node only when `--i-own-this-rabbitmq-node` names it.
 
     Exits 1 on any duplicate effect, any committed intent left undecided (lost), or any
     verdict the remote's ledger contradicts. Needs no configuration (OUTBOX_* is ignored).
     """
     # Deferred: the chaos machinery (process runner, reference service) loads only here.
-    from outbox.testing.chaos import ChaosConfig, run_chaos  # noqa: PLC0415
+    from outbox.dev.chaos import ChaosConfig, ChaosRefused, run_chaos  # noqa: PLC0415
 
     if broker not in {None, "rabbitmq", "database"}:
-        fail(f"unknown --broker {broker!r}; choose rabbitmq or database")
+        fail(f"unknown --broker {broker!r}; choose rabbitmq or database", code=2)
     config = ChaosConfig(
         intents=intents,
         kills=kills,
@@ -88,7 +101,10 @@ def chaos_command(
         workdir=workdir,
         keep=keep or workdir is not None,
     )
-    report = run_chaos(config, progress=None if as_json else _say)
+    try:
+        report = run_chaos(config, progress=None if as_json else _say)
+    except ChaosRefused as exc:
+        fail(str(exc), code=2)
     if as_json:
         console.print_json(json.dumps({**vars(report), "ok": report.ok}))
     else:

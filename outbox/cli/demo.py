@@ -15,7 +15,7 @@ from outbox.config import get_settings
 from outbox.db import redact
 
 if TYPE_CHECKING:
-    from outbox.demo import DemoReport
+    from outbox.dev.demo import DemoReport
 
 
 def demo_command(
@@ -35,7 +35,7 @@ def demo_command(
     release created twice, every operation decided, every verdict matching the service.
     The demo's operations stay in the database (intent keys `demo-<run>-…`).
     """
-    from outbox.demo import Demo  # noqa: PLC0415 -- loads the reference service only here
+    from outbox.dev.demo import Demo  # noqa: PLC0415 -- loads the reference service only here
 
     with connected() as engine:
         url = engine.url.render_as_string(hide_password=False)

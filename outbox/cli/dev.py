@@ -10,8 +10,8 @@ import typer
 
 from outbox.cli.output import fail
 from outbox.config import get_settings
-from outbox.db import database_url
-from outbox.testing.deploy_service import (
+from outbox.dev.ownership import OWN_DATABASE_FLAG, NotOwned, confirm_owned
+from outbox.dev.service import (
     DEFAULT_FAULT_DELAY_S,
     DEFAULT_PORT,
     FAULT_MODES,
@@ -114,6 +114,7 @@ def _announce(line: str) -> None:
 
 @app.command("scenario")
 def scenario_command(
+    *,
     mode: Annotated[
         list[str] | None,
         typer.Option(
@@ -126,24 +127,38 @@ def scenario_command(
     ] = 0.2,
     timeout: Annotated[float, typer.Option(min=10, help="Seconds allowed per run.")] = 240.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the reports as JSON.")] = False,
+    i_own_this_database: Annotated[
+        str | None,
+        typer.Option(
+            OWN_DATABASE_FLAG,
+            metavar="URL",
+            help="Let it empty the outbox tables of OUTBOX_DATABASE_URL, which this names "
+            "(passwords may be masked). Without it a set OUTBOX_DATABASE_URL is refused.",
+        ),
+    ] = None,
 ) -> None:
     """Run intents through a faulty remote until each is decided, and check the promises.
 
     Starts the reference service with ambiguous faults, a signed-webhook receiver, and a
     worker, relay and beat; exits 1 if an operation got two effects, stayed undecided, was
     escalated although a lookup or dedup window existed, or an escalation's webhook did not
-    arrive correctly signed. Uses OUTBOX_DATABASE_URL (or the embedded PostgreSQL) and
-    OUTBOX_BROKER_URL; it empties the outbox tables of that database first.
+    arrive correctly signed. Uses OUTBOX_BROKER_URL (unset: the database as broker).
+
+    Each run starts from empty outbox tables. With OUTBOX_DATABASE_URL unset it makes a
+    **throw-away PostgreSQL cluster of its own** (removed afterwards; never the embedded
+    one). A set OUTBOX_DATABASE_URL is emptied only when `--i-own-this-database` names that
+    same database; otherwise the command refuses (exit 2) and touches nothing.
     """
     # Deferred: imports the webhook verifier and the process runner only when used.
-    from outbox.testing.scenario import MODES, report_json, run_scenario  # noqa: PLC0415
+    from outbox.dev.scenario import MODES, report_json, run_scenario  # noqa: PLC0415
 
     modes = mode or list(MODES)
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
-        fail(f"unknown --mode {', '.join(unknown)}; choose from {', '.join(MODES)}")
+        fail(f"unknown --mode {', '.join(unknown)}; choose from {', '.join(MODES)}", code=2)
     settings = get_settings()
-    url = database_url(settings)
+    url = settings.database_url.get_secret_value() if settings.database_url else None
+    _check_owned(url, i_own_this_database)
     broker = settings.broker_url.get_secret_value() if settings.broker_url else None
     reports = []
     for chosen in modes:
@@ -151,6 +166,7 @@ def scenario_command(
             run_scenario(
                 url,
                 mode=chosen,  # type: ignore[arg-type]
+                i_own_this_database=i_own_this_database,
                 intents=intents,
                 ambiguous_rate=ambiguous_rate,
                 broker_url=broker,
@@ -163,3 +179,19 @@ def scenario_command(
         _announce("[" + ",\n".join(report_json(r) for r in reports) + "]")
     if not all(report.ok for report in reports):
         raise typer.Exit(1)
+
+
+def _check_owned(url: str | None, named: str | None) -> None:
+    """Refuse (exit 2) before anything runs unless the database is ours to empty."""
+    if url is None:
+        if named is not None:
+            fail(
+                f"{OWN_DATABASE_FLAG} names a database but OUTBOX_DATABASE_URL is not set: set "
+                "it to that URL, or drop the flag to run on a throw-away cluster",
+                code=2,
+            )
+        return
+    try:
+        confirm_owned(url, named, doing="outbox dev scenario empties the outbox tables of")
+    except NotOwned as exc:
+        fail(str(exc), code=2)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from outbox.testing import DeployService
+from outbox.dev.service import DeployService
 from tests.processes import Services
 from tests.tool_configs import http_tool_toml
 

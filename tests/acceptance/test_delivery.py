@@ -11,7 +11,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from outbox import api
-from outbox.testing import DeployService
+from outbox.dev.service import DeployService
 from tests.acceptance.conftest import run_outbox
 from tests.processes import Services, wait_until
 from tests.proxy import TcpProxy

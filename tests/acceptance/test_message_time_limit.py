@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session
 from outbox import api
 from outbox.config import load_settings
 from outbox.deployment import deployment_name
+from outbox.dev.service import DeployService
 from outbox.relay import OutboundMessage
-from outbox.testing import DeployService
 from outbox.workers.app import celery_settings
 from outbox.workers.publish import CeleryPublisher
 from tests.acceptance.conftest import clean_environment

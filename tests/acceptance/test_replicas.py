@@ -17,8 +17,8 @@ from sqlalchemy import text
 
 from outbox import migrate
 from outbox.db import create_engine
-from outbox.testing.pgcluster import LocalCluster
-from outbox.testing.stack import Service, Services
+from outbox.dev.clusters import LocalCluster
+from outbox.dev.stack import Service, Services
 from tests.acceptance.conftest import clean_environment
 from tests.processes import wait_until
 

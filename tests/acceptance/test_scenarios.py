@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from outbox.testing.scenario import MODES, Mode, run_scenario
+from outbox.dev.scenario import MODES, Mode, run_scenario
 from tests.conftest import Databases
 
 pytestmark = pytest.mark.slow
@@ -19,9 +19,11 @@ def test_every_intent_is_decided_without_a_duplicate(
     """300 intents with 20% ambiguous outcomes all end confirmed, failed or needs_human, with
     no second effect, humans only where nothing else can decide, and every escalation's
     webhook signed."""
+    url = databases.create()
     report = run_scenario(
-        databases.create(),
+        url,
         mode=mode,
+        i_own_this_database=url,  # the fixture made it for this test
         intents=300,
         ambiguous_rate=0.2,
         broker_url=rabbitmq_url,

@@ -21,7 +21,7 @@ from outbox import api, migrate
 from outbox.config import load_settings
 from outbox.db import create_engine
 from outbox.deployment import deployment_name
-from outbox.testing import DeployService
+from outbox.dev.service import DeployService
 from outbox.workers.app import DISPATCH_TASK, LOOKUP_TASK, celery_settings
 from tests.acceptance.conftest import clean_environment
 from tests.conftest import Databases

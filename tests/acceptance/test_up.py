@@ -18,7 +18,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from outbox import api
-from outbox.testing import DeployService
+from outbox.dev.service import DeployService
 from tests.acceptance.conftest import REPO
 from tests.processes import wait_until
 from tests.tool_configs import TOOL

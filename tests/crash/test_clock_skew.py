@@ -27,9 +27,9 @@ from standardwebhooks import Webhook
 
 from outbox.config import load_settings
 from outbox.deployment import deployment_name
+from outbox.dev.service import DeployService
 from outbox.locks import operation_lock_key
 from outbox.states import State
-from outbox.testing import DeployService
 from outbox.workers.app import BROKER_MESSAGE_TABLE, LOOKUP_TASK, celery_settings
 from tests.clocks import libfaketime, measured_offset, movable_clock, moved_clock, step_clock
 from tests.factories import age, make_operation

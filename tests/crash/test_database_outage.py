@@ -17,8 +17,8 @@ from sqlalchemy import Engine, text
 
 from outbox import migrate
 from outbox.db import create_engine
-from outbox.testing.pgcluster import LocalCluster
-from outbox.testing.stack import Services
+from outbox.dev.clusters import LocalCluster
+from outbox.dev.stack import Services
 from outbox.workers.app import BROKER_MESSAGE_TABLE
 from tests.processes import wait_until
 

@@ -27,8 +27,8 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from outbox import api, faults
-from outbox.testing import DeployService
-from outbox.testing.scenario import WebhookLog, webhook_receiver
+from outbox.dev.scenario import WebhookLog, webhook_receiver
+from outbox.dev.service import DeployService
 from tests.acceptance.conftest import clean_environment
 from tests.processes import Service, Services, wait_until
 from tests.tool_configs import TOOL, http_tool_toml

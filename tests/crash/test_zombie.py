@@ -49,10 +49,10 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from outbox import api, sql
+from outbox.dev.service import DeployService
 from outbox.locks import operation_lock_key
 from outbox.models import Event, Operation
 from outbox.states import State
-from outbox.testing import DeployService
 from tests.acceptance.conftest import clean_environment
 from tests.processes import Service, Services, wait_until
 from tests.tool_configs import TOOL, http_tool_toml

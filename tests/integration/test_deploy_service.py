@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from outbox.testing.deploy_service import DeployService
+from outbox.dev.service import DeployService
 
 REPO = Path(__file__).resolve().parents[2]
 PAYLOAD: dict[str, Any] = {"version": "1.2.3", "notes": ["fix"]}
@@ -129,6 +129,21 @@ def test_with_dedup_the_same_key_and_payload_returns_the_same_release(start: Sta
     assert again.status_code == 200
     assert again.headers["Idempotent-Replayed"] == "true"
     assert again.json() == first.json()
+    assert service.effects_by_key() == {"op-1": 1}
+
+
+def test_dedup_compares_payloads_as_the_outbox_canonicalises_them(start: Start) -> None:
+    """ "The same payload" is the outbox's canonical JSON (RFC 8785): ``1`` and ``1.0`` alike;
+    a payload the outbox could not canonicalise (an integer beyond 2**53) is refused with 400."""
+    service = start(dedup_window_s=60)
+    with httpx.Client(base_url=service.url) as http:
+        first = post_release(http, "op-1", {"replicas": 1})
+        again = post_release(http, "op-1", {"replicas": 1.0})
+        unsafe = post_release(http, "op-2", {"id": 2**60})
+
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert unsafe.status_code == 400
+    assert "canonical JSON" in unsafe.json()["error"]
     assert service.effects_by_key() == {"op-1": 1}
 
 
@@ -380,7 +395,8 @@ def test_clearing_the_ledger_forgets_effects_and_stats(
 
 
 DEV_COMMAND = [sys.executable, "-m", "outbox", "dev"]
-MODULE_COMMAND = [sys.executable, "-m", "outbox.testing.deploy_service"]
+#: The installed console script: the service's one command line is ``outbox dev deploy-service``.
+SCRIPT_COMMAND = [str(Path(sys.executable).with_name("outbox")), "dev"]
 
 
 @pytest.mark.parametrize(
@@ -388,9 +404,9 @@ MODULE_COMMAND = [sys.executable, "-m", "outbox.testing.deploy_service"]
     [
         ([*DEV_COMMAND, "deploy-service"], signal.SIGTERM),
         ([*DEV_COMMAND, "deploy-service"], signal.SIGINT),
-        (MODULE_COMMAND, signal.SIGTERM),
+        ([*SCRIPT_COMMAND, "deploy-service"], signal.SIGTERM),
     ],
-    ids=["dev-sigterm", "dev-ctrl-c", "module-sigterm"],
+    ids=["dev-sigterm", "dev-ctrl-c", "script-sigterm"],
 )
 def test_the_command_serves_until_signalled_and_exits_0(
     command: list[str], stop_with: signal.Signals

@@ -17,10 +17,9 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import faults, sql
 from outbox.contracts import ContractTable
+from outbox.dev.service import DeployService, FaultMode
 from outbox.locks import operation_lock_key
 from outbox.states import Actor, State
-from outbox.testing import DeployService
-from outbox.testing.deploy_service import FaultMode
 from outbox.tools import (
     Ambiguous,
     Applied,

@@ -16,12 +16,12 @@ from sqlalchemy import Engine, event
 from outbox import sql
 from outbox.contracts import ContractTable
 from outbox.db import create_engine
+from outbox.dev.service import DeployService
 from outbox.locks import operation_lock_key
 from outbox.models import Operation
 from outbox.reconcilers.lookup import LookupOutcome, lookup
 from outbox.reconcilers.sweep import SweepConfig, Sweeper, SweepResult
 from outbox.states import Actor, State
-from outbox.testing import DeployService
 from outbox.tools import Applied, DispatchResult, LookupResult, ToolCall, ToolRegistry, tool
 from outbox.workers.dispatch import Outcome, dispatch
 from tests.factories import age, apply_move, events_of, make_operation, poisoned_updates, reload

@@ -29,11 +29,8 @@ ALLOWED = {
     "migrations/",
     # Table definitions: server defaults and partial-index predicates are DDL fragments.
     "schema.py",
-    # TEMPORARY (issue 18, being merged): helper h-dev moves the dev tooling, with its own
-    # SQL (the scenario's TRUNCATE, the demo's and chaos run's reads), to outbox/dev/; the
-    # lead removes these three entries when merging, once those statements are in outbox.sql.
-    "testing/",
-    "demo.py",
+    # TEMPORARY (issue 18, being merged): the dev tooling's reads and TRUNCATE move to
+    # outbox/sql/; the reference service's own SQLite ledger stays (a fake remote's store).
     "dev/",
 }
 

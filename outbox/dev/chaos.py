@@ -1,13 +1,15 @@
 """The chaos run (``outbox chaos``): the whole stack under random crashes, judged by the remote.
 
-It makes a PostgreSQL cluster of its own (so crashing it disturbs nothing else), a throw-away
-RabbitMQ vhost (or the database broker), and runs two relays, two workers and beat as real
-processes beside the reference service with ambiguous faults. An agent enqueues the intents
-(and re-enqueues some, as a restarted agent would) while the run
+It makes a PostgreSQL cluster of its own and a RabbitMQ node of its own (so crashing or
+restarting them disturbs nothing else; or it uses the database broker), and runs two relays,
+two workers and beat as real processes beside the reference service with ambiguous faults.
+An agent enqueues the intents (and re-enqueues some, as a restarted agent would) while the run
 
 * SIGKILLs a worker or a relay at random, and starts it again;
 * crashes PostgreSQL (``pg_ctl stop -m immediate``: recovery from the WAL) and restarts it;
-* restarts RabbitMQ (``rabbitmqctl stop_app`` / ``start_app``: every connection drops);
+* restarts its RabbitMQ node (``rabbitmqctl -n <node> stop_app`` / ``start_app``: every
+  connection drops). It never restarts a node it did not start, unless the caller names that
+  node (:attr:`ChaosConfig.rabbitmq_node`, ``--i-own-this-rabbitmq-node``);
 * cuts a worker's database connection (``pg_terminate_backend``) while its call is in flight.
 
 Then it waits for quiescence and judges: every intent the agent saw committed ends
@@ -40,12 +42,13 @@ from sqlalchemy.orm import Session
 
 from outbox import api, migrate, sql
 from outbox.db import create_engine
+from outbox.dev.clusters import LocalCluster
+from outbox.dev.rabbitmq import RabbitNode, rabbitmq_installed
+from outbox.dev.service import DeployService
+from outbox.dev.stack import Service, Services
+from outbox.dev.tool_config import TOOL, http_tool_toml
 from outbox.errors import DatabaseUnavailable
 from outbox.locks import operation_lock_key
-from outbox.testing.deploy_service import DeployService
-from outbox.testing.pgcluster import LocalCluster
-from outbox.testing.stack import Service, Services
-from outbox.testing.tool_config import TOOL, http_tool_toml
 
 BrokerKind = Literal["rabbitmq", "database"]
 DECIDED = ("confirmed", "failed", "needs_human")
@@ -81,9 +84,11 @@ class ChaosConfig:
     settle_s: float = 240.0
     ambiguous_rate: float = 0.2
     seed: int | None = None
-    #: None: RabbitMQ when one answers on 127.0.0.1:5672, else the database broker.
+    #: None: RabbitMQ when a node of its own can be started (or one is named), else the
+    #: database broker.
     broker: BrokerKind | None = None
-    #: ``rabbitmqctl -n`` node to restart (default: rabbitmqctl's own default node).
+    #: An existing node the caller owns, to use (a throw-away vhost on 127.0.0.1:5672) and
+    #: restart with ``rabbitmqctl -n``. None: a node of its own, started and halted by the run.
     rabbitmq_node: str | None = None
     workdir: Path | None = None
     keep: bool = False
@@ -110,6 +115,8 @@ class ChaosReport:
     wrong: int
     seconds: float
     workdir: str
+    #: The RabbitMQ node it used and restarted (None on the database broker).
+    rabbitmq_node: str | None = None
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -145,6 +152,10 @@ def _or_na(count: int, broker: str) -> str:
 Progress = Callable[[str], None]
 
 
+class ChaosRefused(ValueError):
+    """The run cannot keep to what it may touch with this configuration."""
+
+
 def rabbitmq_reachable() -> bool:
     """Whether a broker answers on 127.0.0.1:5672 and ``rabbitmqctl`` is installed."""
     if shutil.which("rabbitmqctl") is None:
@@ -160,11 +171,7 @@ def run_chaos(config: ChaosConfig, progress: Progress | None = None) -> ChaosRep
     """Run the chaos described by ``config``; see the module doc."""
     say = progress or (lambda _line: None)
     seed = config.seed if config.seed is not None else random.SystemRandom().randrange(2**31)
-    broker = config.broker or ("rabbitmq" if rabbitmq_reachable() else "database")
-    if broker == "rabbitmq" and not rabbitmq_reachable():
-        raise DatabaseUnavailable(
-            "--broker rabbitmq: no RabbitMQ on 127.0.0.1:5672, or rabbitmqctl is not installed"
-        )
+    broker = _choose_broker(config)
     workdir = config.workdir or Path(tempfile.mkdtemp(prefix="outbox-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     say(f"chaos run: seed {seed}, {broker} broker, working in {workdir}")
@@ -172,8 +179,8 @@ def run_chaos(config: ChaosConfig, progress: Progress | None = None) -> ChaosRep
     try:
         cluster.start()
         url = cluster.create_database("outbox")
-        with _broker_url(broker, say) as broker_url:
-            run = _Run(config, seed, broker, cluster, url, broker_url, workdir, say)
+        with _rabbitmq(broker, config.rabbitmq_node, workdir, say) as rabbit:
+            run = _Run(config, seed, broker, cluster, url, rabbit, workdir, say)
             return run.execute()
     finally:
         cluster.stop()
@@ -181,25 +188,86 @@ def run_chaos(config: ChaosConfig, progress: Progress | None = None) -> ChaosRep
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _choose_broker(config: ChaosConfig) -> BrokerKind:
+    """The broker to run on; :class:`ChaosRefused` when RabbitMQ is asked for but the run
+    could only restart a node nobody named."""
+    if config.broker == "database":
+        if config.rabbitmq_node is not None:
+            raise ChaosRefused("--i-own-this-rabbitmq-node names a node, but --broker is database")
+        return "database"
+    if config.rabbitmq_node is not None:
+        if not rabbitmq_reachable():
+            raise DatabaseUnavailable(
+                f"--i-own-this-rabbitmq-node {config.rabbitmq_node}: no RabbitMQ on "
+                f"127.0.0.1:{RABBITMQ_PORT}, or rabbitmqctl is not installed"
+            )
+        return "rabbitmq"
+    if rabbitmq_installed():
+        return "rabbitmq"
+    if config.broker == "rabbitmq":
+        raise ChaosRefused(
+            "--broker rabbitmq restarts only a RabbitMQ node it starts itself, and there is no "
+            "rabbitmq-server on PATH to start one: install RabbitMQ, name a node of yours with "
+            "--i-own-this-rabbitmq-node NODE, or use --broker database"
+        )
+    return "database"
+
+
+@dataclass(frozen=True)
+class _Rabbit:
+    """The broker the stack uses, and how to restart it (None: the database broker)."""
+
+    url: str | None
+    node: str | None
+    stop_app: Callable[[], None]
+    start_app: Callable[[], None]
+
+
 @contextmanager
-def _broker_url(broker: BrokerKind, say: Progress) -> Iterator[str | None]:
-    """A throw-away RabbitMQ vhost's URL, or None for the database broker."""
+def _rabbitmq(
+    broker: BrokerKind, named: str | None, workdir: Path, say: Progress
+) -> Iterator[_Rabbit]:
+    """A RabbitMQ node of its own, the named node's throw-away vhost, or the database broker."""
     if broker == "database":
-        yield None
-        return
-    ctl = shutil.which("rabbitmqctl") or "rabbitmqctl"
+        yield _Rabbit(None, None, lambda: None, lambda: None)
+    elif named is None:
+        node = RabbitNode(workdir / "rabbitmq")
+        say(f"RabbitMQ: starting a node of its own, {node.name} on 127.0.0.1:{node.port}")
+        try:
+            node.start()
+            yield _Rabbit(node.url, node.name, node.stop_app, node.start_app)
+        finally:
+            node.stop()
+    else:
+        with _named_vhost(named, say) as url:
+            yield _Rabbit(
+                url,
+                named,
+                lambda: _rabbitmqctl(named, "stop_app"),
+                lambda: _rabbitmqctl(named, "start_app"),
+            )
+
+
+@contextmanager
+def _named_vhost(node: str, say: Progress) -> Iterator[str]:
+    """A throw-away vhost on the node the caller named (it listens on 127.0.0.1:5672)."""
     vhost = f"outbox_chaos_{uuid.uuid4().hex[:8]}"
-    subprocess.run([ctl, "add_vhost", vhost], check=True, capture_output=True)  # noqa: S603
-    subprocess.run(  # noqa: S603
-        [ctl, "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"],
-        check=True,
-        capture_output=True,
-    )
-    say(f"RabbitMQ vhost {vhost}")
+    _rabbitmqctl(node, "add_vhost", vhost)
+    _rabbitmqctl(node, "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+    say(f"RabbitMQ: vhost {vhost} on {node}, the node you named (it will be restarted)")
     try:
         yield f"amqp://guest:guest@127.0.0.1:{RABBITMQ_PORT}/{vhost}"
     finally:
-        subprocess.run([ctl, "delete_vhost", vhost], check=False, capture_output=True)  # noqa: S603
+        _rabbitmqctl(node, "delete_vhost", vhost, check=False)
+
+
+def _rabbitmqctl(node: str, *args: str, check: bool = True) -> None:
+    # The named node is an installed one: rabbitmqctl as found on PATH (Debian's wrapper runs
+    # it as the rabbitmq user, whose Erlang cookie that node accepts).
+    ctl = shutil.which("rabbitmqctl") or "rabbitmqctl"
+    subprocess.run(  # noqa: S603 -- the installed rabbitmqctl, our own arguments
+        [str(ctl), "-n", node, *args], check=check, capture_output=True, timeout=120
+    )
 
 
 class _Agent(threading.Thread):
@@ -296,7 +364,7 @@ class _Run:
         broker: BrokerKind,
         cluster: LocalCluster,
         url: str,
-        broker_url: str | None,
+        rabbit: _Rabbit,
         workdir: Path,
         say: Progress,
     ) -> None:
@@ -305,7 +373,7 @@ class _Run:
         self.broker = broker
         self.cluster = cluster
         self.url = url
-        self.broker_url = broker_url
+        self.rabbit = rabbit
         self.workdir = workdir
         self.say = say
         self.rng = random.Random(seed)  # noqa: S311 -- reproducible chaos, not cryptography
@@ -364,8 +432,8 @@ class _Run:
             "OUTBOX_REPUBLISH_AFTER": "3",
             "OUTBOX_LOOKUP_LEASE": "10",
         }
-        if self.broker_url:
-            env["OUTBOX_BROKER_URL"] = self.broker_url
+        if self.rabbit.url:
+            env["OUTBOX_BROKER_URL"] = self.rabbit.url
         return env
 
     # --- the faults -------------------------------------------------------------------------
@@ -412,19 +480,13 @@ class _Run:
             self.cluster.start()
             self.pg_restarts += 1
         elif fault == "rabbitmq":
-            self.say("RabbitMQ: stop_app, start_app in 2s")
-            self._rabbitmqctl("stop_app")
+            self.say(f"RabbitMQ: stop_app on {self.rabbit.node}, start_app in 2s")
+            self.rabbit.stop_app()
             time.sleep(2)
-            self._rabbitmqctl("start_app")
+            self.rabbit.start_app()
             self.rabbitmq_restarts += 1
         elif fault == "cut":
             self.cuts += self._cut_in_flight(service, stack)
-
-    def _rabbitmqctl(self, command: str) -> None:
-        argv = [shutil.which("rabbitmqctl") or "rabbitmqctl"]
-        if self.config.rabbitmq_node:
-            argv += ["-n", self.config.rabbitmq_node]
-        subprocess.run([*argv, command], check=True, capture_output=True, timeout=120)  # noqa: S603
 
     def _cut_in_flight(self, service: DeployService, stack: _Stack, wait_s: float = 10.0) -> int:
         """Terminate the lock connection of a dispatcher whose request the service is holding."""
@@ -518,6 +580,7 @@ class _Run:
             wrong=wrong,
             seconds=time.monotonic() - started,
             workdir=str(self.workdir),
+            rabbitmq_node=self.rabbit.node,
             problems=problems,
         )
 

@@ -35,11 +35,11 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from outbox import api
+from outbox.dev.service import DeployService
+from outbox.dev.tool_config import TOOL, http_tool_toml
 from outbox.errors import IntentConflict, OutboxError
 from outbox.metrics import MetricsServer, serve_metrics
 from outbox.supervise import ChildSpec, Supervisor
-from outbox.testing.deploy_service import DeployService
-from outbox.testing.tool_config import TOOL, http_tool_toml
 
 LEGACY_TOOL = "deploy.create_release_legacy"
 DECIDED = ("confirmed", "failed", "needs_human", "cancelled")

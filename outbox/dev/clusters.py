@@ -1,4 +1,4 @@
-"""A PostgreSQL cluster of one's own, on a TCP port, that a chaos run may crash and restart.
+"""A PostgreSQL cluster of one's own, on a TCP port, that a run may crash, restart or empty.
 
 The chaos run restarts PostgreSQL under a live stack; doing that to the machine's server (or
 to the shared embedded one) would disturb everything else using it. This module makes a new

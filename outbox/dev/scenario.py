@@ -12,6 +12,11 @@ what the outbox promises against the service's own ledger:
 
 Three configurations: ``lookup`` (the tool can ask the remote), ``dedup`` (the remote
 deduplicates a key for a window, no lookup), ``neither``.
+
+A run starts from empty outbox tables. Without a database URL it makes a PostgreSQL cluster of
+its own (:class:`~outbox.dev.clusters.LocalCluster`) and throws it away afterwards; a database
+it did not create is emptied only when the caller names it (``i_own_this_database``, the
+command's ``--i-own-this-database URL``), see :mod:`outbox.dev.ownership`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import tempfile
 import threading
 import time
@@ -35,9 +41,11 @@ from sqlalchemy.orm import Session
 
 from outbox import api, migrate
 from outbox.db import create_engine
-from outbox.testing.deploy_service import DeployService
-from outbox.testing.stack import Services
-from outbox.testing.tool_config import TOOL, http_tool_toml
+from outbox.dev.clusters import LocalCluster
+from outbox.dev.ownership import confirm_owned
+from outbox.dev.service import DeployService
+from outbox.dev.stack import Services
+from outbox.dev.tool_config import TOOL, http_tool_toml
 
 Mode = Literal["lookup", "dedup", "neither"]
 MODES: tuple[Mode, ...] = ("lookup", "dedup", "neither")
@@ -176,9 +184,10 @@ def _escalated_ids(engine: Engine) -> set[str]:
 
 
 def run_scenario(
-    database_url: str,
+    database_url: str | None = None,
     *,
     mode: Mode,
+    i_own_this_database: str | None = None,
     intents: int = 300,
     ambiguous_rate: float = 0.2,
     broker_url: str | None = None,
@@ -187,23 +196,53 @@ def run_scenario(
     workdir: Path | None = None,
     progress: Callable[[dict[str, int]], None] | None = None,
 ) -> ScenarioReport:
-    """Run one configuration on an empty ``outbox`` schema in ``database_url``; see module doc."""
-    engine = create_engine(database_url)
-    try:
-        return _run(
-            engine,
+    """Run one configuration on empty outbox tables; see the module doc.
+
+    ``database_url`` None: on a throw-away PostgreSQL cluster of its own. Otherwise that
+    database's outbox tables are emptied first, so ``i_own_this_database`` must name the same
+    database, or :class:`~outbox.dev.ownership.NotOwned` is raised before anything is touched.
+    """
+    if database_url is not None:
+        confirm_owned(
             database_url,
-            mode=mode,
-            intents=intents,
-            ambiguous_rate=ambiguous_rate,
-            broker_url=broker_url,
-            timeout_s=timeout_s,
-            seed=seed,
-            workdir=workdir,
-            progress=progress,
+            i_own_this_database,
+            doing="the scenario empties the outbox tables of",
         )
+    workdir = workdir or Path(tempfile.mkdtemp(prefix=f"outbox-scenario-{mode}-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    with _database(database_url, workdir) as url:
+        engine = create_engine(url)
+        try:
+            return _run(
+                engine,
+                url,
+                mode=mode,
+                intents=intents,
+                ambiguous_rate=ambiguous_rate,
+                broker_url=broker_url,
+                timeout_s=timeout_s,
+                seed=seed,
+                workdir=workdir,
+                progress=progress,
+            )
+        finally:
+            engine.dispose()
+
+
+@contextmanager
+def _database(url: str | None, workdir: Path) -> Iterator[str]:
+    """``url``, or a database on a cluster of its own under ``workdir``, removed afterwards."""
+    if url is not None:
+        yield url
+        return
+    root = workdir / "postgres"
+    cluster = LocalCluster(root)
+    try:
+        cluster.start()
+        yield cluster.create_database("outbox")
     finally:
-        engine.dispose()
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _run(
@@ -216,13 +255,13 @@ def _run(
     broker_url: str | None,
     timeout_s: float,
     seed: int,
-    workdir: Path | None,
+    workdir: Path,
     progress: Callable[[dict[str, int]], None] | None,
 ) -> ScenarioReport:
     migrate.upgrade(engine)
     with engine.begin() as conn:
+        # Emptied: the checks count every row. run_scenario made sure the database is ours.
         conn.execute(text("TRUNCATE outbox.operations, outbox.pruned_intents CASCADE"))
-    workdir = workdir or Path(tempfile.mkdtemp(prefix=f"outbox-scenario-{mode}-"))
     secret = "whsec_" + b64encode(secrets.token_bytes(24)).decode()
     rates = {fault: share * ambiguous_rate for fault, share in AMBIGUOUS_MIX.items()}
     with (

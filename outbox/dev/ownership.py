@@ -1,0 +1,67 @@
+"""Whose database is it: a destructive dev run empties only a database it created itself,
+or one its caller names explicitly (``--i-own-this-database URL``).
+
+``outbox dev scenario`` empties the outbox's tables before it runs. Pointed by habit at a
+shell's ``OUTBOX_DATABASE_URL`` (production's, a colleague's), that would erase real intents;
+so a database it did not create is refused unless the caller names that very database.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
+
+from outbox.db import redact
+
+#: The flag that names a database the caller owns and lets a run empty it.
+OWN_DATABASE_FLAG = "--i-own-this-database"
+
+
+class NotOwned(ValueError):
+    """A destructive run was pointed at a database it did not create, and nobody named it."""
+
+
+def _identity(url: str) -> URL:
+    """What names a database in ``url``: server, port, user, database and query.
+
+    The password is left out: it does not say which database it is, and the caller may
+    name the URL as printed (passwords masked). So is the driver (``postgresql://`` and
+    ``postgresql+psycopg://`` are the same database).
+    """
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise NotOwned(f"{OWN_DATABASE_FLAG}: {url!r} is not a database URL") from exc
+    return URL.create(
+        parsed.get_backend_name(),
+        username=parsed.username,
+        host=parsed.host,
+        port=parsed.port,
+        database=parsed.database,
+        query=parsed.query,
+    )
+
+
+def same_database(url: str, other: str) -> bool:
+    """Whether ``url`` and ``other`` name one database (see :func:`_identity`)."""
+    return _identity(url) == _identity(other)
+
+
+def confirm_owned(url: str, named: str | None, *, doing: str) -> None:
+    """Return if ``named`` names the database of ``url``; else :class:`NotOwned`, one line.
+
+    ``doing`` says what the run would do to it, e.g. ``"outbox dev scenario empties the
+    outbox tables of"``.
+    """
+    shown = redact(url)
+    if named is None:
+        raise NotOwned(
+            f"{doing} {shown}, a database it did not create: pass {OWN_DATABASE_FLAG} {shown} "
+            "if it is yours to empty, or leave OUTBOX_DATABASE_URL unset to run on a "
+            "throw-away cluster of its own"
+        )
+    if not same_database(url, named):
+        raise NotOwned(
+            f"{OWN_DATABASE_FLAG} names {redact(named)}, not {shown}: refusing to touch a "
+            "database nobody named"
+        )
