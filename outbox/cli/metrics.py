@@ -14,6 +14,7 @@ from outbox import logs
 from outbox.cli.common import connected, require_schema
 from outbox.cli.extras import needs_extra
 from outbox.cli.output import console, fail
+from outbox.logs import Action
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,8 @@ def metrics_command(
         console.print(
             f"serving metrics on {server.url}", markup=False, highlight=False, soft_wrap=True
         )
-        log.info("serving on %s", server.url, extra={"action": "metrics_started"})
+        log.info("serving on %s", server.url, extra={"action": Action.METRICS_STARTED})
         while not stop.wait(0.5):
             pass
         server.shutdown()
-    log.info("metrics stopped", extra={"action": "metrics_stopped"})
+    log.info("metrics stopped", extra={"action": Action.METRICS_STOPPED})

@@ -13,6 +13,7 @@ from outbox import logs
 from outbox.cli.common import connected, require_schema
 from outbox.cli.extras import needs_extra
 from outbox.config import get_settings
+from outbox.logs import Action
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def relay_command(
         relay = Relay(engine, publisher, config)
 
         def stop(signum: int, _frame: FrameType | None) -> None:
-            log.info("stopping after this batch", extra={"action": "relay_stopping"})
+            log.info("stopping after this batch", extra={"action": Action.RELAY_STOPPING})
             relay.stop()
 
         signal.signal(signal.SIGTERM, stop)
@@ -78,10 +79,13 @@ def relay_command(
         log.info(
             "relay %s started",
             relay.name,
-            extra={"action": "relay_started", "deployment": app.conf.get(OUTBOX_DEPLOYMENT_KEY)},
+            extra={
+                "action": Action.RELAY_STARTED,
+                "deployment": app.conf.get(OUTBOX_DEPLOYMENT_KEY),
+            },
         )
         relay.run_forever()
-    log.info("relay stopped", extra={"action": "relay_stopped"})
+    log.info("relay stopped", extra={"action": Action.RELAY_STOPPED})
 
 
 def celery_app(command: str) -> Any:

@@ -35,6 +35,7 @@ from standardwebhooks import Webhook
 from outbox import faults, webhooks
 from outbox.backoff import Backoff, exponential_s, jittered
 from outbox.config import Settings, get_settings
+from outbox.logs import Action
 from outbox.webhooks import Claimed, DeliveryStatus, Endpoint
 
 log = logging.getLogger(__name__)
@@ -239,7 +240,7 @@ class WebhookDeliverer:
                         "webhook batch failed, retrying in %.1fs: %s",
                         wait_s,
                         exc,
-                        extra={"action": "webhook_error"},
+                        extra={"action": Action.WEBHOOK_ERROR},
                     )
                     self._stop.wait(wait_s)
                     continue
@@ -289,20 +290,22 @@ def _log_outcome(
         log.warning(
             "webhook %s: lease lost, outcome not recorded",
             row.id,
-            extra={"action": "webhook_lease_lost", **fields},
+            extra={"action": Action.WEBHOOK_LEASE_LOST, **fields},
         )
         return
     status, attempts = outcome
     fields["attempts"] = attempts
     if status is DeliveryStatus.DELIVERED:
-        log.info("webhook %s delivered", row.id, extra={"action": "webhook_delivered", **fields})
+        log.info(
+            "webhook %s delivered", row.id, extra={"action": Action.WEBHOOK_DELIVERED, **fields}
+        )
     elif status is DeliveryStatus.ABANDONED:
         log.warning(
             "webhook %s abandoned after %d attempts: %s",
             row.id,
             attempts,
             error,
-            extra={"action": "webhook_abandoned", **fields},
+            extra={"action": Action.WEBHOOK_ABANDONED, **fields},
         )
     else:
         log.warning(
@@ -310,7 +313,7 @@ def _log_outcome(
             row.id,
             error,
             retry_in,
-            extra={"action": "webhook_retry", **fields},
+            extra={"action": Action.WEBHOOK_RETRY, **fields},
         )
 
 

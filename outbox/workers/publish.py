@@ -30,6 +30,7 @@ from kombu.messaging import Producer
 from sqlalchemy import Engine, text
 
 from outbox.errors import BrokerUnavailable
+from outbox.logs import Action
 from outbox.relay import OutboundMessage
 from outbox.workers.app import BROKER_MESSAGE_TABLE, DISPATCH_TASK, uses_database_broker
 
@@ -96,7 +97,7 @@ class CeleryPublisher:
             log.info(
                 "pruned %d delivered messages",
                 pruned,
-                extra={"action": "broker_pruned", "messages": pruned},
+                extra={"action": Action.BROKER_PRUNED, "messages": pruned},
             )
 
     def close(self) -> None:

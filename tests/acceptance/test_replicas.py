@@ -17,6 +17,7 @@ from sqlalchemy import text
 
 from outbox import migrate
 from outbox.db import create_engine
+from outbox.logs import Action
 from outbox.testing.pgcluster import LocalCluster
 from outbox.testing.stack import Service, Services
 from tests.acceptance.conftest import clean_environment
@@ -109,7 +110,7 @@ def test_a_worker_refuses_async_standbys_unless_accepted_or_made_synchronous(
 
         accepted = _worker(services, "accepted", OUTBOX_ALLOW_ASYNC_REPLICAS="true")
         wait_until(lambda: _ready(accepted), timeout=60, what="the accepting worker")
-        assert "async_replicas_allowed" in accepted.output()
+        assert Action.ASYNC_REPLICAS_ALLOWED in accepted.output()
         assert accepted.stop() == 0
 
         replicated.make_synchronous()

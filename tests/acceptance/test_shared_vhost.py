@@ -21,6 +21,7 @@ from outbox import api, migrate
 from outbox.config import load_settings
 from outbox.db import create_engine
 from outbox.deployment import deployment_name
+from outbox.logs import Action
 from outbox.testing import DeployService
 from outbox.workers.app import DISPATCH_TASK, LOOKUP_TASK, celery_settings
 from tests.acceptance.conftest import clean_environment
@@ -177,7 +178,7 @@ def test_a_foreign_message_is_logged_and_counted(deployments: list[Deployment]) 
     exporter = east.services.start("metrics", "metrics", "--port", str(port))
     worker = east.services.start("worker", "worker", "-c", "2", "-P", "threads")
     wait_until(
-        lambda: "metrics_listening" in exporter.output() and "ready" in worker.output(),
+        lambda: Action.METRICS_LISTENING in exporter.output() and "ready" in worker.output(),
         timeout=60,
         what="the exporter to listen and the worker to be ready",
     )
