@@ -7,6 +7,7 @@ program at start-up with a message naming the variable (:func:`load_settings`).
 
 from __future__ import annotations
 
+import enum
 import functools
 import re
 from pathlib import Path
@@ -26,6 +27,13 @@ Seconds = Annotated[float, Field(gt=0)]
 
 #: A deployment name: what every broker allows in a queue or exchange name.
 DEPLOYMENT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+class LogFormat(enum.StrEnum):
+    """How log lines are rendered (``OUTBOX_LOG_FORMAT``)."""
+
+    LOGFMT = "logfmt"  #: ``time=… level=info action=dispatch_sent msg="…" key=value``
+    JSON = "json"  #: one JSON object per line, the same keys
 
 
 def _split_commas(value: Any) -> Any:
@@ -116,6 +124,10 @@ class Settings(BaseSettings):
             "operation again (docs/deploy.md)."
         ),
     )
+    log_format: LogFormat = Field(
+        default=LogFormat.LOGFMT,
+        description="Log lines on stderr: logfmt, or json (one object per line).",
+    )
     webhook_url: HttpUrl | None = Field(
         default=None, description="Where escalations are POSTed (http or https)."
     )
@@ -128,6 +140,11 @@ class Settings(BaseSettings):
     )
 
     _split_tools = field_validator("tools", "webhook_events", mode="before")(_split_commas)
+
+    @field_validator("log_format", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("webhook_events")
     @classmethod

@@ -3,7 +3,9 @@
 Components log with ``extra={"action": Action.X, **fields}``: every action is a member of
 :class:`Action`, so grepping an action's name finds the code that logs it, and a test checks
 that no module logs an action outside the catalogue. :func:`configure` renders
-``time level action message key=value…`` on stderr. Secrets never reach a log line: URLs are
+each line on stderr as logfmt (``time=2026-11-29T10:00:00.000Z level=info
+action=dispatch_sent msg="…" operation_id=…``), or as one JSON object with
+``OUTBOX_LOG_FORMAT=json``; times are UTC. Secrets never reach a log line: URLs are
 redacted where they are formatted (``outbox.db.redact``) and headers are never logged.
 """
 
@@ -12,6 +14,13 @@ from __future__ import annotations
 import enum
 import logging
 import sys
+from datetime import UTC, datetime
+from typing import Any
+
+import structlog
+from structlog.typing import EventDict, Processor
+
+from outbox.config import LogFormat, get_settings
 
 
 class Action(enum.StrEnum):
@@ -86,36 +95,66 @@ class Action(enum.StrEnum):
     FAULT_HANG = "fault_hang"  #: a test fault point is hanging on purpose
 
 
-# Attributes every LogRecord has; anything else came from `extra=` and is printed as a field.
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+#: The keys every line starts with, in this order; a record's ``extra`` fields follow.
+_FIRST_KEYS = ("time", "level", "action", "logger", "msg")
+_HANDLER_NAME = "outbox"
 
 
-class ActionFormatter(logging.Formatter):
-    """``2026-11-29T10:00:00 INFO dispatch_sent message key=value …``."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        """Render the record with its action and extra fields."""
-        action = getattr(record, "action", record.name)
-        fields = " ".join(
-            f"{key}={value}"
-            for key, value in vars(record).items()
-            if key not in _STANDARD and key != "action"
-        )
-        line = f"{self.formatTime(record)} {record.levelname} {action} {record.getMessage()}"
-        if fields:
-            line += f" {fields}"
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
-        return line
+def _from_record(_: Any, __: str, event: EventDict) -> EventDict:
+    """Time (UTC, ISO 8601, when the record was made), level and action of a stdlib record."""
+    record: logging.LogRecord = event["_record"]
+    when = datetime.fromtimestamp(record.created, UTC)
+    event["time"] = when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    event["level"] = record.levelname.lower()
+    if "action" not in event:
+        event["logger"] = record.name  # Celery's or a library's line: say whose it is
+    return event
 
 
-def configure(level: int | str = logging.INFO) -> None:
-    """Send the outbox's logs to stderr in the action format (idempotent)."""
+def _first_keys_first(_: Any, __: str, event: EventDict) -> EventDict:
+    """The same key order in JSON as in logfmt: time, level, action, … then the fields."""
+    first = {key: event.pop(key) for key in _FIRST_KEYS if key in event}
+    first.update(event)
+    return first
+
+
+def formatter(log_format: LogFormat) -> logging.Formatter:
+    """A stdlib formatter rendering a record and its ``extra`` fields as ``log_format``.
+
+    structlog does the rendering: logfmt quotes a value holding a space, ``=`` or ``"`` and
+    escapes newlines (a traceback stays on its line, under ``exception``); JSON renders the
+    same keys as one object per line.
+    """
+    renderer: Processor = (
+        structlog.processors.JSONRenderer()
+        if log_format is LogFormat.JSON
+        else structlog.processors.LogfmtRenderer(key_order=_FIRST_KEYS, drop_missing=True)
+    )
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.ExtraAdder(), _from_record],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.EventRenamer("msg"),
+            structlog.processors.format_exc_info,
+            _first_keys_first,
+            renderer,
+        ],
+    )
+
+
+def configure(level: int | str = logging.INFO, log_format: LogFormat | None = None) -> None:
+    """Send the outbox's logs to stderr as logfmt, or JSON with ``OUTBOX_LOG_FORMAT=json``.
+
+    Idempotent: a second call changes nothing. ``log_format`` defaults to the setting.
+    """
     root = logging.getLogger()
-    if any(isinstance(h.formatter, ActionFormatter) for h in root.handlers):
+    if any(handler.name == _HANDLER_NAME for handler in root.handlers):
         return
+    if log_format is None:
+        log_format = get_settings().log_format
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(ActionFormatter())
+    handler.name = _HANDLER_NAME
+    handler.setFormatter(formatter(log_format))
     root.addHandler(handler)
     root.setLevel(level)
     # httpx logs every request with its full URL, which may carry a receiver's token.
