@@ -5,6 +5,8 @@ workers deliver it once, with the operation id as idempotency key; ambiguous out
 looked up, replayed only under the remote's dedup contract, or put before a human.
 """
 
+from importlib import metadata
+
 from outbox.api import Intent, cancel, enqueue, enqueue_many, find, get, wait
 from outbox.errors import (
     ConfigError,
@@ -27,6 +29,9 @@ from outbox.errors import (
 from outbox.models import Event, Operation, PrunedIntent
 from outbox.resolve import resolve
 from outbox.states import Actor, State
+
+#: The installed distribution's version (``agent-outbox`` in pyproject.toml).
+__version__ = metadata.version("agent-outbox")
 
 __all__ = [
     "Actor",
@@ -51,6 +56,7 @@ __all__ = [
     "TransitionError",
     "TransitionNotAllowed",
     "WaitTimeout",
+    "__version__",
     "cancel",
     "enqueue",
     "enqueue_many",

@@ -13,6 +13,7 @@ import typer
 from outbox import logs
 from outbox.cli.common import connected, require_schema
 from outbox.cli.extras import needs_extra
+from outbox.cli.options import LogLevel, LogLevelOption
 from outbox.cli.output import console, fail
 from outbox.logs import Action
 
@@ -29,7 +30,7 @@ def metrics_command(
         str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).")
     ] = DEFAULT_HOST,
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = DEFAULT_PORT,
-    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+    log_level: LogLevelOption = LogLevel.INFO,
 ) -> None:
     """Serve Prometheus metrics on http://HOST:PORT/metrics, until SIGTERM.
 
@@ -44,7 +45,7 @@ def metrics_command(
     with needs_extra("worker", "metrics"):
         from outbox.metrics import serve_metrics  # noqa: PLC0415 -- prometheus_client
 
-    logs.configure(log_level.upper())
+    logs.configure(log_level.value)
     require_schema()
     stop = threading.Event()
 

@@ -12,6 +12,7 @@ import typer
 from outbox import logs
 from outbox.cli.common import connected, require_schema
 from outbox.cli.extras import needs_extra
+from outbox.cli.options import LogLevel, LogLevelOption, Pool, queue_list
 from outbox.config import get_settings
 from outbox.logs import Action
 
@@ -41,7 +42,7 @@ def relay_command(
             help="Operations one message may name (default: OUTBOX_OPS_PER_MESSAGE, 8).",
         ),
     ] = None,
-    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+    log_level: LogLevelOption = LogLevel.INFO,
 ) -> None:
     """Publish a dispatch message for every due `planned` operation, until SIGTERM.
 
@@ -56,7 +57,7 @@ def relay_command(
         from outbox.workers.app import OUTBOX_DEPLOYMENT_KEY, app  # noqa: PLC0415
         from outbox.workers.publish import CeleryPublisher  # noqa: PLC0415
 
-    logs.configure(log_level.upper())
+    logs.configure(log_level.value)
     require_schema()
     settings = get_settings()
     config = RelayConfig(
@@ -100,7 +101,7 @@ def celery_app(command: str) -> Any:
 
 
 def beat_command(
-    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+    log_level: LogLevelOption = LogLevel.INFO,
 ) -> None:
     """Run the schedule: a sweep every OUTBOX_SWEEP_INTERVAL seconds, webhook redelivery.
 
@@ -108,13 +109,13 @@ def beat_command(
     schedule state lives in OUTBOX_HOME/celerybeat-schedule.
     """
     app = celery_app("beat")
-    logs.configure(log_level.upper())
+    logs.configure(log_level.value)
     require_schema()
     home = get_settings().home
     home.mkdir(parents=True, exist_ok=True)
     schedule = str(home / "celerybeat-schedule")
     scheduler = "outbox.workers.beat:RecoveringScheduler"  # reconnects after a broker outage
-    app.start(["beat", "-l", log_level, "-s", schedule, "-S", scheduler])
+    app.start(["beat", "-l", log_level.value, "-s", schedule, "-S", scheduler])
 
 
 def worker_command(
@@ -123,6 +124,7 @@ def worker_command(
         typer.Option(
             "-Q",
             "--queues",
+            callback=queue_list,
             help="Comma-separated queues to consume: dispatch, lookup, reconcile, human.",
         ),
     ] = "dispatch,lookup,reconcile,human",
@@ -130,12 +132,12 @@ def worker_command(
         int, typer.Option("-c", "--concurrency", min=1, help="Worker processes or threads.")
     ] = 2,
     pool: Annotated[
-        str, typer.Option("-P", "--pool", help="Celery pool: prefork, threads or solo.")
-    ] = "prefork",
+        Pool, typer.Option("-P", "--pool", case_sensitive=False, help="Celery pool.")
+    ] = Pool.PREFORK,
     name: Annotated[
         str | None, typer.Option("-n", "--hostname", help="Worker name (default: celery@host).")
     ] = None,
-    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+    log_level: LogLevelOption = LogLevel.INFO,
 ) -> None:
     """Run a Celery worker on the outbox app: dispatch, lookups, sweeps, escalations.
 
@@ -143,9 +145,9 @@ def worker_command(
     By default one worker consumes every queue; split them across workers with -Q.
     """
     app = celery_app("worker")
-    logs.configure(log_level.upper())
+    logs.configure(log_level.value)
     require_schema()
-    argv = ["worker", "-Q", queues, "-c", str(concurrency), "-P", pool, "-l", log_level]
+    argv = ["worker", "-Q", queues, "-c", str(concurrency), "-P", pool.value, "-l", log_level.value]
     if name:
         argv += ["-n", name]
     app.worker_main(argv)
