@@ -20,8 +20,6 @@ from typing import Any
 import structlog
 from structlog.typing import EventDict, Processor
 
-from outbox.config import LogFormat, get_settings
-
 
 class Action(enum.StrEnum):
     """Every ``action`` a log line can carry; the value is what operators grep for."""
@@ -91,8 +89,16 @@ class Action(enum.StrEnum):
     METRICS_SCRAPE_FAILED = "metrics_scrape_failed"
 
     # Elsewhere
+    CONFIG_UNKNOWN_VARIABLE = "config_unknown_variable"  #: a misspelt OUTBOX_* variable?
     ASYNC_REPLICAS_ALLOWED = "async_replicas_allowed"
     FAULT_HANG = "fault_hang"  #: a test fault point is hanging on purpose
+
+
+class LogFormat(enum.StrEnum):
+    """How log lines are rendered (``OUTBOX_LOG_FORMAT``)."""
+
+    LOGFMT = "logfmt"  #: ``time=… level=info action=dispatch_sent msg="…" key=value``
+    JSON = "json"  #: one JSON object per line, the same keys
 
 
 #: The keys every line starts with, in this order; a record's ``extra`` fields follow.
@@ -142,16 +148,12 @@ def formatter(log_format: LogFormat) -> logging.Formatter:
     )
 
 
-def configure(level: int | str = logging.INFO, log_format: LogFormat | None = None) -> None:
-    """Send the outbox's logs to stderr as logfmt, or JSON with ``OUTBOX_LOG_FORMAT=json``.
-
-    Idempotent: a second call changes nothing. ``log_format`` defaults to the setting.
-    """
+def configure(level: int | str = logging.INFO, log_format: LogFormat = LogFormat.LOGFMT) -> None:
+    """Send the outbox's logs to stderr as ``log_format`` (the commands pass
+    ``OUTBOX_LOG_FORMAT``). Idempotent: a second call changes nothing."""
     root = logging.getLogger()
     if any(handler.name == _HANDLER_NAME for handler in root.handlers):
         return
-    if log_format is None:
-        log_format = get_settings().log_format
     handler = logging.StreamHandler(sys.stderr)
     handler.name = _HANDLER_NAME
     handler.setFormatter(formatter(log_format))

@@ -6,6 +6,7 @@ exit 1; usage errors exit 2. Tracebacks are for bugs only.
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Annotated
 
@@ -18,7 +19,7 @@ from outbox.cli.demo import demo_command
 from outbox.cli.enqueue import enqueue_command
 from outbox.cli.flower import flower_command
 from outbox.cli.metrics import metrics_command
-from outbox.cli.output import environment_help, fail
+from outbox.cli.output import PlainFormatter, environment_help, fail
 from outbox.cli.services import beat_command, relay_command, worker_command
 from outbox.cli.up import up_command
 from outbox.errors import OutboxError
@@ -91,6 +92,8 @@ def main() -> None:
     unknown option, a missing argument) print one ``error:`` line like every other error,
     instead of Typer's framed box, and exit 2.
     """
+    if logging.lastResort is not None:  # the handler of a process that set up no logging
+        logging.lastResort.setFormatter(PlainFormatter())
     command = typer.main.get_command(app)
     try:
         code = command.main(prog_name="outbox", standalone_mode=False)

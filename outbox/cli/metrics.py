@@ -10,10 +10,9 @@ from typing import Annotated
 
 import typer
 
-from outbox import logs
 from outbox.cli.common import connected, require_schema
 from outbox.cli.extras import needs_extra
-from outbox.cli.options import LogLevel, LogLevelOption
+from outbox.cli.options import LogLevel, LogLevelOption, start_logging
 from outbox.cli.output import console, fail
 from outbox.logs import Action
 
@@ -45,7 +44,7 @@ def metrics_command(
     with needs_extra("worker", "metrics"):
         from outbox.metrics import serve_metrics  # noqa: PLC0415 -- prometheus_client
 
-    logs.configure(log_level.value)
+    start_logging(log_level)
     require_schema()
     stop = threading.Event()
 

@@ -13,6 +13,9 @@ from typing import Annotated
 
 import typer
 
+from outbox import logs
+from outbox.config import get_settings, load_settings
+
 
 class LogLevel(enum.StrEnum):
     """``--log-level``, in any case on the command line."""
@@ -37,6 +40,13 @@ QUEUE_NAMES = ("dispatch", "lookup", "reconcile", "human")
 LogLevelOption = Annotated[
     LogLevel, typer.Option("--log-level", case_sensitive=False, help="Log level (any case).")
 ]
+
+
+def start_logging(level: LogLevel) -> None:
+    """Log in OUTBOX_LOG_FORMAT at ``level``, then read the settings: their warnings (an
+    unknown ``OUTBOX_*`` variable) come out in that format too."""
+    logs.configure(level.value, load_settings().log_format)
+    get_settings()
 
 
 def queue_list(value: str) -> str:

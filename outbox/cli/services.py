@@ -9,10 +9,9 @@ from typing import Annotated, Any
 
 import typer
 
-from outbox import logs
 from outbox.cli.common import connected, require_schema
 from outbox.cli.extras import needs_extra
-from outbox.cli.options import LogLevel, LogLevelOption, Pool, queue_list
+from outbox.cli.options import LogLevel, LogLevelOption, Pool, queue_list, start_logging
 from outbox.config import get_settings
 from outbox.logs import Action
 
@@ -57,7 +56,7 @@ def relay_command(
         from outbox.workers.app import OUTBOX_DEPLOYMENT_KEY, app  # noqa: PLC0415
         from outbox.workers.publish import CeleryPublisher  # noqa: PLC0415
 
-    logs.configure(log_level.value)
+    start_logging(log_level)
     require_schema()
     settings = get_settings()
     config = RelayConfig(
@@ -108,8 +107,8 @@ def beat_command(
     Run exactly one beat per deployment (a second one only doubles harmless sweeps). Its
     schedule state lives in OUTBOX_HOME/celerybeat-schedule.
     """
+    start_logging(log_level)
     app = celery_app("beat")
-    logs.configure(log_level.value)
     require_schema()
     home = get_settings().home
     home.mkdir(parents=True, exist_ok=True)
@@ -144,8 +143,8 @@ def worker_command(
     Tools come from OUTBOX_TOOLS (Python modules) and OUTBOX_CONFIG (HTTP tools in TOML).
     By default one worker consumes every queue; split them across workers with -Q.
     """
+    start_logging(log_level)
     app = celery_app("worker")
-    logs.configure(log_level.value)
     require_schema()
     argv = ["worker", "-Q", queues, "-c", str(concurrency), "-P", pool.value, "-l", log_level.value]
     if name:

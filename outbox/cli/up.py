@@ -133,7 +133,7 @@ def up_command(
         importlib.import_module("outbox.metrics")
 
     settings = get_settings()
-    if flower and not os.environ.get("OUTBOX_FLOWER_BASIC_AUTH"):
+    if flower and settings.flower_basic_auth is None:
         raise typer.BadParameter(
             "needs OUTBOX_FLOWER_BASIC_AUTH=user:password (Flower is never open)",
             param_hint="'--flower'",

@@ -25,7 +25,8 @@ _PAIR = re.compile(r'([^\s=]+)=("(?:[^"\\]|\\.)*"|[^\s"]*)')
 _PROGRAM = f"""
 import logging
 from outbox import logs
-logs.configure("INFO")
+from outbox.config import get_settings
+logs.configure("INFO", get_settings().log_format)
 log = logging.getLogger("outbox.example")
 log.info(
     "attempt %d: %s",
