@@ -12,6 +12,7 @@ import typer
 from sqlalchemy import Engine
 
 from outbox import migrate, statements
+from outbox.cli import embedded
 from outbox.cli.common import connected, require_schema, transaction
 from outbox.cli.output import console
 from outbox.contracts import CONTRACTS
@@ -22,6 +23,8 @@ app = typer.Typer(
     help="Manage the outbox schema (tables in the PostgreSQL schema `outbox`) and prune it.",
     no_args_is_help=True,
 )
+
+app.add_typer(embedded.app, name="embedded")
 
 
 @app.command()
