@@ -30,8 +30,12 @@ from outbox.models import Event, Operation, PrunedIntent
 from outbox.resolve import resolve
 from outbox.states import Actor, State
 
-#: The installed distribution's version (``agent-outbox`` in pyproject.toml).
-__version__ = metadata.version("agent-outbox")
+#: The installed distribution's version (``agent-outbox`` in pyproject.toml); a source tree
+#: imported without being installed has none.
+try:
+    __version__ = metadata.version("agent-outbox")
+except metadata.PackageNotFoundError:  # pragma: no cover -- only without an install
+    __version__ = "0+unknown"
 
 __all__ = [
     "Actor",
