@@ -199,7 +199,11 @@ def test_a_foreign_message_is_logged_and_counted(deployments: list[Deployment]) 
         what="one unknown dispatch and one unknown lookup counted",
     )
     lines = worker.output().splitlines()
+    actions = {
+        "dispatch": Action.DISPATCH_UNKNOWN_OPERATION,
+        "lookup": Action.LOOKUP_UNKNOWN_OPERATION,
+    }
     for task, op_id in foreign.items():
-        [line] = [line for line in lines if f"{task}_unknown_operation" in line]
-        assert "WARNING" in line
-        assert op_id in line
+        [line] = [line for line in lines if f"action={actions[task]} " in line]
+        assert "level=warning" in line
+        assert f"operation_id={op_id}" in line
