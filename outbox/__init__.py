@@ -5,6 +5,8 @@ workers deliver it once, with the operation id as idempotency key; ambiguous out
 looked up, replayed only under the remote's dedup contract, or put before a human.
 """
 
+from importlib import metadata
+
 from outbox.api import Intent, cancel, enqueue, enqueue_many, find, get, wait
 from outbox.errors import (
     ConfigError,
@@ -27,6 +29,13 @@ from outbox.errors import (
 from outbox.models import Event, Operation, PrunedIntent
 from outbox.resolve import resolve
 from outbox.states import Actor, State
+
+#: The installed distribution's version (``agent-outbox`` in pyproject.toml); a source tree
+#: imported without being installed has none.
+try:
+    __version__ = metadata.version("agent-outbox")
+except metadata.PackageNotFoundError:  # pragma: no cover -- only without an install
+    __version__ = "0+unknown"
 
 __all__ = [
     "Actor",
@@ -51,6 +60,7 @@ __all__ = [
     "TransitionError",
     "TransitionNotAllowed",
     "WaitTimeout",
+    "__version__",
     "cancel",
     "enqueue",
     "enqueue_many",

@@ -7,8 +7,12 @@ program at start-up with a message naming the variable (:func:`load_settings`).
 
 from __future__ import annotations
 
+import difflib
 import functools
+import logging
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,8 +20,21 @@ from pydantic import Field, HttpUrl, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from outbox.errors import ConfigError
+from outbox.logs import Action, LogFormat
 
 ENV_PREFIX = "OUTBOX_"
+
+log = logging.getLogger(__name__)
+
+#: ``OUTBOX_*`` variables read outside :class:`Settings`: known, so never warned about.
+OTHER_VARIABLES = {
+    "OUTBOX_FAULTS": "fault points armed at start (tests only; outbox.faults)",
+    "OUTBOX_TEST_DATABASE_URL": "the test suite's PostgreSQL server",
+    "OUTBOX_TEST_BROKER_URL": "the test suite's RabbitMQ",
+    "OUTBOX_BENCH_URL": "the benchmarks' PostgreSQL server",
+    "OUTBOX_IMAGE": "compose.yaml: the image to run",
+    "OUTBOX_TOOLS_FILE": "compose.yaml: the tools file mounted as OUTBOX_CONFIG",
+}
 
 #: Events an escalation webhook may subscribe to.
 WEBHOOK_EVENT_NAMES = frozenset({"needs_human", "resolved", "confirmed", "failed"})
@@ -116,6 +133,17 @@ class Settings(BaseSettings):
             "operation again (docs/deploy.md)."
         ),
     )
+    log_format: LogFormat = Field(
+        default=LogFormat.LOGFMT,
+        description="Log lines on stderr: logfmt, or json (one object per line).",
+    )
+    flower_basic_auth: SecretStr | None = Field(
+        default=None,
+        description=(
+            "Credentials `outbox flower` (and `outbox up --flower`) asks for: user:password, "
+            "comma-separated for several."
+        ),
+    )
     webhook_url: HttpUrl | None = Field(
         default=None, description="Where escalations are POSTed (http or https)."
     )
@@ -128,6 +156,11 @@ class Settings(BaseSettings):
     )
 
     _split_tools = field_validator("tools", "webhook_events", mode="before")(_split_commas)
+
+    @field_validator("log_format", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("webhook_events")
     @classmethod
@@ -168,6 +201,33 @@ def _describe(error: dict[str, Any]) -> str:
     return f"{ENV_PREFIX}{location[0].upper()}: {message}"
 
 
+def variable(field: str) -> str:
+    """The environment variable of a :class:`Settings` field: ``OUTBOX_<FIELD>``."""
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def known_variables() -> frozenset[str]:
+    """Every ``OUTBOX_*`` variable some part of the outbox reads."""
+    return frozenset(variable(name) for name in Settings.model_fields) | frozenset(OTHER_VARIABLES)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning per ``OUTBOX_*`` variable in ``environ`` that nothing reads (a misspelling:
+    ``OUTBOX_DATABSE_URL`` would otherwise be ignored silently and an embedded PostgreSQL
+    started instead), naming the closest known variable when one is close."""
+    known = known_variables()
+    # Compared without the prefix, which every name shares: OUTBOX_FOO is close to nothing.
+    suffixes = sorted(name.removeprefix(ENV_PREFIX) for name in known)
+    warnings = []
+    for name in sorted(environ):
+        upper = name.upper()  # pydantic-settings reads the names in any case
+        if upper.startswith(ENV_PREFIX) and upper not in known:
+            close = difflib.get_close_matches(upper.removeprefix(ENV_PREFIX), suffixes, n=1)
+            hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
+            warnings.append(f"unknown variable {name} is ignored{hint}")
+    return warnings
+
+
 def load_settings(**overrides: Any) -> Settings:
     """Read the settings from the environment, raising :class:`ConfigError` naming the variable."""
     try:
@@ -179,5 +239,8 @@ def load_settings(**overrides: Any) -> Settings:
 
 @functools.cache
 def get_settings() -> Settings:
-    """The process-wide settings, read once."""
+    """The process-wide settings, read once; an unknown ``OUTBOX_*`` variable is warned
+    about (once, on stderr: the logging warning reaches it even before logging is set up)."""
+    for warning in unknown_variables(os.environ):
+        log.warning(warning, extra={"action": Action.CONFIG_UNKNOWN_VARIABLE})
     return load_settings()

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from outbox.logs import Action
+
 log = logging.getLogger(__name__)
 
 ENV_VARIABLE = "OUTBOX_FAULTS"
@@ -90,7 +92,7 @@ def point(name: str) -> None:
     if arming.action is FaultAction.EXIT:
         os._exit(EXIT_STATUS)
     # Said once, so a test can tell the process is stuck exactly here before it kills it.
-    log.warning("fault point %s: hanging", name, extra={"action": "fault_hang", "point": name})
+    log.warning("fault point %s: hanging", name, extra={"action": Action.FAULT_HANG, "point": name})
     while True:  # HANG: a process that is alive but never gets further
         time.sleep(3600)
 

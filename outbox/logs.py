@@ -1,45 +1,162 @@
 """Log lines operators can grep: every line carries an ``action`` (``dispatch_sent``, …).
 
-Components log with ``extra={"action": "...", **fields}``; :func:`configure` renders
-``time level action message key=value…`` on stderr. Secrets never reach a log line: URLs are
+Components log with ``extra={"action": Action.X, **fields}``: every action is a member of
+:class:`Action`, so grepping an action's name finds the code that logs it, and a test checks
+that no module logs an action outside the catalogue. :func:`configure` renders
+each line on stderr as logfmt (``time=2026-11-29T10:00:00.000Z level=info
+action=dispatch_sent msg="…" operation_id=…``), or as one JSON object with
+``OUTBOX_LOG_FORMAT=json``; times are UTC. Secrets never reach a log line: URLs are
 redacted where they are formatted (``outbox.db.redact``) and headers are never logged.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import sys
+from datetime import UTC, datetime
+from typing import Any
 
-# Attributes every LogRecord has; anything else came from `extra=` and is printed as a field.
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
-
-
-class ActionFormatter(logging.Formatter):
-    """``2026-11-29T10:00:00 INFO dispatch_sent message key=value …``."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        """Render the record with its action and extra fields."""
-        action = getattr(record, "action", record.name)
-        fields = " ".join(
-            f"{key}={value}"
-            for key, value in vars(record).items()
-            if key not in _STANDARD and key != "action"
-        )
-        line = f"{self.formatTime(record)} {record.levelname} {action} {record.getMessage()}"
-        if fields:
-            line += f" {fields}"
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
-        return line
+import structlog
+from structlog.typing import EventDict, Processor
 
 
-def configure(level: int | str = logging.INFO) -> None:
-    """Send the outbox's logs to stderr in the action format (idempotent)."""
+class Action(enum.StrEnum):
+    """Every ``action`` a log line can carry; the value is what operators grep for."""
+
+    # Relay (outbox.relay, outbox relay)
+    RELAY_STARTED = "relay_started"
+    RELAY_STOPPING = "relay_stopping"  #: asked to stop: finishes the batch in hand
+    RELAY_STOPPED = "relay_stopped"
+    RELAY_PUBLISHED = "relay_published"
+    RELAY_ERROR = "relay_error"
+    BROKER_PRUNED = "broker_pruned"  #: messages of pruned operations dropped from the broker
+
+    # Dispatch (outbox.workers)
+    WORKER_REFUSED = "worker_refused"  #: a worker refused to start (bad configuration)
+    TOOLS_LOADED = "tools_loaded"
+    DISPATCH_SENT = "dispatch_sent"
+    DISPATCH_CONFIRMED = "dispatch_confirmed"
+    DISPATCH_FAILED = "dispatch_failed"
+    DISPATCH_UNKNOWN = "dispatch_unknown"
+    DISPATCH_REPLANNED = "dispatch_replanned"
+    DISPATCH_LOST = "dispatch_lost"  #: found in `sent`: its dispatcher died
+    DISPATCH_NEEDS_HUMAN = "dispatch_needs_human"
+    DISPATCH_LATE = "dispatch_late"  #: the outcome arrived after the row moved on
+    DISPATCH_OUTCOME_UNRECORDED = "dispatch_outcome_unrecorded"
+    DISPATCH_UNKNOWN_OPERATION = "dispatch_unknown_operation"  #: no such row (other deployment?)
+    DISPATCH_ERROR = "dispatch_error"
+    DISPATCH_DROPPED = "dispatch_dropped"
+    DISPATCH_HANDED_BACK = "dispatch_handed_back"
+    DISPATCH_HAND_BACK_FAILED = "dispatch_hand_back_failed"
+    TOOL_CALL_ABANDONED = "tool_call_abandoned"
+    BEAT_RECONNECT = "beat_reconnect"
+
+    # Sweep and reconciliation (outbox.reconcilers)
+    SWEEP_DONE = "sweep_done"
+    SWEEP_SKIPPED = "sweep_skipped"  #: another sweep holds the sweep lock
+    SWEEP_UNKNOWN = "sweep_unknown"  #: `sent` too long, lock free: moved to `unknown`
+    SWEEP_NEEDS_HUMAN = "sweep_needs_human"  #: `sent` too long, lock still held
+    SWEEP_ROW_FAILED = "sweep_row_failed"
+    SWEEP_ROW_FAILURE_UNRECORDED = "sweep_row_failure_unrecorded"
+    SWEEP_ROW_ESCALATED = "sweep_row_escalated"
+    RECONCILE_LOOKUP = "reconcile_lookup"
+    RECONCILE_REPLAY = "reconcile_replay"
+    RECONCILE_WAIT = "reconcile_wait"
+    RECONCILE_HUMAN = "reconcile_human"
+    LOOKUP_CONFIRMED = "lookup_confirmed"
+    LOOKUP_FAILED = "lookup_failed"
+    LOOKUP_PLANNED = "lookup_planned"  #: provably not applied: planned again
+    LOOKUP_NEEDS_HUMAN = "lookup_needs_human"
+    LOOKUP_LATE = "lookup_late"
+    LOOKUP_OUTCOME_UNRECORDED = "lookup_outcome_unrecorded"
+    LOOKUP_UNKNOWN_OPERATION = "lookup_unknown_operation"
+
+    # Webhooks (outbox.reconcilers.webhooks)
+    WEBHOOK_DELIVERED = "webhook_delivered"
+    WEBHOOK_RETRY = "webhook_retry"
+    WEBHOOK_ABANDONED = "webhook_abandoned"
+    WEBHOOK_LEASE_LOST = "webhook_lease_lost"
+    WEBHOOK_ERROR = "webhook_error"
+
+    # Metrics exporter (outbox.metrics, outbox metrics)
+    METRICS_STARTED = "metrics_started"
+    METRICS_STOPPED = "metrics_stopped"
+    METRICS_LISTENING = "metrics_listening"
+    METRICS_LISTEN_FAILED = "metrics_listen_failed"
+    METRICS_BASELINE_FAILED = "metrics_baseline_failed"
+    METRICS_CURSOR_RESET = "metrics_cursor_reset"
+    METRICS_SCRAPE_FAILED = "metrics_scrape_failed"
+
+    # Elsewhere
+    CONFIG_UNKNOWN_VARIABLE = "config_unknown_variable"  #: a misspelt OUTBOX_* variable?
+    ASYNC_REPLICAS_ALLOWED = "async_replicas_allowed"
+    FAULT_HANG = "fault_hang"  #: a test fault point is hanging on purpose
+
+
+class LogFormat(enum.StrEnum):
+    """How log lines are rendered (``OUTBOX_LOG_FORMAT``)."""
+
+    LOGFMT = "logfmt"  #: ``time=… level=info action=dispatch_sent msg="…" key=value``
+    JSON = "json"  #: one JSON object per line, the same keys
+
+
+#: The keys every line starts with, in this order; a record's ``extra`` fields follow.
+_FIRST_KEYS = ("time", "level", "action", "logger", "msg")
+_HANDLER_NAME = "outbox"
+
+
+def _from_record(_: Any, __: str, event: EventDict) -> EventDict:
+    """Time (UTC, ISO 8601, when the record was made), level and action of a stdlib record."""
+    record: logging.LogRecord = event["_record"]
+    when = datetime.fromtimestamp(record.created, UTC)
+    event["time"] = when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    event["level"] = record.levelname.lower()
+    if "action" not in event:
+        event["logger"] = record.name  # Celery's or a library's line: say whose it is
+    return event
+
+
+def _first_keys_first(_: Any, __: str, event: EventDict) -> EventDict:
+    """The same key order in JSON as in logfmt: time, level, action, … then the fields."""
+    first = {key: event.pop(key) for key in _FIRST_KEYS if key in event}
+    first.update(event)
+    return first
+
+
+def formatter(log_format: LogFormat) -> logging.Formatter:
+    """A stdlib formatter rendering a record and its ``extra`` fields as ``log_format``.
+
+    structlog does the rendering: logfmt quotes a value holding a space, ``=`` or ``"`` and
+    escapes newlines (a traceback stays on its line, under ``exception``); JSON renders the
+    same keys as one object per line.
+    """
+    renderer: Processor = (
+        structlog.processors.JSONRenderer()
+        if log_format is LogFormat.JSON
+        else structlog.processors.LogfmtRenderer(key_order=_FIRST_KEYS, drop_missing=True)
+    )
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.ExtraAdder(), _from_record],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.EventRenamer("msg"),
+            structlog.processors.format_exc_info,
+            _first_keys_first,
+            renderer,
+        ],
+    )
+
+
+def configure(level: int | str = logging.INFO, log_format: LogFormat = LogFormat.LOGFMT) -> None:
+    """Send the outbox's logs to stderr as ``log_format`` (the commands pass
+    ``OUTBOX_LOG_FORMAT``). Idempotent: a second call changes nothing."""
     root = logging.getLogger()
-    if any(isinstance(h.formatter, ActionFormatter) for h in root.handlers):
+    if any(handler.name == _HANDLER_NAME for handler in root.handlers):
         return
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(ActionFormatter())
+    handler.name = _HANDLER_NAME
+    handler.setFormatter(formatter(log_format))
     root.addHandler(handler)
     root.setLevel(level)
     # httpx logs every request with its full URL, which may carry a receiver's token.

@@ -51,6 +51,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from outbox import sql
+from outbox.logs import Action
 from outbox.models import DeliveryStatus
 from outbox.states import ALLOWED, State
 
@@ -180,7 +181,7 @@ class OutboxCollector:
                     log.warning(
                         "cannot read the newest event yet: %s",
                         _first_line(exc),
-                        extra={"action": "metrics_baseline_failed"},
+                        extra={"action": Action.METRICS_BASELINE_FAILED},
                     )
             return self._cursor is not None
 
@@ -214,7 +215,7 @@ class OutboxCollector:
                 "outbox.events ends at id %d, before the exporter's cursor %d: counting from it",
                 newest,
                 self._cursor,
-                extra={"action": "metrics_cursor_reset"},
+                extra={"action": Action.METRICS_CURSOR_RESET},
             )
             self._cursor = newest
             self._gaps.clear()
@@ -414,7 +415,7 @@ def _log_failure(exc: BaseException) -> None:
     log.warning(
         "metrics scrape failed: %s",
         _first_line(exc),
-        extra={"action": "metrics_scrape_failed", "error": type(exc).__name__},
+        extra={"action": Action.METRICS_SCRAPE_FAILED, "error": type(exc).__name__},
     )
 
 
@@ -471,7 +472,7 @@ class UnknownOperationListener:
                 log.warning(
                     "cannot listen for unknown-operation reports: %s",
                     _first_line(exc),
-                    extra={"action": "metrics_listen_failed"},
+                    extra={"action": Action.METRICS_LISTEN_FAILED},
                 )
             self.listening.clear()
             self._stop.wait(self.retry_s)
@@ -485,7 +486,7 @@ class UnknownOperationListener:
             log.info(
                 "counting unknown-operation reports",
                 extra={
-                    "action": "metrics_listening",
+                    "action": Action.METRICS_LISTENING,
                     "channel": sql.notify.UNKNOWN_OPERATION_CHANNEL,
                 },
             )

@@ -32,6 +32,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox import faults, sql
 from outbox.backoff import Backoff
 from outbox.errors import BrokerUnavailable
+from outbox.logs import Action
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ class Relay:
                         "relay batch failed, retrying in %.1fs: %s",
                         wait_s,
                         exc,
-                        extra={"action": "relay_error"},
+                        extra={"action": Action.RELAY_ERROR},
                     )
                     self._stop.wait(wait_s)
         finally:
@@ -213,7 +214,7 @@ class Relay:
                 "relay published %d of %d",
                 result.published,
                 result.claimed,
-                extra={"action": "relay_published", **result.__dict__},
+                extra={"action": Action.RELAY_PUBLISHED, **result.__dict__},
             )
 
     def _register(self) -> None:
@@ -224,14 +225,14 @@ class Relay:
                 sql.relay.forget_silent_relays(conn, older_than_s=self.config.silent_after_s)
                 _announce(conn, self.name, idle=False)
         except DBAPIError as exc:
-            log.warning("relay could not register: %s", exc, extra={"action": "relay_error"})
+            log.warning("relay could not register: %s", exc, extra={"action": Action.RELAY_ERROR})
 
     def _unregister(self) -> None:
         try:
             with self.engine.begin() as conn:
                 sql.relay.forget_relay(conn, self.name)
         except DBAPIError as exc:
-            log.warning("relay could not unregister: %s", exc, extra={"action": "relay_error"})
+            log.warning("relay could not unregister: %s", exc, extra={"action": Action.RELAY_ERROR})
 
 
 def _announce(conn: Connection, name: str, *, idle: bool) -> None:

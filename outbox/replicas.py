@@ -20,6 +20,7 @@ from sqlalchemy import Engine
 
 from outbox import sql
 from outbox.errors import AsyncReplicas
+from outbox.logs import Action
 from outbox.sql.deployment import Replication
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,6 @@ def check_replicas(engine: Engine, *, allow_async: bool) -> Replication:
     log.warning(
         "%s; OUTBOX_ALLOW_ASYNC_REPLICAS accepts that a failover may send an operation twice",
         described,
-        extra={"action": "async_replicas_allowed"},
+        extra={"action": Action.ASYNC_REPLICAS_ALLOWED},
     )
     return found

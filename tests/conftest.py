@@ -37,12 +37,21 @@ def _close_tool_loop() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def admin_url() -> str:
-    """A URL on a server where the tests may create databases."""
+def admin_url() -> Iterator[str]:
+    """A URL on a server where the tests may create databases.
+
+    The embedded server this session started is stopped when the session ends (it outlives
+    its process otherwise: found orphaned long after a run); one that ran before is left.
+    """
     configured = os.environ.get("OUTBOX_TEST_DATABASE_URL")
     if configured:
-        return configured
-    return embedded.ensure_running(REPO / ".outbox-test")
+        yield configured
+        return
+    home = REPO / ".outbox-test"
+    was_running = embedded.status(home).running
+    yield embedded.ensure_running(home)
+    if not was_running:
+        embedded.stop(home)
 
 
 class Databases:

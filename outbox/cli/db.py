@@ -12,8 +12,9 @@ import typer
 from sqlalchemy import Engine
 
 from outbox import migrate
+from outbox.cli import embedded
 from outbox.cli.common import connected, require_schema, transaction
-from outbox.cli.output import console, fail
+from outbox.cli.output import console
 from outbox.contracts import CONTRACTS
 from outbox.errors import ConfigError
 from outbox.sql import retention
@@ -23,6 +24,8 @@ app = typer.Typer(
     help="Manage the outbox schema (tables in the PostgreSQL schema `outbox`) and prune it.",
     no_args_is_help=True,
 )
+
+app.add_typer(embedded.app, name="embedded")
 
 
 @app.command()
@@ -42,8 +45,8 @@ def upgrade() -> None:
         console.print(f"schema upgraded from {before or 'empty'} to {after}")
 
 
-@app.command()
-def sql() -> None:
+@app.command("sql")
+def sql_command() -> None:
     """Print the DDL that creates the schema from empty, without connecting (for DBAs)."""
     sys.stdout.write(migrate.sql())
 
@@ -79,6 +82,16 @@ def parse_duration(value: str, option: str = "--older-than") -> int:
     if seconds > MAX_OLDER_THAN_S:
         raise ValueError(f"{option} {value!r} is more than 100 years (36500d)")
     return seconds
+
+
+def _duration(value: str | None) -> str | None:
+    """Option callback: a bad duration is a usage error (exit 2), before anything connects."""
+    if value is not None:
+        try:
+            parse_duration(value, option="")  # Click names the option itself
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc).strip()) from None
+    return value
 
 
 def dedup_windows() -> DedupWindows:
@@ -152,6 +165,7 @@ def prune(
         typer.Option(
             "--older-than",
             metavar="DURATION",
+            callback=_duration,
             help="Prune operations resolved more than this long ago: 30d, 12h, 90m, 3600s.",
         ),
     ],
@@ -171,6 +185,7 @@ def prune(
         typer.Option(
             "--forget-intents-older-than",
             metavar="DURATION",
+            callback=_duration,
             help="Also forget pruned intents whose operation ended more than this long ago: "
             "their keys can then be enqueued anew (default: remember them forever).",
         ),
@@ -197,15 +212,12 @@ def prune(
     run carries on; two runs at once skip each other's rows. `--dry-run` only counts.
     Meant for cron, such as a daily `outbox db prune --older-than 30d`.
     """
-    try:
-        older_than_s = parse_duration(older_than)
-        forget_s = (
-            parse_duration(forget_intents_older_than, "--forget-intents-older-than")
-            if forget_intents_older_than is not None
-            else None
-        )
-    except ValueError as exc:
-        fail(str(exc))
+    older_than_s = parse_duration(older_than)
+    forget_s = (
+        parse_duration(forget_intents_older_than, "--forget-intents-older-than")
+        if forget_intents_older_than is not None
+        else None
+    )
     require_schema()
     windows = dedup_windows()
     ago = f"resolved more than {older_than.strip()} ago"

@@ -11,22 +11,42 @@ import typer
 
 from outbox import api
 from outbox.cli.common import transaction
+from outbox.cli.extras import needs_extra
 from outbox.cli.output import console, print_json
-from outbox.errors import InvalidIntent
+from outbox.config import get_settings
 
 
 def _read_json(value: str, option: str) -> Any:
-    """Parse ``value`` as JSON; ``@path`` reads a file and ``@-`` standard input."""
+    """Parse ``value`` as JSON; ``@path`` reads a file and ``@-`` standard input.
+
+    A value that cannot be read or parsed is a usage error (exit 2) naming the option; what
+    the JSON says (a payload that is not an object, say) is the outbox's to refuse (exit 1).
+    """
     if value.startswith("@"):
         source = value[1:]
         try:
             value = sys.stdin.read() if source == "-" else Path(source).read_text("utf-8")
         except OSError as exc:
-            raise InvalidIntent(f"{option}: cannot read {source}: {exc.strerror}") from exc
+            raise typer.BadParameter(
+                f"cannot read {source}: {exc.strerror}", param_hint=f"'{option}'"
+            ) from None
     try:
         return json.loads(value)
     except json.JSONDecodeError as exc:
-        raise InvalidIntent(f"{option} is not valid JSON: {exc}") from exc
+        raise typer.BadParameter(f"not valid JSON: {exc}", param_hint=f"'{option}'") from None
+
+
+def _load_configured_tools() -> None:
+    """With tools configured (``OUTBOX_TOOLS``, ``OUTBOX_CONFIG``), load them as the workers
+    do, so that enqueue refuses a tool none of them registers instead of recording an
+    operation no worker can dispatch. Without, any well-formed tool name is accepted."""
+    settings = get_settings()
+    if not settings.tools and settings.config is None:
+        return
+    with needs_extra("worker", "enqueue"):
+        from outbox.tools import load_tools  # noqa: PLC0415 -- the [worker] extra
+
+        load_tools(settings)
 
 
 def enqueue_command(
@@ -55,8 +75,10 @@ def enqueue_command(
 
     Prints the operation. Run it again with the same --key and the same input and you get
     the same operation back; the same --key with another tool, target or payload fails with
-    an intent key conflict and writes nothing.
+    an intent key conflict and writes nothing. With OUTBOX_TOOLS or OUTBOX_CONFIG set, the
+    tools are loaded first and a tool they do not register is refused.
     """
+    _load_configured_tools()
     with transaction() as session:
         op = api.enqueue(
             session,

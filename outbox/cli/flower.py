@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from outbox.cli.extras import needs_extra
-from outbox.cli.output import errors, fail
+from outbox.cli.output import errors
 from outbox.config import get_settings
 
 #: ``user:password``, several separated by commas (Flower's own format).
@@ -51,18 +51,28 @@ def flower_command(
 
     Basic auth is required unless `--no-auth` is given: set OUTBOX_FLOWER_BASIC_AUTH.
     """
+    # Usage errors (exit 2): which of the two is wanted, and credentials Flower can read.
+    if basic_auth and no_auth:
+        raise typer.BadParameter(
+            "contradicts basic auth credentials (--basic-auth or OUTBOX_FLOWER_BASIC_AUTH); "
+            "choose one",
+            param_hint="'--no-auth'",
+        )
+    if not basic_auth and not no_auth:
+        raise typer.BadParameter(
+            "Flower needs credentials: set OUTBOX_FLOWER_BASIC_AUTH=user:password "
+            "(or --basic-auth), or pass --no-auth on a trusted network",
+            param_hint="'--basic-auth'",
+        )
+    if basic_auth and not _CREDENTIALS.match(basic_auth):
+        # Never echo the value: it is a password.
+        raise typer.BadParameter(
+            "must look like user:password (comma-separated for several)",
+            param_hint="'--basic-auth' / OUTBOX_FLOWER_BASIC_AUTH",
+        )
     with needs_extra("flower", "flower"):
         # Celery's `flower` sub-command exists only when the flower package is installed.
         importlib.import_module("flower")
-    if basic_auth and no_auth:
-        fail("--no-auth and basic auth credentials contradict each other; choose one")
-    if not basic_auth and not no_auth:
-        fail(
-            "Flower needs credentials: set OUTBOX_FLOWER_BASIC_AUTH=user:password "
-            "(or --basic-auth), or pass --no-auth on a trusted network"
-        )
-    if basic_auth and not _CREDENTIALS.match(basic_auth):
-        fail("basic auth credentials must look like user:password (comma-separated for several)")
     from outbox.cli.services import celery_app  # noqa: PLC0415 -- needs the [worker] extra
 
     settings = get_settings()

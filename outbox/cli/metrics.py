@@ -10,10 +10,11 @@ from typing import Annotated
 
 import typer
 
-from outbox import logs
 from outbox.cli.common import connected, require_schema
 from outbox.cli.extras import needs_extra
+from outbox.cli.options import LogLevel, LogLevelOption, start_logging
 from outbox.cli.output import console, fail
+from outbox.logs import Action
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def metrics_command(
         str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).")
     ] = DEFAULT_HOST,
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = DEFAULT_PORT,
-    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+    log_level: LogLevelOption = LogLevel.INFO,
 ) -> None:
     """Serve Prometheus metrics on http://HOST:PORT/metrics, until SIGTERM.
 
@@ -43,7 +44,7 @@ def metrics_command(
     with needs_extra("worker", "metrics"):
         from outbox.metrics import serve_metrics  # noqa: PLC0415 -- prometheus_client
 
-    logs.configure(log_level.upper())
+    start_logging(log_level)
     require_schema()
     stop = threading.Event()
 
@@ -60,8 +61,8 @@ def metrics_command(
         console.print(
             f"serving metrics on {server.url}", markup=False, highlight=False, soft_wrap=True
         )
-        log.info("serving on %s", server.url, extra={"action": "metrics_started"})
+        log.info("serving on %s", server.url, extra={"action": Action.METRICS_STARTED})
         while not stop.wait(0.5):
             pass
         server.shutdown()
-    log.info("metrics stopped", extra={"action": "metrics_stopped"})
+    log.info("metrics stopped", extra={"action": Action.METRICS_STOPPED})

@@ -8,6 +8,7 @@ from uuid import UUID
 
 import typer
 from rich.table import Table
+from sqlalchemy.orm import Session
 
 from outbox import api, sql
 from outbox.cli.common import transaction
@@ -54,14 +55,18 @@ def list_operations(
 
 @app.command()
 def show(
-    operation_id: Annotated[str, typer.Argument(metavar="ID", help="The operation id.")],
+    operation: Annotated[
+        str,
+        typer.Argument(metavar="ID_OR_KEY", help="The operation id, or its intent key."),
+    ],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON with `events`.")] = False,
 ) -> None:
-    """Show one operation and its audit trail (every state change, who made it and why)."""
+    """Show one operation and its audit trail (every state change, who made it and why).
+
+    Name it by id or by the intent key it was enqueued with (`outbox enqueue --key`).
+    """
     with transaction() as session:
-        op = api.get(session, operation_id)
-        if op is None:
-            raise OperationNotFound(f"no operation {operation_id}")
+        op = _by_id_or_key(session, operation)
         history = sql.intents.list_events(session, op.id)
     if as_json:
         print_json(op.to_dict() | {"events": [event.to_dict() for event in history]})
@@ -70,6 +75,23 @@ def show(
     console.print(_events_table(history))
     if op.state in RESOLVABLE_STATES:
         console.print(_resolve_hint(op), highlight=False, markup=False, soft_wrap=True)
+
+
+def _by_id_or_key(session: Session, value: str) -> Operation:
+    """The operation whose id is ``value``, else the one whose intent key is; one line if none.
+
+    An id is tried first: an intent key left to its default is the operation's own id, so
+    both readings name the same operation.
+    """
+    try:
+        op = api.get(session, UUID(value))
+    except ValueError:
+        op = None
+    if op is None:
+        op = api.find(session, value)
+    if op is None:
+        raise OperationNotFound(f"no operation with id or intent key {value!r}")
+    return op
 
 
 @app.command()

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import enum
 import json
+import logging
 import sys
 from datetime import datetime
 from typing import Any, NoReturn
 
+from pydantic.fields import FieldInfo
 from rich.console import Console
 from rich.markup import escape
 
-from outbox.config import ENV_PREFIX, Settings
+from outbox.config import Settings, variable
 
 # Not a terminal (a pipe, a log file): rich would wrap at 80 columns and cut the ids.
 console = Console(width=None if sys.stdout.isatty() else 160)
 errors = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
+
+
+class PlainFormatter(logging.Formatter):
+    """``warning: message``, as the CLI's own ``error: message`` lines: how a one-shot command
+    (which sets up no logging) shows a library's warning, such as an unknown variable."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The level in lower case and the message, nothing else."""
+        return f"{record.levelname.lower()}: {record.getMessage()}"
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -40,11 +52,31 @@ def age(since: datetime | None, now: datetime) -> str:
     return f"{seconds}s"
 
 
+def _default(field: FieldInfo) -> str:
+    """A setting's default as one would write it in the environment."""
+    value = field.get_default(call_default_factory=True)
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "none"
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    return str(value)
+
+
 def environment_help() -> str:
-    """The ``--help`` epilog listing every ``OUTBOX_*`` variable and what it does."""
+    """The ``--help`` epilog: every ``OUTBOX_*`` setting, its default and what it does.
+
+    Generated from :class:`~outbox.config.Settings`, so a new setting is listed with no
+    change here.
+    """
     header = "**Environment** (every setting; unset means the default):"
     lines = [
-        f"`{ENV_PREFIX}{name.upper()}`: {field.description}"
+        f"`{variable(name)}` (default: {_default(field)}): {field.description}"
         for name, field in Settings.model_fields.items()
     ]
     return "\n\n".join([header, *lines])

@@ -9,10 +9,11 @@ from typing import Annotated, Any
 
 import typer
 
-from outbox import logs
 from outbox.cli.common import connected, require_schema
 from outbox.cli.extras import needs_extra
+from outbox.cli.options import LogLevel, LogLevelOption, Pool, queue_list, start_logging
 from outbox.config import get_settings
+from outbox.logs import Action
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def relay_command(
             help="Operations one message may name (default: OUTBOX_OPS_PER_MESSAGE, 8).",
         ),
     ] = None,
-    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+    log_level: LogLevelOption = LogLevel.INFO,
 ) -> None:
     """Publish a dispatch message for every due `planned` operation, until SIGTERM.
 
@@ -55,7 +56,7 @@ def relay_command(
         from outbox.workers.app import OUTBOX_DEPLOYMENT_KEY, app  # noqa: PLC0415
         from outbox.workers.publish import CeleryPublisher  # noqa: PLC0415
 
-    logs.configure(log_level.upper())
+    start_logging(log_level)
     require_schema()
     settings = get_settings()
     config = RelayConfig(
@@ -70,7 +71,7 @@ def relay_command(
         relay = Relay(engine, publisher, config)
 
         def stop(signum: int, _frame: FrameType | None) -> None:
-            log.info("stopping after this batch", extra={"action": "relay_stopping"})
+            log.info("stopping after this batch", extra={"action": Action.RELAY_STOPPING})
             relay.stop()
 
         signal.signal(signal.SIGTERM, stop)
@@ -78,10 +79,13 @@ def relay_command(
         log.info(
             "relay %s started",
             relay.name,
-            extra={"action": "relay_started", "deployment": app.conf.get(OUTBOX_DEPLOYMENT_KEY)},
+            extra={
+                "action": Action.RELAY_STARTED,
+                "deployment": app.conf.get(OUTBOX_DEPLOYMENT_KEY),
+            },
         )
         relay.run_forever()
-    log.info("relay stopped", extra={"action": "relay_stopped"})
+    log.info("relay stopped", extra={"action": Action.RELAY_STOPPED})
 
 
 def celery_app(command: str) -> Any:
@@ -96,21 +100,21 @@ def celery_app(command: str) -> Any:
 
 
 def beat_command(
-    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+    log_level: LogLevelOption = LogLevel.INFO,
 ) -> None:
     """Run the schedule: a sweep every OUTBOX_SWEEP_INTERVAL seconds, webhook redelivery.
 
     Run exactly one beat per deployment (a second one only doubles harmless sweeps). Its
     schedule state lives in OUTBOX_HOME/celerybeat-schedule.
     """
+    start_logging(log_level)
     app = celery_app("beat")
-    logs.configure(log_level.upper())
     require_schema()
     home = get_settings().home
     home.mkdir(parents=True, exist_ok=True)
     schedule = str(home / "celerybeat-schedule")
     scheduler = "outbox.workers.beat:RecoveringScheduler"  # reconnects after a broker outage
-    app.start(["beat", "-l", log_level, "-s", schedule, "-S", scheduler])
+    app.start(["beat", "-l", log_level.value, "-s", schedule, "-S", scheduler])
 
 
 def worker_command(
@@ -119,6 +123,7 @@ def worker_command(
         typer.Option(
             "-Q",
             "--queues",
+            callback=queue_list,
             help="Comma-separated queues to consume: dispatch, lookup, reconcile, human.",
         ),
     ] = "dispatch,lookup,reconcile,human",
@@ -126,22 +131,22 @@ def worker_command(
         int, typer.Option("-c", "--concurrency", min=1, help="Worker processes or threads.")
     ] = 2,
     pool: Annotated[
-        str, typer.Option("-P", "--pool", help="Celery pool: prefork, threads or solo.")
-    ] = "prefork",
+        Pool, typer.Option("-P", "--pool", case_sensitive=False, help="Celery pool.")
+    ] = Pool.PREFORK,
     name: Annotated[
         str | None, typer.Option("-n", "--hostname", help="Worker name (default: celery@host).")
     ] = None,
-    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+    log_level: LogLevelOption = LogLevel.INFO,
 ) -> None:
     """Run a Celery worker on the outbox app: dispatch, lookups, sweeps, escalations.
 
     Tools come from OUTBOX_TOOLS (Python modules) and OUTBOX_CONFIG (HTTP tools in TOML).
     By default one worker consumes every queue; split them across workers with -Q.
     """
+    start_logging(log_level)
     app = celery_app("worker")
-    logs.configure(log_level.upper())
     require_schema()
-    argv = ["worker", "-Q", queues, "-c", str(concurrency), "-P", pool, "-l", log_level]
+    argv = ["worker", "-Q", queues, "-c", str(concurrency), "-P", pool.value, "-l", log_level.value]
     if name:
         argv += ["-n", name]
     app.worker_main(argv)

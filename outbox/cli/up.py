@@ -22,6 +22,7 @@ from sqlalchemy import Engine
 from outbox import migrate
 from outbox.cli.common import connected
 from outbox.cli.extras import needs_extra
+from outbox.cli.options import LogLevel
 from outbox.cli.output import console, fail
 from outbox.config import get_settings
 from outbox.db import redact
@@ -113,7 +114,10 @@ def up_command(
             help="The live panel (default on a terminal; else a status line every 10 s).",
         ),
     ] = True,
-    log_level: Annotated[str, typer.Option(help="The processes' log level.")] = "WARNING",
+    log_level: Annotated[
+        LogLevel,
+        typer.Option("--log-level", case_sensitive=False, help="The processes' log level."),
+    ] = LogLevel.WARNING,
 ) -> None:
     """Run everything on this host: migrations, relay, workers, beat, metrics (and Flower).
 
@@ -129,8 +133,11 @@ def up_command(
         importlib.import_module("outbox.metrics")
 
     settings = get_settings()
-    if flower and not os.environ.get("OUTBOX_FLOWER_BASIC_AUTH"):
-        fail("--flower needs OUTBOX_FLOWER_BASIC_AUTH=user:password (Flower is never open)")
+    if flower and settings.flower_basic_auth is None:
+        raise typer.BadParameter(
+            "needs OUTBOX_FLOWER_BASIC_AUTH=user:password (Flower is never open)",
+            param_hint="'--flower'",
+        )
     stop = threading.Event()
 
     def stopping(signum: int, _frame: FrameType | None) -> None:
@@ -178,9 +185,9 @@ def up_command(
 
 
 def _specs(  # noqa: PLR0917 -- one private call site
-    workers: int, concurrency: int, relays: int, flower: bool, flower_port: int, log_level: str
+    workers: int, concurrency: int, relays: int, flower: bool, flower_port: int, log_level: LogLevel
 ) -> list[ChildSpec]:
-    level = ("--log-level", log_level)
+    level = ("--log-level", log_level.value)
     specs = [ChildSpec(f"relay-{i}", ("relay", *level)) for i in range(1, relays + 1)]
     specs += [
         ChildSpec(

@@ -26,6 +26,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox import faults, sql, transitions
 from outbox.backoff import exponential_s, jittered
 from outbox.contracts import ToolContract
+from outbox.logs import Action as LogAction
 from outbox.reconcilers.decide import Action, decide, usable_window_s
 from outbox.reconcilers.route import apply_decision_and_commit, escalate_unroutable_and_commit
 from outbox.sql.reconcile import ReconcileFacts
@@ -106,7 +107,7 @@ def _unknown_operation(conn: Connection, op_id: UUID) -> LookupReport:
         "a lookup message names %s, which is not in this database: another deployment's "
         "message (do two share the broker's queues?), or an operation pruned since",
         op_id,
-        extra={"action": "lookup_unknown_operation", "operation_id": str(op_id)},
+        extra={"action": LogAction.LOOKUP_UNKNOWN_OPERATION, "operation_id": str(op_id)},
     )
     with conn.begin():
         sql.notify.notify_unknown_operation(conn, "lookup")
@@ -198,6 +199,15 @@ def _record(
     return _inconclusive(conn, facts, contract, result.reason, config)
 
 
+#: The log action of each move a lookup makes.
+_MOVE_ACTIONS = {
+    State.CONFIRMED: LogAction.LOOKUP_CONFIRMED,
+    State.FAILED: LogAction.LOOKUP_FAILED,
+    State.PLANNED: LogAction.LOOKUP_PLANNED,
+    State.NEEDS_HUMAN: LogAction.LOOKUP_NEEDS_HUMAN,
+}
+
+
 def _moved(conn: Connection, move: transitions.Move) -> bool:
     """Commit one lookup move; whether it applied (``False``: the row moved on meanwhile)."""
     if not isinstance(transitions.apply_and_commit(conn, move), transitions.Moved):
@@ -206,7 +216,7 @@ def _moved(conn: Connection, move: transitions.Move) -> bool:
         "%s: %s",
         move.operation_id,
         move.reason,
-        extra={"action": f"lookup_{move.to_state.value}", "operation_id": str(move.operation_id)},
+        extra={"action": _MOVE_ACTIONS[move.to_state], "operation_id": str(move.operation_id)},
     )
     return True
 
@@ -297,7 +307,10 @@ def _unrecordable(
         "lookup of %s: %s",
         facts.operation.id,
         why,
-        extra={"action": "lookup_outcome_unrecorded", "operation_id": str(facts.operation.id)},
+        extra={
+            "action": LogAction.LOOKUP_OUTCOME_UNRECORDED,
+            "operation_id": str(facts.operation.id),
+        },
     )
     if conn.in_transaction():
         conn.rollback()
@@ -324,6 +337,6 @@ def _late(conn: Connection, op_id: UUID, attempt: int, result: LookupResult) -> 
         "lookup of %s lost the race to another decision; evidence kept: %r",
         op_id,
         result,
-        extra={"action": "lookup_late", "operation_id": str(op_id)},
+        extra={"action": LogAction.LOOKUP_LATE, "operation_id": str(op_id)},
     )
     return LookupReport(op_id, LookupOutcome.LATE, repr(result))

@@ -20,6 +20,7 @@ from sqlalchemy import Engine
 
 from outbox import sql
 from outbox.locks import SWEEP_LOCK_KEY
+from outbox.logs import Action
 from outbox.reconcilers.sweep import RequestLookup, SweepConfig, Sweeper, SweepResult
 from outbox.workers.locking import release
 
@@ -50,6 +51,6 @@ def sweep_once(
     """One sweep, or ``None`` without doing anything if another sweep is running."""
     with sweep_lock(engine) as mine:
         if not mine:
-            log.debug("another sweep is running", extra={"action": "sweep_skipped"})
+            log.debug("another sweep is running", extra={"action": Action.SWEEP_SKIPPED})
             return None
         return Sweeper(engine, config=config, request_lookup=request_lookup).run_once()

@@ -8,11 +8,20 @@ from uuid import UUID
 from sqlalchemy import Connection
 
 from outbox import sql, transitions
+from outbox.logs import Action as LogAction
 from outbox.reconcilers.decide import Action, Decision
 from outbox.sql.reconcile import ReconcileFacts
 from outbox.states import Actor, State
 
 log = logging.getLogger(__name__)
+
+#: The log action of each decision carried out.
+_DECISION_ACTIONS = {
+    Action.LOOKUP: LogAction.RECONCILE_LOOKUP,
+    Action.REPLAY: LogAction.RECONCILE_REPLAY,
+    Action.WAIT: LogAction.RECONCILE_WAIT,
+    Action.HUMAN: LogAction.RECONCILE_HUMAN,
+}
 
 
 def apply_decision_and_commit(conn: Connection, facts: ReconcileFacts, decision: Decision) -> bool:
@@ -59,7 +68,7 @@ def apply_decision_and_commit(conn: Connection, facts: ReconcileFacts, decision:
         "%s: %s",
         op.id,
         decision.reason,
-        extra={"action": f"reconcile_{decision.action.value}", "operation_id": str(op.id)},
+        extra={"action": _DECISION_ACTIONS[decision.action], "operation_id": str(op.id)},
     )
     return True
 

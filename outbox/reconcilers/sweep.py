@@ -35,6 +35,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox import faults, sql, storable, transitions
 from outbox.config import Settings, get_settings
 from outbox.locks import operation_lock_key
+from outbox.logs import Action as LogAction
 from outbox.reconcilers.decide import Action, decide
 from outbox.reconcilers.lookup import facts_for
 from outbox.reconcilers.route import apply_decision_and_commit, escalate_unroutable_and_commit
@@ -43,6 +44,12 @@ from outbox.tools import REGISTRY, ToolRegistry
 from outbox.workers.locking import operation_lock, release
 
 log = logging.getLogger(__name__)
+
+#: The log action of each move out of `sent` the sweep makes.
+_MOVE_ACTIONS = {
+    State.UNKNOWN: LogAction.SWEEP_UNKNOWN,
+    State.NEEDS_HUMAN: LogAction.SWEEP_NEEDS_HUMAN,
+}
 
 RequestLookup = Callable[[UUID], None]
 
@@ -216,7 +223,7 @@ class Sweeper:
             move.attempt,
             move.reason,
             extra={
-                "action": f"sweep_{move.to_state.value}",
+                "action": _MOVE_ACTIONS[move.to_state],
                 "operation_id": str(move.operation_id),
             },
         )
@@ -242,7 +249,7 @@ class Sweeper:
             op_id,
             state.value,
             error,
-            extra={"action": "sweep_row_failed", "operation_id": str(op_id)},
+            extra={"action": LogAction.SWEEP_ROW_FAILED, "operation_id": str(op_id)},
         )
         try:
             with self.engine.begin() as conn:
@@ -275,7 +282,10 @@ class Sweeper:
                 "sweep could not record its failure on %s: %s",
                 op_id,
                 storable.error_summary(again),
-                extra={"action": "sweep_row_failure_unrecorded", "operation_id": str(op_id)},
+                extra={
+                    "action": LogAction.SWEEP_ROW_FAILURE_UNRECORDED,
+                    "operation_id": str(op_id),
+                },
             )
 
     def _escalate_failing(
@@ -308,7 +318,7 @@ class Sweeper:
             "%s: %s",
             op_id,
             reason,
-            extra={"action": "sweep_row_escalated", "operation_id": str(op_id)},
+            extra={"action": LogAction.SWEEP_ROW_ESCALATED, "operation_id": str(op_id)},
         )
 
     def _route_one(self, op_id: UUID, tool_name: str, result: SweepResult) -> None:

@@ -19,6 +19,7 @@ from celery import Task
 from celery.schedules import schedule
 
 from outbox.config import get_settings
+from outbox.logs import Action
 from outbox.reconcilers.lookup import LookupOutcome, lookup
 from outbox.reconcilers.periodic import sweep_once
 from outbox.reconcilers.sweep import SweepConfig
@@ -62,7 +63,7 @@ def sweep_task() -> dict[str, int]:
         return {"skipped": 1}
     counts = dict(vars(result))
     if any(counts.values()):
-        log.info("sweep: %s", counts, extra={"action": "sweep_done", **counts})
+        log.info("sweep: %s", counts, extra={"action": Action.SWEEP_DONE, **counts})
     return counts
 
 

@@ -35,6 +35,7 @@ from standardwebhooks import Webhook
 from outbox import faults, sql, webhooks
 from outbox.backoff import Backoff, exponential_s, jittered
 from outbox.config import Settings, get_settings
+from outbox.logs import Action
 from outbox.models import DeliveryStatus
 from outbox.sql.webhooks import AttemptOutcome, Claimed
 from outbox.webhooks import Endpoint
@@ -243,7 +244,7 @@ class WebhookDeliverer:
                         "webhook batch failed, retrying in %.1fs: %s",
                         wait_s,
                         exc,
-                        extra={"action": "webhook_error"},
+                        extra={"action": Action.WEBHOOK_ERROR},
                     )
                     self._stop.wait(wait_s)
                     continue
@@ -293,20 +294,22 @@ def _log_outcome(
         log.warning(
             "webhook %s: lease lost, outcome not recorded",
             row.id,
-            extra={"action": "webhook_lease_lost", **fields},
+            extra={"action": Action.WEBHOOK_LEASE_LOST, **fields},
         )
         return
     status, attempts = outcome.status, outcome.attempts
     fields["attempts"] = attempts
     if status is DeliveryStatus.DELIVERED:
-        log.info("webhook %s delivered", row.id, extra={"action": "webhook_delivered", **fields})
+        log.info(
+            "webhook %s delivered", row.id, extra={"action": Action.WEBHOOK_DELIVERED, **fields}
+        )
     elif status is DeliveryStatus.ABANDONED:
         log.warning(
             "webhook %s abandoned after %d attempts: %s",
             row.id,
             attempts,
             error,
-            extra={"action": "webhook_abandoned", **fields},
+            extra={"action": Action.WEBHOOK_ABANDONED, **fields},
         )
     else:
         log.warning(
@@ -314,7 +317,7 @@ def _log_outcome(
             row.id,
             error,
             retry_in,
-            extra={"action": "webhook_retry", **fields},
+            extra={"action": Action.WEBHOOK_RETRY, **fields},
         )
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from outbox.errors import SendDeadlinePassed
+from outbox.logs import Action
 from outbox.tools.base import Tool, ToolCall
 from outbox.tools.results import (
     Ambiguous,
@@ -208,7 +209,7 @@ def _invoke_sync(method: Callable[[ToolCall], object], call: ToolCall, *, kind: 
             kind,
             call.tool,
             call.timeout_s,
-            extra={"action": "tool_call_abandoned", "operation_id": call.operation_id},
+            extra={"action": Action.TOOL_CALL_ABANDONED, "operation_id": call.operation_id},
         )
         return _Failure(_deadline_reason(call))
     exc = future.exception()

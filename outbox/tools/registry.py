@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from outbox.config import Settings, get_settings
 from outbox.contracts import CONTRACTS, ContractTable, ToolContract
 from outbox.errors import ConfigError
+from outbox.logs import Action
 from outbox.tools.base import Tool
 from outbox.tools.http import load_http_tools
 
@@ -118,7 +119,7 @@ def load_tools(
     log.info(
         "%d tool(s) loaded",
         len(registry),
-        extra={"action": "tools_loaded", "tools": ",".join(registry.names())},
+        extra={"action": Action.TOOLS_LOADED, "tools": ",".join(registry.names())},
     )
     return registry
 

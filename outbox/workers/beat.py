@@ -23,6 +23,8 @@ from typing import Any
 
 from celery.beat import PersistentScheduler
 
+from outbox.logs import Action
+
 log = logging.getLogger(__name__)
 
 _WALL_AT_START = datetime.now(UTC)
@@ -69,5 +71,5 @@ class RecoveringScheduler(PersistentScheduler):  # type: ignore[misc]
                 connection.collect()
         log.warning(
             "beat could not publish; reconnecting to the broker for the next run",
-            extra={"action": "beat_reconnect"},
+            extra={"action": Action.BEAT_RECONNECT},
         )

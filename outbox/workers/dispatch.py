@@ -44,6 +44,7 @@ from outbox.backoff import exponential_s, jittered
 from outbox.canonical import canonical_json, intent_hash, payload_hash
 from outbox.contracts import ToolContract
 from outbox.errors import ReplayDeadlinePassed
+from outbox.logs import Action
 from outbox.models import Operation
 from outbox.sql.locks import DispatchView
 from outbox.states import Actor, State
@@ -213,7 +214,7 @@ def _unknown_operation(conn: Connection, op_id: UUID) -> DispatchReport:
         "a dispatch message names %s, which is not in this database: another deployment's "
         "message (do two share the broker's queues?), or an operation pruned since",
         op_id,
-        extra={"action": "dispatch_unknown_operation", "operation_id": str(op_id)},
+        extra={"action": Action.DISPATCH_UNKNOWN_OPERATION, "operation_id": str(op_id)},
     )
     sql.notify.notify_unknown_operation(conn, "dispatch")
     return DispatchReport(op_id, Outcome.GONE)
@@ -306,7 +307,7 @@ def _commit_sent(
         "attempt %d of %s committed as sent",
         sent.attempts,
         op.id,
-        extra={"action": "dispatch_sent", "operation_id": str(op.id), "tool": op.tool},
+        extra={"action": Action.DISPATCH_SENT, "operation_id": str(op.id), "tool": op.tool},
     )
     return sent, started + contract.send_deadline_s
 
@@ -342,7 +343,7 @@ def _dispatcher_lost(conn: Connection, op: Operation) -> DispatchReport:
         "attempt %d of %s lost its dispatcher; handed to the reconciler",
         op.attempts,
         op.id,
-        extra={"action": "dispatch_lost", "operation_id": str(op.id)},
+        extra={"action": Action.DISPATCH_LOST, "operation_id": str(op.id)},
     )
     return DispatchReport(op.id, Outcome.DISPATCHER_LOST, op.attempts)
 
@@ -357,7 +358,7 @@ def _to_human(conn: Connection, op: Operation, reason: str) -> DispatchReport:
         "%s needs a human: %s",
         op.id,
         reason,
-        extra={"action": "dispatch_needs_human", "operation_id": str(op.id)},
+        extra={"action": Action.DISPATCH_NEEDS_HUMAN, "operation_id": str(op.id)},
     )
     return DispatchReport(op.id, Outcome.NEEDS_HUMAN, op.attempts, reason)
 
@@ -433,6 +434,15 @@ def _classify(
     return ambiguous, Outcome.UNKNOWN
 
 
+#: The log action of each outcome an attempt records (the ones ``_classify`` returns).
+_OUTCOME_ACTIONS = {
+    Outcome.CONFIRMED: Action.DISPATCH_CONFIRMED,
+    Outcome.FAILED: Action.DISPATCH_FAILED,
+    Outcome.UNKNOWN: Action.DISPATCH_UNKNOWN,
+    Outcome.REPLANNED: Action.DISPATCH_REPLANNED,
+}
+
+
 def _record_outcome(
     conn: Connection, sent: Operation, result: DispatchResult, config: DispatchConfig
 ) -> DispatchReport:
@@ -451,7 +461,7 @@ def _record_outcome(
         sent.attempts,
         sent.id,
         reason,
-        extra={"action": f"dispatch_{outcome.value}", "operation_id": str(sent.id)},
+        extra={"action": _OUTCOME_ACTIONS[outcome], "operation_id": str(sent.id)},
     )
     return DispatchReport(sent.id, outcome, sent.attempts, reason)
 
@@ -469,7 +479,7 @@ def _unrecordable_outcome(
         sent.attempts,
         sent.id,
         reason,
-        extra={"action": "dispatch_outcome_unrecorded", "operation_id": str(sent.id)},
+        extra={"action": Action.DISPATCH_OUTCOME_UNRECORDED, "operation_id": str(sent.id)},
     )
     if conn.in_transaction():
         conn.rollback()
@@ -504,6 +514,6 @@ def _late_outcome(
         attempt,
         sent.id,
         reason,
-        extra={"action": "dispatch_late", "operation_id": str(sent.id)},
+        extra={"action": Action.DISPATCH_LATE, "operation_id": str(sent.id)},
     )
     return DispatchReport(sent.id, Outcome.LATE, attempt, reason)

@@ -31,6 +31,7 @@ from sqlalchemy import Engine
 
 from outbox import sql
 from outbox.errors import BrokerUnavailable
+from outbox.logs import Action
 from outbox.relay import OutboundMessage
 from outbox.workers.app import DISPATCH_TASK, uses_database_broker
 
@@ -97,7 +98,7 @@ class CeleryPublisher:
             log.info(
                 "pruned %d delivered messages",
                 pruned,
-                extra={"action": "broker_pruned", "messages": pruned},
+                extra={"action": Action.BROKER_PRUNED, "messages": pruned},
             )
 
     def close(self) -> None:

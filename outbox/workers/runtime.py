@@ -14,6 +14,7 @@ from sqlalchemy.pool import NullPool
 from outbox.config import get_settings
 from outbox.db import create_engine, database_errors, database_url
 from outbox.errors import AsyncReplicas, DatabaseUnavailable
+from outbox.logs import Action
 from outbox.replicas import check_replicas
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def _refuse_async_replicas(sender: object = None, **_: object) -> None:
         with database_errors(url):
             check_replicas(probe, allow_async=settings.allow_async_replicas)
     except (AsyncReplicas, DatabaseUnavailable) as exc:
-        log.error("refusing to start: %s", exc, extra={"action": "worker_refused"})  # noqa: TRY400 -- one line, no traceback
+        log.error("refusing to start: %s", exc, extra={"action": Action.WORKER_REFUSED})  # noqa: TRY400 -- one line, no traceback
         raise SystemExit(f"outbox worker: refusing to start: {exc}") from None
     finally:
         probe.dispose()

@@ -7,6 +7,7 @@ import time
 
 from celery import Task
 
+from outbox.logs import Action
 from outbox.workers import runtime
 from outbox.workers.app import DISPATCH_TASK, app
 from outbox.workers.dispatch import Outcome, dispatch
@@ -71,7 +72,7 @@ def dispatch_task(
                 log.exception(
                     "dispatching %s failed",
                     one,
-                    extra={"action": "dispatch_error", "operation_id": one},
+                    extra={"action": Action.DISPATCH_ERROR, "operation_id": one},
                 )
                 error = error or exc
                 outcomes.append("error")
@@ -90,7 +91,7 @@ def dispatch_task(
             log.info(
                 "dropping a message for %s: its lock stayed busy",
                 one,
-                extra={"action": "dispatch_dropped", "operation_id": one},
+                extra={"action": Action.DISPATCH_DROPPED, "operation_id": one},
             )
     if error is not None:
         raise error
@@ -109,13 +110,13 @@ def hand_back(task: Task, operation_ids: list[str]) -> None:
         log.exception(
             "handing %d operations back to the broker failed",
             len(operation_ids),
-            extra={"action": "dispatch_hand_back_failed", "operations": len(operation_ids)},
+            extra={"action": Action.DISPATCH_HAND_BACK_FAILED, "operations": len(operation_ids)},
         )
         return
     log.info(
         "%d operations handed back as a new message: no time left in this one",
         len(operation_ids),
-        extra={"action": "dispatch_handed_back", "operations": len(operation_ids)},
+        extra={"action": Action.DISPATCH_HANDED_BACK, "operations": len(operation_ids)},
     )
 
 

@@ -67,13 +67,13 @@ def history(engine: Engine) -> dict[str, int]:
 
 @pytest.mark.parametrize("value", ["30", "30x", "0d", "1.5h"])
 def test_a_bad_duration_is_refused_naming_it(tmp_path: Path, value: str) -> None:
-    """Not a whole number with s/m/h/d, or zero: exit 1 with one line naming the value, before
-    any connection is attempted (the database here is unreachable)."""
+    """Not a whole number with s/m/h/d, or zero: a usage error (exit 2), one line naming the
+    value, before any connection is attempted (the database here is unreachable)."""
     env = clean_environment(
         OUTBOX_DATABASE_URL="postgresql://nobody@127.0.0.1:9/none", OUTBOX_HOME=str(tmp_path)
     )
     refused = run_outbox("db", "prune", "--older-than", value, env=env)
-    assert refused.code == 1
+    assert refused.code == 2
     assert refused.stdout == ""
     _assert_one_line_error(refused.stderr, "--older-than", repr(value))
 

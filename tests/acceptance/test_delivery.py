@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from outbox import api
 from outbox.dev.service import DeployService
+from outbox.logs import Action
 from tests.acceptance.conftest import run_outbox
 from tests.processes import Services, wait_until
 from tests.proxy import TcpProxy
@@ -129,14 +130,14 @@ def test_relay_stops_cleanly_on_sigterm(services: Services) -> None:
     # before the relay has a handler (what is tested here is a running relay's stop).
     relay = services.start("relay", "relay", "--poll-interval", "30")
     wait_until(
-        lambda: "relay_started" in relay.output() or not relay.alive(),
+        lambda: Action.RELAY_STARTED in relay.output() or not relay.alive(),
         timeout=60,
         what="the relay to start",
     )
     time.sleep(1)
     assert relay.alive(), relay.output()
     assert relay.stop() == 0, relay.output()
-    assert "relay stopped" in relay.output() or "relay_stopped" in relay.output()
+    assert "relay stopped" in relay.output() or Action.RELAY_STOPPED in relay.output()
 
 
 @pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)

@@ -34,9 +34,10 @@ def _answers(url: str) -> bool:
 
 
 def test_flower_refuses_to_start_without_credentials(outbox_cli: CLI) -> None:
-    """No credentials and no --no-auth: a clear error, exit 1, nothing served."""
+    """No credentials and no --no-auth: a usage error on one line, exit 2, nothing served."""
     result = outbox_cli("flower")
-    assert result.code == 1
+    assert result.code == 2
+    assert len(result.stderr.splitlines()) == 1, result.stderr
     assert "OUTBOX_FLOWER_BASIC_AUTH" in result.stderr
     assert "--no-auth" in result.stderr
 
@@ -44,8 +45,9 @@ def test_flower_refuses_to_start_without_credentials(outbox_cli: CLI) -> None:
 def test_flower_rejects_malformed_credentials(cli_env: dict[str, str]) -> None:
     """Credentials that are not user:password are refused before anything starts."""
     result = run_outbox("flower", env={**cli_env, "OUTBOX_FLOWER_BASIC_AUTH": "no-colon"})
-    assert result.code == 1
+    assert result.code == 2
     assert "user:password" in result.stderr
+    assert "no-colon" not in result.stderr  # a password is never echoed
 
 
 @pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)

@@ -19,6 +19,7 @@ from outbox import migrate
 from outbox.db import create_engine
 from outbox.dev.clusters import LocalCluster
 from outbox.dev.stack import Service, Services
+from outbox.logs import Action
 from tests.acceptance.conftest import clean_environment
 from tests.processes import wait_until
 
@@ -109,7 +110,7 @@ def test_a_worker_refuses_async_standbys_unless_accepted_or_made_synchronous(
 
         accepted = _worker(services, "accepted", OUTBOX_ALLOW_ASYNC_REPLICAS="true")
         wait_until(lambda: _ready(accepted), timeout=60, what="the accepting worker")
-        assert "async_replicas_allowed" in accepted.output()
+        assert Action.ASYNC_REPLICAS_ALLOWED in accepted.output()
         assert accepted.stop() == 0
 
         replicated.make_synchronous()

@@ -22,6 +22,7 @@ from outbox.config import load_settings
 from outbox.db import create_engine
 from outbox.deployment import deployment_name
 from outbox.dev.service import DeployService
+from outbox.logs import Action
 from outbox.workers.app import DISPATCH_TASK, LOOKUP_TASK, celery_settings
 from tests.acceptance.conftest import clean_environment
 from tests.conftest import Databases
@@ -177,7 +178,7 @@ def test_a_foreign_message_is_logged_and_counted(deployments: list[Deployment]) 
     exporter = east.services.start("metrics", "metrics", "--port", str(port))
     worker = east.services.start("worker", "worker", "-c", "2", "-P", "threads")
     wait_until(
-        lambda: "metrics_listening" in exporter.output() and "ready" in worker.output(),
+        lambda: Action.METRICS_LISTENING in exporter.output() and "ready" in worker.output(),
         timeout=60,
         what="the exporter to listen and the worker to be ready",
     )
@@ -198,7 +199,11 @@ def test_a_foreign_message_is_logged_and_counted(deployments: list[Deployment]) 
         what="one unknown dispatch and one unknown lookup counted",
     )
     lines = worker.output().splitlines()
+    actions = {
+        "dispatch": Action.DISPATCH_UNKNOWN_OPERATION,
+        "lookup": Action.LOOKUP_UNKNOWN_OPERATION,
+    }
     for task, op_id in foreign.items():
-        [line] = [line for line in lines if f"{task}_unknown_operation" in line]
-        assert "WARNING" in line
-        assert op_id in line
+        [line] = [line for line in lines if f"action={actions[task]} " in line]
+        assert "level=warning" in line
+        assert f"operation_id={op_id}" in line

@@ -51,6 +51,7 @@ from sqlalchemy.orm import Session
 from outbox import api, sql
 from outbox.dev.service import DeployService
 from outbox.locks import operation_lock_key
+from outbox.logs import Action
 from outbox.models import Event, Operation
 from outbox.states import State
 from tests.acceptance.conftest import clean_environment
@@ -280,7 +281,7 @@ def _strand_a_zombie(stack: Stack, *, slow_requests: int) -> tuple[str, Service]
     """
     zombie = stack.worker("zombie", "dispatch", PGAPPNAME=ZOMBIE_APP)
     stack.worker("reconciler", "reconcile,lookup")
-    stack.start("relay", "relay", ready="relay_started")
+    stack.start("relay", "relay", ready=Action.RELAY_STARTED)
     stack.start("beat", "beat", ready="beat: Starting")
     with Session(stack.engine) as session, session.begin():
         op_id = str(api.enqueue(session, tool=TOOL, target="web", payload={"version": "3.1.4"}).id)

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Connection, Engine, text
 
 from outbox import sql
+from outbox.logs import Action
 from outbox.metrics import serve_metrics
 from outbox.reconcilers.lookup import LookupOutcome, lookup
 from outbox.workers.dispatch import Outcome, dispatch
@@ -44,7 +45,7 @@ def test_a_dispatch_for_an_unknown_operation_is_a_warning_and_a_report(
         report = dispatch(op_id, engine=engine)
     assert report.outcome is Outcome.GONE
     [warning] = [
-        r for r in caplog.records if getattr(r, "action", None) == "dispatch_unknown_operation"
+        r for r in caplog.records if getattr(r, "action", None) == Action.DISPATCH_UNKNOWN_OPERATION
     ]
     assert warning.levelno == logging.WARNING
     assert getattr(warning, "operation_id", None) == str(op_id)
@@ -61,7 +62,7 @@ def test_a_lookup_for_an_unknown_operation_is_a_warning_and_a_report(
         report = lookup(op_id, engine=engine)
     assert report.outcome is LookupOutcome.GONE
     [warning] = [
-        r for r in caplog.records if getattr(r, "action", None) == "lookup_unknown_operation"
+        r for r in caplog.records if getattr(r, "action", None) == Action.LOOKUP_UNKNOWN_OPERATION
     ]
     assert getattr(warning, "operation_id", None) == str(op_id)
     assert _reports(listener) == ["lookup"]

@@ -22,6 +22,7 @@ from standardwebhooks import Webhook
 from outbox import sql, webhooks
 from outbox.config import WEBHOOK_EVENT_NAMES, Settings, get_settings, load_settings
 from outbox.errors import ConfigError, StaleTransition
+from outbox.logs import Action
 from outbox.models import Delivery, DeliveryStatus, WebhookEvent
 from outbox.reconcilers.webhooks import (
     DeliveryConfig,
@@ -489,7 +490,9 @@ def test_a_delivery_failing_past_the_give_up_period_is_abandoned(
         assert deliverer.run_once().abandoned == 1
     gone = only_delivery(engine)
     assert (gone.status, gone.attempts, gone.last_status) == (DeliveryStatus.ABANDONED, 1, 500)
-    [warning] = [r for r in caplog.records if getattr(r, "action", None) == "webhook_abandoned"]
+    [warning] = [
+        r for r in caplog.records if getattr(r, "action", None) == Action.WEBHOOK_ABANDONED
+    ]
     assert warning.levelno == logging.WARNING
     assert getattr(warning, "delivery_id", None) == str(gone.id)
     age_deliveries(engine, 3600, "next_attempt_at")
@@ -530,7 +533,7 @@ def test_logs_carry_actions(
         for r in caplog.records
         if r.name == "outbox.reconcilers.webhooks"
     ]
-    assert actions == ["webhook_retry", "webhook_delivered"]
+    assert actions == [Action.WEBHOOK_RETRY, Action.WEBHOOK_DELIVERED]
     assert all("/hooks/outbox" not in r.getMessage() for r in caplog.records)
 
 

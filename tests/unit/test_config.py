@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from outbox.config import WEBHOOK_EVENT_NAMES, load_settings
+from outbox.cli.output import environment_help
+from outbox.config import (
+    OTHER_VARIABLES,
+    WEBHOOK_EVENT_NAMES,
+    Settings,
+    load_settings,
+    unknown_variables,
+    variable,
+)
 from outbox.errors import ConfigError
 from outbox.reconcilers.sweep import SweepConfig
 from outbox.workers.app import (
@@ -253,3 +261,43 @@ def test_every_queue_and_exchange_is_the_deployments_own() -> None:
     assert app.conf.event_exchange == "outbox.east.celeryev"
     west = celery_settings(settings, deployment="west")
     assert not {q.name for q in west["task_queues"]} & set(app.amqp.queues)
+
+
+def test_a_misspelt_variable_is_named_with_the_closest_known_one() -> None:
+    """OUTBOX_DATABSE_URL is not silently ignored: the warning names it and the right one."""
+    assert unknown_variables({"OUTBOX_DATABSE_URL": "postgresql://x"}) == [
+        "unknown variable OUTBOX_DATABSE_URL is ignored; did you mean OUTBOX_DATABASE_URL?"
+    ]
+    assert unknown_variables({"OUTBOX_SWEEP_INTERVALL": "5"}) == [
+        "unknown variable OUTBOX_SWEEP_INTERVALL is ignored; did you mean OUTBOX_SWEEP_INTERVAL?"
+    ]
+
+
+def test_a_variable_close_to_nothing_is_named_alone() -> None:
+    """No suggestion when nothing is close (the shared OUTBOX_ prefix does not count)."""
+    assert unknown_variables({"OUTBOX_FOO": "1"}) == ["unknown variable OUTBOX_FOO is ignored"]
+
+
+def test_known_and_foreign_variables_are_not_warned_about() -> None:
+    """Every setting (in any case), the variables read elsewhere, and non-outbox names pass."""
+    environ = {variable(name): "x" for name in Settings.model_fields}
+    environ |= dict.fromkeys(OTHER_VARIABLES, "x")
+    environ |= {"outbox_home": "home", "PATH": "/bin", "NOT_OUTBOX_X": "1"}
+    assert unknown_variables(environ) == []
+
+
+def test_the_help_lists_every_setting_with_its_default() -> None:
+    """Generated from the model: each variable, its default as written in the environment."""
+    epilog = environment_help()
+    for name in Settings.model_fields:
+        assert f"`{variable(name)}` (default: " in epilog
+    for shown in (
+        "`OUTBOX_SENT_TIMEOUT` (default: 60)",
+        "`OUTBOX_HOME` (default: .outbox)",
+        "`OUTBOX_TASK_EVENTS` (default: true)",
+        "`OUTBOX_LOG_FORMAT` (default: logfmt)",
+        "`OUTBOX_WEBHOOK_EVENTS` (default: needs_human,resolved)",
+        "`OUTBOX_FLOWER_BASIC_AUTH` (default: unset)",
+        "`OUTBOX_TOOLS` (default: none)",
+    ):
+        assert shown in epilog
