@@ -128,11 +128,22 @@ def worker_command(
         ),
     ] = "dispatch,lookup,reconcile,human",
     concurrency: Annotated[
-        int, typer.Option("-c", "--concurrency", min=1, help="Worker processes or threads.")
-    ] = 2,
+        int,
+        typer.Option("-c", "--concurrency", min=1, help="Threads (or processes with -P prefork)."),
+    ] = 8,
     pool: Annotated[
-        Pool, typer.Option("-P", "--pool", case_sensitive=False, help="Celery pool.")
-    ] = Pool.PREFORK,
+        Pool,
+        typer.Option(
+            "-P",
+            "--pool",
+            case_sensitive=False,
+            help=(
+                "Celery pool. threads (the default) suits tools that wait on the network; "
+                "prefork for CPU-bound Python tools or ones that may hang in C code "
+                "(only prefork enforces Celery's hard time limit)."
+            ),
+        ),
+    ] = Pool.THREADS,
     name: Annotated[
         str | None, typer.Option("-n", "--hostname", help="Worker name (default: celery@host).")
     ] = None,
