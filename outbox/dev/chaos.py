@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
@@ -499,7 +499,7 @@ class _Run:
                         pid = sql.locks.lock_holder_pid(conn, operation_lock_key(uuid.UUID(key)))
                         if pid is None:
                             continue
-                        conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+                        sql.dev.terminate_backend(conn, pid)
                         self.say(f"cut the database connection of the dispatcher of {key}")
                         return 1
                 stack.revive()
@@ -546,9 +546,7 @@ class _Run:
         started: float,
     ) -> ChaosReport:
         with engine.connect() as conn:
-            rows = conn.execute(
-                text("SELECT intent_key, id::text, state, remote_ref FROM outbox.operations")
-            ).all()
+            rows = sql.dev.outcomes(conn)
         by_key = service.effects_by_key()
         keys = {str(row.intent_key) for row in rows}
         decided = {str(row.intent_key) for row in rows if row.state in DECIDED}
@@ -588,9 +586,6 @@ class _Run:
 def _states(engine: Engine) -> dict[str, int]:
     try:
         with engine.connect() as conn:
-            rows = conn.execute(
-                text("SELECT state, count(*) FROM outbox.operations GROUP BY state")
-            )
-            return {str(state): int(count) for state, count in rows}
+            return sql.dev.state_counts(conn)
     except DBAPIError:
         return {}

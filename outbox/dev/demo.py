@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from outbox import api
+from outbox import api, sql
 from outbox.dev.service import DeployService
 from outbox.dev.tool_config import TOOL, http_tool_toml
 from outbox.errors import IntentConflict, OutboxError
@@ -157,14 +157,7 @@ def _check_not_crash_looping(supervisor: Supervisor) -> None:
 
 def _states(engine: Engine, run: str) -> dict[str, int]:
     with engine.connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT state, count(*) FROM outbox.operations WHERE intent_key LIKE :prefix "
-                "GROUP BY state"
-            ),
-            {"prefix": f"demo-{run}-%"},
-        )
-        return {str(state): int(n) for state, n in rows}
+        return sql.dev.state_counts(conn, prefix=f"demo-{run}-")
 
 
 class Demo:
@@ -311,13 +304,7 @@ class Demo:
         ledger = {effect.key: effect.id for effect in service.ledger()}
         ours = set(ids.values())
         with self.engine.connect() as conn:
-            rows = conn.execute(
-                text(
-                    "SELECT id::text, tool, state, remote_ref FROM outbox.operations "
-                    "WHERE intent_key LIKE :prefix ORDER BY created_at"
-                ),
-                {"prefix": f"demo-{self.run_id}-%"},
-            ).all()
+            rows = sql.dev.outcomes(conn, prefix=f"demo-{self.run_id}-")
         wrong = service.contradicted((row.id, row.state, row.remote_ref) for row in rows)
         waiting = [
             (row.id, row.tool, ledger.get(row.id)) for row in rows if row.state == "needs_human"

@@ -36,10 +36,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Literal
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from outbox import api, migrate
+from outbox import api, migrate, sql
 from outbox.db import create_engine
 from outbox.dev.clusters import LocalCluster
 from outbox.dev.ownership import confirm_owned
@@ -171,16 +171,12 @@ class ScenarioReport:
 
 def _states(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
-        rows = conn.execute(text("SELECT state, count(*) FROM outbox.operations GROUP BY state"))
-        return {str(state): int(count) for state, count in rows}
+        return sql.dev.state_counts(conn)
 
 
 def _escalated_ids(engine: Engine) -> set[str]:
     with engine.connect() as conn:
-        rows = conn.execute(
-            text("SELECT id::text FROM outbox.operations WHERE state = 'needs_human'")
-        )
-        return {str(row[0]) for row in rows}
+        return {op.id for op in sql.dev.outcomes(conn) if op.state == "needs_human"}
 
 
 def run_scenario(
@@ -261,7 +257,7 @@ def _run(
     migrate.upgrade(engine)
     with engine.begin() as conn:
         # Emptied: the checks count every row. run_scenario made sure the database is ours.
-        conn.execute(text("TRUNCATE outbox.operations, outbox.pruned_intents CASCADE"))
+        sql.dev.empty_operations(conn)
     secret = "whsec_" + b64encode(secrets.token_bytes(24)).decode()
     rates = {fault: share * ambiguous_rate for fault, share in AMBIGUOUS_MIX.items()}
     with (
@@ -367,10 +363,8 @@ def _report(  # noqa: PLR0917 -- one private call site, every value named there
     if hooks.invalid:
         problems.append(f"{hooks.invalid} webhooks had a bad signature")
     with engine.connect() as conn:
-        rows = conn.execute(
-            text("SELECT id::text, remote_ref FROM outbox.operations WHERE state = 'confirmed'")
-        ).all()
-    wrong = service.contradicted((str(op_id), "confirmed", ref) for op_id, ref in rows)
+        confirmed = [op for op in sql.dev.outcomes(conn) if op.state == "confirmed"]
+    wrong = service.contradicted((op.id, op.state, op.remote_ref) for op in confirmed)
     if wrong:
         problems.append(f"{wrong} confirmed operations whose remote_ref is not in the ledger")
     return ScenarioReport(

@@ -33,13 +33,15 @@ read, ``synchronous_commit``), :mod:`~outbox.sql.reconcile` (the sweep and looku
 :mod:`~outbox.sql.resolve` (operator verdicts), :mod:`~outbox.sql.webhooks` (delivery rows),
 :mod:`~outbox.sql.metrics`, :mod:`~outbox.sql.retention` (prune, forget),
 :mod:`~outbox.sql.deployment` (the database's identity, its standbys),
-:mod:`~outbox.sql.broker` (the database broker's tables) and :mod:`~outbox.sql.moves` (the
-state moves' statements, run only by :mod:`outbox.transitions`).
+:mod:`~outbox.sql.broker` (the database broker's tables), :mod:`~outbox.sql.moves` (the
+state moves' statements, run only by :mod:`outbox.transitions`) and :mod:`~outbox.sql.dev`
+(statements only the dev tooling runs: the demo's and chaos's reports, the scenario's reset).
 """
 
 from outbox.sql import (
     broker,
     deployment,
+    dev,
     intents,
     locks,
     metrics,
@@ -55,6 +57,7 @@ from outbox.sql import (
 __all__ = [
     "broker",
     "deployment",
+    "dev",
     "intents",
     "locks",
     "metrics",

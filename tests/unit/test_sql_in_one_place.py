@@ -29,9 +29,9 @@ ALLOWED = {
     "migrations/",
     # Table definitions: server defaults and partial-index predicates are DDL fragments.
     "schema.py",
-    # TEMPORARY (issue 18, being merged): the dev tooling's reads and TRUNCATE move to
-    # outbox/sql/; the reference service's own SQLite ledger stays (a fake remote's store).
-    "dev/",
+    # The reference service's own SQLite ledger: a fake remote's store, not the outbox's
+    # database (its statements are still constants, checked below).
+    "dev/service/ledger.py",
 }
 
 # Uppercase keywords in the shapes statements take, not the words of prose.
@@ -163,6 +163,14 @@ def test_no_sql_built_from_strings_in_the_sql_package() -> None:
         for where in _built_sql(path)
     ]
     assert offenders == [], "SQL built from strings:\n" + "\n".join(offenders)
+
+
+def test_the_reference_service_ledger_builds_no_sql_from_strings() -> None:
+    """Allowed its own SQL (a fake remote's SQLite store), the ledger still writes it out."""
+    ledger = OUTBOX / "dev" / "service" / "ledger.py"
+    assert _allowed(ledger)
+    assert _sql_literals(ledger), "the ledger's statements moved: update ALLOWED"
+    assert _built_sql(ledger) == []
 
 
 def test_every_text_statement_is_a_module_constant() -> None:

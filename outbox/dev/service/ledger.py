@@ -52,7 +52,20 @@ CREATE TABLE IF NOT EXISTS effects (
 );
 CREATE INDEX IF NOT EXISTS effects_by_key ON effects (key, seq);
 """
-_COLUMNS = "seq, target, key, payload, created_at"
+# Each statement written out whole: no SQL is built from strings, even here.
+_LATEST_OF_KEY = (
+    "SELECT seq, target, key, payload, created_at FROM effects "
+    "WHERE key = ? ORDER BY seq DESC LIMIT 1"
+)
+_FIRST_OF_TARGET_AND_KEY = (
+    "SELECT seq, target, key, payload, created_at FROM effects "
+    "WHERE key = ? AND target = ? ORDER BY seq LIMIT 1"
+)
+_ALL = "SELECT seq, target, key, payload, created_at FROM effects ORDER BY seq"
+_INSERT = "INSERT INTO effects (target, key, payload, created_at) VALUES (?, ?, ?, ?)"
+_COUNTS_BY_KEY = "SELECT key, count(*) FROM effects GROUP BY key ORDER BY min(seq)"
+_CLEAR = "DELETE FROM effects"
+#: A row of the three reads above.
 _Row = tuple[int, str, str, str, float]
 
 
@@ -89,17 +102,11 @@ class Ledger:
             self._check_open()
             now = time.time()
             if window_s is not None:
-                row: _Row | None = self._db.execute(
-                    f"SELECT {_COLUMNS} FROM effects WHERE key = ? ORDER BY seq DESC LIMIT 1",  # noqa: S608 - constant columns
-                    (key,),
-                ).fetchone()
+                row: _Row | None = self._db.execute(_LATEST_OF_KEY, (key,)).fetchone()
                 if row is not None and now - row[4] < window_s:
                     same = row[1] == target and row[3] == payload
                     return ("deduplicated" if same else "key_reused"), _effect(row)
-            cursor = self._db.execute(
-                "INSERT INTO effects (target, key, payload, created_at) VALUES (?, ?, ?, ?)",
-                (target, key, payload, now),
-            )
+            cursor = self._db.execute(_INSERT, (target, key, payload, now))
             seq = cursor.lastrowid
         assert seq is not None  # noqa: S101 - sqlite sets it after an INSERT
         return "created", _effect((seq, target, key, payload, now))
@@ -108,35 +115,28 @@ class Ledger:
         """The first effect with this key for this target, if any."""
         with self._lock:
             self._check_open()
-            row: _Row | None = self._db.execute(
-                f"SELECT {_COLUMNS} FROM effects WHERE key = ? AND target = ? ORDER BY seq LIMIT 1",  # noqa: S608 - constant columns
-                (key, target),
-            ).fetchone()
+            row: _Row | None = self._db.execute(_FIRST_OF_TARGET_AND_KEY, (key, target)).fetchone()
         return None if row is None else _effect(row)
 
     def effects(self) -> list[Effect]:
         """Every effect, in commit order."""
         with self._lock:
             self._check_open()
-            rows: list[_Row] = self._db.execute(
-                f"SELECT {_COLUMNS} FROM effects ORDER BY seq"  # noqa: S608 - constant columns
-            ).fetchall()
+            rows: list[_Row] = self._db.execute(_ALL).fetchall()
         return [_effect(row) for row in rows]
 
     def counts_by_key(self) -> dict[str, int]:
         """How many effects each key has, keys in order of their first effect."""
         with self._lock:
             self._check_open()
-            rows: list[tuple[str, int]] = self._db.execute(
-                "SELECT key, count(*) FROM effects GROUP BY key ORDER BY min(seq)"
-            ).fetchall()
+            rows: list[tuple[str, int]] = self._db.execute(_COUNTS_BY_KEY).fetchall()
         return dict(rows)
 
     def clear(self) -> None:
         """Forget every effect (ids keep counting up)."""
         with self._lock:
             self._check_open()
-            self._db.execute("DELETE FROM effects")
+            self._db.execute(_CLEAR)
 
     def close(self) -> None:
         """Close the connection; later calls raise :class:`LedgerClosed`."""
