@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 from pathlib import Path
 from typing import Annotated
@@ -10,6 +11,14 @@ import typer
 from rich.table import Table
 
 from outbox.cli.output import console, fail
+
+
+class Broker(enum.StrEnum):
+    """``chaos --broker`` (``outbox.dev.chaos.BrokerKind``, spelled here without importing the
+    chaos machinery)."""
+
+    RABBITMQ = "rabbitmq"
+    DATABASE = "database"
 
 
 def chaos_command(
@@ -42,9 +51,10 @@ def chaos_command(
         float, typer.Option(min=0.0, max=1.0, help="Share of calls with a faulted outcome.")
     ] = 0.2,
     broker: Annotated[
-        str | None,
+        Broker | None,
         typer.Option(
-            help="rabbitmq or database (default: RabbitMQ if it can start a node of its own)."
+            case_sensitive=False,
+            help="The broker (default: RabbitMQ if it can start a node of its own).",
         ),
     ] = None,
     rabbitmq_node: Annotated[
@@ -84,8 +94,6 @@ def chaos_command(
     # Deferred: the chaos machinery (process runner, reference service) loads only here.
     from outbox.dev.chaos import ChaosConfig, ChaosRefused, run_chaos  # noqa: PLC0415
 
-    if broker not in {None, "rabbitmq", "database"}:
-        fail(f"unknown --broker {broker!r}; choose rabbitmq or database", code=2)
     config = ChaosConfig(
         intents=intents,
         kills=kills,
@@ -96,7 +104,7 @@ def chaos_command(
         settle_s=settle,
         ambiguous_rate=ambiguous_rate,
         seed=seed,
-        broker=broker,  # type: ignore[arg-type]
+        broker=None if broker is None else broker.value,
         rabbitmq_node=rabbitmq_node,
         workdir=workdir,
         keep=keep or workdir is not None,

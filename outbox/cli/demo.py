@@ -10,6 +10,7 @@ from rich.table import Table
 
 from outbox import migrate
 from outbox.cli.common import connected
+from outbox.cli.extras import needs_extra
 from outbox.cli.output import console
 from outbox.config import get_settings
 from outbox.db import redact
@@ -35,7 +36,10 @@ def demo_command(
     release created twice, every operation decided, every verdict matching the service.
     The demo's operations stay in the database (intent keys `demo-<run>-…`).
     """
-    from outbox.dev.demo import Demo  # noqa: PLC0415 -- loads the reference service only here
+    # Deferred: the demo runs a worker, relay and beat and serves metrics, which need the
+    # [worker] extra; it loads (with the reference service) only here.
+    with needs_extra("worker", "demo"):
+        from outbox.dev.demo import Demo  # noqa: PLC0415
 
     with connected() as engine:
         url = engine.url.render_as_string(hide_password=False)

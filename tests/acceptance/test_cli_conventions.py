@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from importlib import metadata
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
 import outbox
+from outbox.cli.chaos import Broker
+from outbox.cli.dev import ScenarioMode
 from outbox.cli.options import QUEUE_NAMES
 from tests.acceptance.conftest import CLI, clean_environment, run_outbox
 from tests.tool_configs import TOOL, http_tool_toml
@@ -56,6 +59,9 @@ def test_version_is_the_installed_distributions(tmp_path: Path) -> None:
         (["ops", "show"], "ID_OR_KEY"),
         (["webhooks", "list", "--status", "lost-in-space"], "--status"),
         (["db", "prune", "--older-than", "3 weeks"], "--older-than"),
+        (["dev", "scenario", "--mode", "BAD"], "--mode"),
+        (["dev", "scenario", "--mode", "lookup", "--mode", "sideways"], "--mode"),
+        (["chaos", "--broker", "BAD"], "--broker"),
         (["enqueue", "--tool", TOOL, "--target", "t", "--payload", "{x"], "--payload"),
         (
             ["enqueue", "--tool", TOOL, "--target", "t", "--payload", "{}", "--metadata", "["],
@@ -87,6 +93,15 @@ def test_the_queue_choices_are_the_workers_queues() -> None:
     from outbox.workers.app import QUEUES  # noqa: PLC0415 -- the [worker] extra
 
     assert set(QUEUE_NAMES) == set(QUEUES)
+
+
+def test_the_dev_choices_are_what_the_dev_tooling_runs() -> None:
+    """``dev scenario --mode`` and ``chaos --broker`` accept exactly the tooling's values."""
+    from outbox.dev.chaos import BrokerKind  # noqa: PLC0415 -- the chaos machinery
+    from outbox.dev.scenario import MODES  # noqa: PLC0415 -- the [worker] extra
+
+    assert [mode.value for mode in ScenarioMode] == list(MODES)
+    assert {broker.value for broker in Broker} == set(get_args(BrokerKind))
 
 
 def test_ops_show_takes_an_id_or_an_intent_key(outbox_cli: CLI) -> None:

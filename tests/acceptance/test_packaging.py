@@ -227,6 +227,7 @@ def test_the_base_install_cli_helps_and_names_the_extra_a_command_needs(
         (["relay"], "worker"),
         (["beat"], "worker"),
         (["metrics"], "worker"),
+        (["demo"], "worker"),
         (["flower", "--no-auth"], "flower"),
     ):
         result = base_install.run("outbox", *command, env=env)
@@ -241,4 +242,5 @@ def test_the_base_install_cli_helps_and_names_the_extra_a_command_needs(
 def _missing(extra: str, command: str) -> str:
     if extra == "flower":
         return "flower"
-    return "prometheus_client" if command == "metrics" else "celery"
+    # Both serve metrics: prometheus_client is the first of the extra's modules they import.
+    return "prometheus_client" if command in {"metrics", "demo"} else "celery"
