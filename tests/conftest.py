@@ -36,22 +36,39 @@ def _close_tool_loop() -> Iterator[None]:
     close_thread_loop()
 
 
+#: The embedded clusters a run can start in the repository: the tests' own, and the CLI's
+#: default ``OUTBOX_HOME`` (a command run there with nothing configured starts it).
+_REPO_CLUSTERS = (REPO / ".outbox-test", REPO / ".outbox")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_the_embedded_servers_this_session_started() -> Iterator[None]:
+    """Every embedded server under the repository that this session started, by any test or
+    subprocess, is stopped when it ends; one that ran before the session is left running.
+
+    Without it a server outlived the run (found orphaned, parent 1, long after), and the next
+    session took it for one that ran before and left it too.
+    """
+    before = {home: embedded.status(home).running for home in _REPO_CLUSTERS}
+    yield
+    for home, was_running in before.items():
+        if not was_running:
+            embedded.stop(home)
+
+
 @pytest.fixture(scope="session")
 def admin_url() -> Iterator[str]:
     """A URL on a server where the tests may create databases.
 
-    The embedded server this session started is stopped when the session ends (it outlives
-    its process otherwise: found orphaned long after a run); one that ran before is left.
+    The embedded server this session started is stopped when the session ends
+    (:func:`_stop_the_embedded_servers_this_session_started`).
     """
     configured = os.environ.get("OUTBOX_TEST_DATABASE_URL")
     if configured:
         yield configured
         return
-    home = REPO / ".outbox-test"
-    was_running = embedded.status(home).running
-    yield embedded.ensure_running(home)
-    if not was_running:
-        embedded.stop(home)
+    # Stopped at the end of the session if it started here (the fixture above).
+    yield embedded.ensure_running(REPO / ".outbox-test")
 
 
 class Databases:
