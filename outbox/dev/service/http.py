@@ -44,7 +44,7 @@ from outbox.dev.service.ledger import Effect, Ledger, LedgerClosed
 from outbox.dev.service.stats import Stats
 
 
-class DeployService(Protocol):
+class ServedService(Protocol):
     """What the HTTP handlers use of :class:`outbox.dev.service.service.DeployService`
     (a protocol, so the service imports its server and not the other way round)."""
 
@@ -231,7 +231,7 @@ class _Handler(BaseHTTPRequestHandler):
         with service.handling(key):
             return self._create_keyed(service, target, key, body)
 
-    def _create_keyed(self, service: DeployService, target: str, key: str, body: bytes) -> _Reply:
+    def _create_keyed(self, service: ServedService, target: str, key: str, body: bytes) -> _Reply:
         try:
             payload = _parse_json(body, "the body")
             text = _canonical_text(payload)
@@ -353,13 +353,14 @@ def _duplicates(effects: Sequence[Effect]) -> dict[str, Any]:
 
 
 class Server(ThreadingHTTPServer):
-    """The threading HTTP server of one :class:`DeployService`; it can reset a connection."""
+    """The threading HTTP server of one deploy service (:class:`ServedService`); it can reset
+    a connection."""
 
     daemon_threads = True  # a request sleeping in a fault must not hold up the process's exit
     request_queue_size = 128  # bursts of concurrent clients in benchmarks
     allow_reuse_port = False  # "port in use" must be an error, not a second listener
 
-    def __init__(self, address: tuple[str, int], service: DeployService) -> None:
+    def __init__(self, address: tuple[str, int], service: ServedService) -> None:
         self.service = service
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
