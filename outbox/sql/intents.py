@@ -283,3 +283,15 @@ _FORGET_WAITER = text(
 def forget_waiter(executor: Executor, operation_id: UUID) -> None:
     """Undo :func:`register_waiter` for this session."""
     executor.execute(_FORGET_WAITER, {"operation_id": operation_id})
+
+
+_GET_OPERATIONS = select(operations).where(
+    operations.c.id.in_(bindparam("operation_ids", expanding=True))
+)
+
+
+def get_operations(executor: Executor, operation_ids: Sequence[UUID]) -> list[Operation]:
+    """The operations with these ids (those that exist), in no particular order: the
+    re-reads of many waiters (:mod:`outbox.aio`) in one round trip."""
+    rows = executor.execute(_GET_OPERATIONS, {"operation_ids": list(operation_ids)})
+    return [Operation.from_row(row) for row in rows.mappings()]

@@ -1,0 +1,275 @@
+"""The asyncio agent API (``outbox.aio``): the event loop's lag under load, and its enqueue rate
+against the sync API's, side by side in one run.
+
+* **Event-loop lag**: ``--waiters`` (default 200) tasks on one loop, each ``enqueue`` in an
+  ``AsyncSession`` + COMMIT, then ``wait`` for its operation, while a settler process moves each
+  planned operation to ``confirmed`` through the real transitions (as a dispatcher would: their
+  NOTIFY wakes the waiters). A ticker task sleeps 5 ms over and over and records how late it
+  wakes: p50, p99 and max (target: p99 under 20 ms). Also: the time until every waiter had
+  its operation back, and the most PostgreSQL connections open on the database meanwhile.
+* **Enqueue rate**: ``enqueue()+COMMIT`` one at a time on one connection, sync
+  (``Connection``, ``Session``) and async (``AsyncConnection``, ``AsyncSession``), and their
+  ratio (target: async at least 0.9x sync).
+
+Usage: python bench/aio.py [--url postgresql://...] [--rounds 3] [--ops 2000] [--waiters 200]
+[--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing
+import multiprocessing.synchronize
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# The bench directory is not a package: `python bench/aio.py` puts it on sys.path.
+from arguments import add_common_arguments
+from report import Results, print_table, write_json
+from rounds import Case, percentile, run_rounds
+from sqlalchemy import Engine, text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
+from throwaway import throwaway_database
+
+from outbox import aio, api, transitions
+from outbox.db import create_async_engine, create_engine
+from outbox.states import Actor, State
+
+Rate = Mapping[str, tuple[float, str]]
+TOOL = "deploy.create_release"
+#: The ticker's sleep: it measures how much later than this it wakes.
+TICK_S = 0.005
+#: Connections of the agents' async engine in the lag case (the waiters add two: the listener).
+AGENT_POOL = 10
+
+
+def _settle(url: str, stop: multiprocessing.synchronize.Event) -> None:
+    """In a process of its own: move every planned operation to sent then confirmed, each
+    in its own transaction, as a dispatcher would, until ``stop``."""
+    engine = create_engine(url, pool_size=2)
+    try:
+        while not stop.is_set():
+            with engine.connect() as conn:
+                ids = list(
+                    conn.execute(
+                        text("SELECT id FROM outbox.operations WHERE state = 'planned' LIMIT 500")
+                    ).scalars()
+                )
+            for operation_id in ids:
+                with Session(engine) as session, session.begin():
+                    transitions.apply(
+                        session, transitions.mark_sent(operation_id, attempt=0, reason="bench")
+                    )
+                    transitions.apply(
+                        session,
+                        transitions.confirm(
+                            operation_id,
+                            from_state=State.SENT,
+                            actor=Actor.DISPATCHER,
+                            attempt=1,
+                            reason="bench",
+                            remote_ref="bench",
+                        ),
+                    )
+            if not ids:
+                time.sleep(0.005)
+    finally:
+        engine.dispose()
+
+
+class AioBench:
+    """The cases, sharing one throw-away database."""
+
+    def __init__(self, url: str, engine: Engine, args: argparse.Namespace) -> None:
+        self.url = url
+        self.engine = engine
+        self.ops: int = args.ops
+        self.waiters: int = args.waiters
+
+    def _payload(self, i: int) -> dict[str, Any]:
+        return {"version": f"1.{i}", "run": uuid.uuid4().hex}
+
+    # --- lag ------------------------------------------------------------------------------
+
+    def lag(self) -> Rate:
+        """N concurrent enqueue+commit+wait on one loop; the ticker's lateness."""
+        return asyncio.run(self._lag())
+
+    async def _lag(self) -> Rate:
+        engine = create_async_engine(self.url, pool_size=AGENT_POOL, max_overflow=0)
+        lags: list[float] = []
+        connections: list[int] = []
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            while not done.is_set():
+                before = time.perf_counter()
+                await asyncio.sleep(TICK_S)
+                lags.append(max(0.0, time.perf_counter() - before - TICK_S))
+
+        async def agent(i: int) -> None:
+            async with AsyncSession(engine) as session, session.begin():
+                op = await aio.enqueue(session, tool=TOOL, target="lag", payload=self._payload(i))
+            settled = await aio.wait(op.id, timeout=120, engine=engine)
+            assert settled.state is State.CONFIRMED, settled
+
+        def count_connections() -> None:
+            with self.engine.connect() as conn:
+                connections.append(
+                    int(
+                        conn.execute(
+                            text(
+                                "SELECT count(*) FROM pg_stat_activity "
+                                "WHERE datname = current_database()"
+                            )
+                        ).scalar_one()
+                    )
+                )
+
+        async def sample() -> None:
+            while not done.is_set():
+                await asyncio.to_thread(count_connections)
+                await asyncio.sleep(0.05)
+
+        try:
+            tick = asyncio.create_task(ticker())
+            sampler = asyncio.create_task(sample())
+            await asyncio.sleep(0.05)  # the ticker's baseline before the load
+            started = time.perf_counter()
+            await asyncio.gather(*(agent(i) for i in range(self.waiters)))
+            elapsed = time.perf_counter() - started
+            done.set()
+            await tick
+            await sampler
+        finally:
+            await aio.close()
+            await engine.dispose()
+        ms = [lag * 1000 for lag in lags]
+        return {
+            "loop lag p50": (percentile(ms, 50), "ms"),
+            "loop lag p99": (percentile(ms, 99), "ms"),
+            "loop lag max": (max(ms), "ms"),
+            f"{self.waiters} enqueue+commit+wait": (elapsed, "s"),
+            "connections open (max, whole database)": (float(max(connections)), ""),
+        }
+
+    # --- enqueue rate ---------------------------------------------------------------------
+
+    def sync_connection(self) -> Rate:
+        with self.engine.connect() as conn:
+            started = time.perf_counter()
+            for i in range(self.ops):
+                with conn.begin():
+                    api.enqueue(conn, tool=TOOL, target="sync", payload=self._payload(i))
+            return {"sync enqueue+COMMIT, Connection": (self.ops / _since(started), "/s")}
+
+    def sync_session(self) -> Rate:
+        with Session(self.engine) as session:
+            started = time.perf_counter()
+            for i in range(self.ops):
+                with session.begin():
+                    api.enqueue(session, tool=TOOL, target="sync", payload=self._payload(i))
+            return {"sync enqueue+COMMIT, Session": (self.ops / _since(started), "/s")}
+
+    def async_connection(self) -> Rate:
+        async def run(engine: AsyncEngine) -> float:
+            async with engine.connect() as conn:
+                started = time.perf_counter()
+                for i in range(self.ops):
+                    async with conn.begin():
+                        await aio.enqueue(conn, tool=TOOL, target="aio", payload=self._payload(i))
+                return self.ops / _since(started)
+
+        return {"async enqueue+COMMIT, AsyncConnection": (self._in_loop(run), "/s")}
+
+    def async_session(self) -> Rate:
+        async def run(engine: AsyncEngine) -> float:
+            async with AsyncSession(engine) as session:
+                started = time.perf_counter()
+                for i in range(self.ops):
+                    async with session.begin():
+                        await aio.enqueue(
+                            session, tool=TOOL, target="aio", payload=self._payload(i)
+                        )
+                return self.ops / _since(started)
+
+        return {"async enqueue+COMMIT, AsyncSession": (self._in_loop(run), "/s")}
+
+    def _in_loop(self, run: Any) -> float:
+        async def main() -> float:
+            engine = create_async_engine(self.url, pool_size=2)
+            try:
+                return float(await run(engine))
+            finally:
+                await engine.dispose()
+
+        return asyncio.run(main())
+
+
+def _since(started: float) -> float:
+    return time.perf_counter() - started
+
+
+def _cases(bench: AioBench) -> list[Case]:
+    return [
+        Case("loop lag", bench.lag, section=f"{bench.waiters} concurrent waiters, one loop"),
+        Case("sync Connection", bench.sync_connection, section="enqueue rate, one connection"),
+        Case("async AsyncConnection", bench.async_connection, section="enqueue rate, one connection"),
+        Case("sync Session", bench.sync_session, section="enqueue rate, one connection"),
+        Case("async AsyncSession", bench.async_session, section="enqueue rate, one connection"),
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser)
+    parser.add_argument("--ops", type=int, default=2000, help="enqueues per rate case")
+    parser.add_argument("--waiters", type=int, default=200, help="concurrent waiters")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.ops, args.waiters = 1, 100, 20
+    results = Results(
+        f"aio: {args.rounds} rounds, {args.waiters} concurrent waiters, {args.ops} enqueues "
+        "per rate case"
+    )
+    with contextlib.ExitStack() as stack:
+        db_url = stack.enter_context(throwaway_database(args.url))
+        engine = create_engine(db_url, pool_size=4)
+        stack.callback(engine.dispose)
+        spawn = multiprocessing.get_context("spawn")
+        stop = spawn.Event()
+        settler = spawn.Process(target=_settle, args=(db_url, stop), daemon=True)
+        settler.start()
+        stack.callback(settler.join, 10)
+        stack.callback(stop.set)
+        run_rounds(args.rounds, _cases(AioBench(db_url, engine, args)), results)
+    results.ratio(
+        "async / sync, Connection",
+        "async enqueue+COMMIT, AsyncConnection",
+        "sync enqueue+COMMIT, Connection",
+    )
+    results.ratio(
+        "async / sync, Session", "async enqueue+COMMIT, AsyncSession", "sync enqueue+COMMIT, Session"
+    )
+    results.target("event-loop lag p99 < 20 ms", "loop lag p99", at_most=20)
+    results.target("async enqueue >= 0.9x sync (Session)", "async / sync, Session", at_least=0.9)
+    results.target(
+        "async enqueue >= 0.9x sync (Connection)", "async / sync, Connection", at_least=0.9
+    )
+    results.note(
+        "Medians over rounds; ratios are computed within each round, then their median. The "
+        "settler (a process of its own) and PostgreSQL share this machine's cores."
+    )
+    print_table(results)
+    write_json(args.json, [results], vars(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
