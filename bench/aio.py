@@ -25,14 +25,15 @@ import multiprocessing.synchronize
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 # The bench directory is not a package: `python bench/aio.py` puts it on sys.path.
+import psycopg
 from arguments import add_common_arguments
 from report import Results, print_table, write_json
 from rounds import Case, percentile, run_rounds
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 from throwaway import throwaway_database
@@ -47,13 +48,18 @@ TOOL = "deploy.create_release"
 TICK_S = 0.005
 #: Connections of the agents' async engine in the lag case (the waiters add two: the listener).
 AGENT_POOL = 10
+#: The driver-only case's statement (its table made by the bench).
+_RAW_INSERT = "INSERT INTO bench_aio_raw (v) VALUES (%s)"
 
 
-def _settle(url: str, stop: multiprocessing.synchronize.Event) -> None:
+def _settle(
+    url: str, ready: multiprocessing.synchronize.Event, stop: multiprocessing.synchronize.Event
+) -> None:
     """In a process of its own: move every planned operation to sent then confirmed, each
     in its own transaction, as a dispatcher would, until ``stop``."""
     engine = create_engine(url, pool_size=2)
     try:
+        ready.set()
         while not stop.is_set():
             with engine.connect() as conn:
                 ids = list(
@@ -91,6 +97,8 @@ class AioBench:
         self.engine = engine
         self.ops: int = args.ops
         self.waiters: int = args.waiters
+        with engine.begin() as conn:
+            conn.execute(text("CREATE TABLE bench_aio_raw (v text)"))
 
     def _payload(self, i: int) -> dict[str, Any]:
         return {"version": f"1.{i}", "run": uuid.uuid4().hex}
@@ -119,23 +127,18 @@ class AioBench:
             settled = await aio.wait(op.id, timeout=120, engine=engine)
             assert settled.state is State.CONFIRMED, settled
 
-        def count_connections() -> None:
-            with self.engine.connect() as conn:
-                connections.append(
-                    int(
-                        conn.execute(
-                            text(
-                                "SELECT count(*) FROM pg_stat_activity "
-                                "WHERE datname = current_database()"
-                            )
-                        ).scalar_one()
-                    )
-                )
-
         async def sample() -> None:
-            while not done.is_set():
-                await asyncio.to_thread(count_connections)
-                await asyncio.sleep(0.05)
+            # On the loop, not in a thread: a thread would take the GIL from the ticker.
+            async with await psycopg.AsyncConnection.connect(
+                _libpq(self.url), autocommit=True
+            ) as conn:
+                while not done.is_set():
+                    cursor = await conn.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    )
+                    row = await cursor.fetchone()
+                    connections.append(int(row[0]) - 1 if row else 0)  # not this one
+                    await asyncio.sleep(0.05)
 
         try:
             tick = asyncio.create_task(ticker())
@@ -163,57 +166,94 @@ class AioBench:
 
     def sync_connection(self) -> Rate:
         with self.engine.connect() as conn:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             for i in range(self.ops):
                 with conn.begin():
                     api.enqueue(conn, tool=TOOL, target="sync", payload=self._payload(i))
-            return {"sync enqueue+COMMIT, Connection": (self.ops / _since(started), "/s")}
+            return self._rates("sync", "Connection", started, cpu)
 
     def sync_session(self) -> Rate:
         with Session(self.engine) as session:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             for i in range(self.ops):
                 with session.begin():
                     api.enqueue(session, tool=TOOL, target="sync", payload=self._payload(i))
-            return {"sync enqueue+COMMIT, Session": (self.ops / _since(started), "/s")}
+            return self._rates("sync", "Session", started, cpu)
 
     def async_connection(self) -> Rate:
-        async def run(engine: AsyncEngine) -> float:
+        async def run(engine: AsyncEngine) -> Rate:
             async with engine.connect() as conn:
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 for i in range(self.ops):
                     async with conn.begin():
                         await aio.enqueue(conn, tool=TOOL, target="aio", payload=self._payload(i))
-                return self.ops / _since(started)
+                return self._rates("async", "AsyncConnection", started, cpu)
 
-        return {"async enqueue+COMMIT, AsyncConnection": (self._in_loop(run), "/s")}
+        return self._in_loop(run)
 
     def async_session(self) -> Rate:
-        async def run(engine: AsyncEngine) -> float:
+        async def run(engine: AsyncEngine) -> Rate:
             async with AsyncSession(engine) as session:
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 for i in range(self.ops):
                     async with session.begin():
                         await aio.enqueue(
                             session, tool=TOOL, target="aio", payload=self._payload(i)
                         )
-                return self.ops / _since(started)
+                return self._rates("async", "AsyncSession", started, cpu)
 
-        return {"async enqueue+COMMIT, AsyncSession": (self._in_loop(run), "/s")}
+        return self._in_loop(run)
 
-    def _in_loop(self, run: Any) -> float:
-        async def main() -> float:
+    # --- the driver's own floor ------------------------------------------------------------
+
+    def raw_sync(self) -> Rate:
+        """psycopg alone, no outbox, no SQLAlchemy: one small INSERT+COMMIT at a time."""
+        with psycopg.connect(_libpq(self.url)) as conn:
+            started, cpu = time.perf_counter(), time.process_time()
+            for i in range(self.ops):
+                conn.execute(_RAW_INSERT, (str(i),))
+                conn.commit()
+            return self._rates("raw psycopg sync", "Connection", started, cpu, what="INSERT")
+
+    def raw_async(self) -> Rate:
+        """The same on psycopg's AsyncConnection."""
+
+        async def run() -> Rate:
+            async with await psycopg.AsyncConnection.connect(_libpq(self.url)) as conn:
+                started, cpu = time.perf_counter(), time.process_time()
+                for i in range(self.ops):
+                    await conn.execute(_RAW_INSERT, (str(i),))
+                    await conn.commit()
+                return self._rates(
+                    "raw psycopg async", "AsyncConnection", started, cpu, what="INSERT"
+                )
+
+        return asyncio.run(run())
+
+    def _rates(
+        self, kind: str, executor: str, started: float, cpu: float, *, what: str = "enqueue"
+    ) -> Rate:
+        """The rate since ``started``, and this process's CPU per operation since ``cpu``."""
+        elapsed, used = time.perf_counter() - started, time.process_time() - cpu
+        return {
+            f"{kind} {what}+COMMIT, {executor}": (self.ops / elapsed, "/s"),
+            f"{kind} client CPU per {what}, {executor}": (used / self.ops * 1e6, "us"),
+        }
+
+    def _in_loop(self, run: Callable[[AsyncEngine], Awaitable[Rate]]) -> Rate:
+        async def main() -> Rate:
             engine = create_async_engine(self.url, pool_size=2)
             try:
-                return float(await run(engine))
+                return await run(engine)
             finally:
                 await engine.dispose()
 
         return asyncio.run(main())
 
 
-def _since(started: float) -> float:
-    return time.perf_counter() - started
+def _libpq(url: str) -> str:
+    """``url`` as psycopg takes it (no SQLAlchemy driver name)."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def _cases(bench: AioBench) -> list[Case]:
@@ -223,6 +263,8 @@ def _cases(bench: AioBench) -> list[Case]:
         Case("async AsyncConnection", bench.async_connection, section="enqueue rate, one connection"),
         Case("sync Session", bench.sync_session, section="enqueue rate, one connection"),
         Case("async AsyncSession", bench.async_session, section="enqueue rate, one connection"),
+        Case("raw sync", bench.raw_sync, section="the driver alone, one connection"),
+        Case("raw async", bench.raw_async, section="the driver alone, one connection"),
     ]
 
 
@@ -243,11 +285,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = create_engine(db_url, pool_size=4)
         stack.callback(engine.dispose)
         spawn = multiprocessing.get_context("spawn")
-        stop = spawn.Event()
-        settler = spawn.Process(target=_settle, args=(db_url, stop), daemon=True)
+        ready, stop = spawn.Event(), spawn.Event()
+        settler = spawn.Process(target=_settle, args=(db_url, ready, stop), daemon=True)
         settler.start()
         stack.callback(settler.join, 10)
         stack.callback(stop.set)
+        if not ready.wait(60):
+            raise RuntimeError("the settler process did not start")
         run_rounds(args.rounds, _cases(AioBench(db_url, engine, args)), results)
     results.ratio(
         "async / sync, Connection",
@@ -261,6 +305,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     results.target("async enqueue >= 0.9x sync (Session)", "async / sync, Session", at_least=0.9)
     results.target(
         "async enqueue >= 0.9x sync (Connection)", "async / sync, Connection", at_least=0.9
+    )
+    results.ratio(
+        "async / sync client CPU, Session",
+        "async client CPU per enqueue, AsyncSession",
+        "sync client CPU per enqueue, Session",
+    )
+    results.ratio(
+        "raw psycopg async / sync (the driver's floor)",
+        "raw psycopg async INSERT+COMMIT, AsyncConnection",
+        "raw psycopg sync INSERT+COMMIT, Connection",
     )
     results.note(
         "Medians over rounds; ratios are computed within each round, then their median. The "
