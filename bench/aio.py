@@ -125,7 +125,8 @@ class AioBench:
             async with AsyncSession(engine) as session, session.begin():
                 op = await aio.enqueue(session, tool=TOOL, target="lag", payload=self._payload(i))
             settled = await aio.wait(op.id, timeout=120, engine=engine)
-            assert settled.state is State.CONFIRMED, settled
+            if settled.state is not State.CONFIRMED:
+                raise RuntimeError(f"operation {op.id} settled {settled.state.value}")
 
         async def sample() -> None:
             # On the loop, not in a thread: a thread would take the GIL from the ticker.
@@ -260,7 +261,9 @@ def _cases(bench: AioBench) -> list[Case]:
     return [
         Case("loop lag", bench.lag, section=f"{bench.waiters} concurrent waiters, one loop"),
         Case("sync Connection", bench.sync_connection, section="enqueue rate, one connection"),
-        Case("async AsyncConnection", bench.async_connection, section="enqueue rate, one connection"),
+        Case(
+            "async AsyncConnection", bench.async_connection, section="enqueue rate, one connection"
+        ),
         Case("sync Session", bench.sync_session, section="enqueue rate, one connection"),
         Case("async AsyncSession", bench.async_session, section="enqueue rate, one connection"),
         Case("raw sync", bench.raw_sync, section="the driver alone, one connection"),
@@ -299,7 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sync enqueue+COMMIT, Connection",
     )
     results.ratio(
-        "async / sync, Session", "async enqueue+COMMIT, AsyncSession", "sync enqueue+COMMIT, Session"
+        "async / sync, Session",
+        "async enqueue+COMMIT, AsyncSession",
+        "sync enqueue+COMMIT, Session",
     )
     results.target("event-loop lag p99 < 20 ms", "loop lag p99", at_most=20)
     results.target("async enqueue >= 0.9x sync (Session)", "async / sync, Session", at_least=0.9)

@@ -223,8 +223,7 @@ async def wait(
                     remaining = deadline - loop.time()
                     if remaining <= 0:
                         raise WaitTimeout(
-                            f"operation {op_id} is still {current.state.value} after "
-                            f"{timeout:g}s",
+                            f"operation {op_id} is still {current.state.value} after {timeout:g}s",
                             operation=current,
                         )
                     with contextlib.suppress(TimeoutError):

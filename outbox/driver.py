@@ -74,18 +74,17 @@ class DriverStatement:
         """Run the statement in ``executor``'s transaction; its rows by column name."""
         conn = _connection(executor)
         dbapi = conn.connection.driver_connection
-        if isinstance(dbapi, psycopg.Connection):
-            run = _run_sync
-        elif isinstance(dbapi, psycopg.AsyncConnection):
-            run = _run_async  # an AsyncSession's: we are in its run_sync greenlet
-        else:
+        if not isinstance(dbapi, psycopg.Connection | psycopg.AsyncConnection):
             return [dict(row) for row in conn.execute(self.clause, dict(params)).mappings()]
         values = {**self.defaults, **params}
         for name in self.json_params & values.keys():
             if values[name] is not None:
                 values[name] = Jsonb(values[name])
         try:
-            rows = run(conn, dbapi, self.sql, values)
+            if isinstance(dbapi, psycopg.Connection):
+                rows = _run_sync(conn, dbapi, self.sql, values)
+            else:  # an async engine's: we are in the greenlet of its run_sync
+                rows = _run_async(conn, dbapi, self.sql, values)
         except _Failed as failed:
             raise _as_sqlalchemy_error(conn, failed.sql, failed.values, failed.error) from (
                 failed.error

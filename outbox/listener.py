@@ -23,10 +23,11 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 from uuid import UUID
 
 import psycopg
+from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.pool import NullPool
@@ -155,11 +156,7 @@ class SettledListener:
             async with self._lock:
                 batch, self._reads = self._reads, {}
                 try:
-                    if self.closed:
-                        raise ListenerClosed
-                    ids = list(batch)
-                    self.read_statements += 1
-                    rows = await self._on_control(lambda c: sql.intents.get_operations(c, ids))
+                    rows = await self._read_rows(list(batch))
                 except BaseException as exc:  # handed to every waiter of the batch
                     error = exc if isinstance(exc, Exception) else ListenerClosed()
                     for futures in batch.values():
@@ -174,6 +171,12 @@ class SettledListener:
                 for future in futures:
                     if not future.done():
                         future.set_result(found.get(operation_id))
+
+    async def _read_rows(self, operation_ids: list[UUID]) -> list[Operation]:
+        if self.closed:
+            raise ListenerClosed
+        self.read_statements += 1
+        return await self._on_control(lambda c: sql.intents.get_operations(c, operation_ids))
 
     async def _register(self, operation_id: UUID) -> None:
         async with self._lock:
@@ -217,25 +220,23 @@ class SettledListener:
             raise
         return conn
 
-    async def _on_control(self, statement: Callable[..., T]) -> T:
+    async def _on_control(self, statement: Callable[[Connection], T]) -> T:
         """Run ``statement`` on the control connection (the lock held); a lost connection is
         opened again, every watched operation registered again, and the statement retried."""
-        for tries_left in (1, 0):
+        retried = False
+        while True:
             try:
                 if self._control is None:
                     self._control = await self._connect()
-                    for watched in list(self._watches):
-                        await self._control.run_sync(
-                            lambda c, op=watched: sql.intents.register_waiter(c, op)
-                        )
+                    await self._control.run_sync(_register_all, list(self._watches))
                 return await self._control.run_sync(statement)
             except (DBAPIError, psycopg.OperationalError) as exc:
-                if not _lost(exc) or not tries_left:
+                if retried or not _lost(exc):
                     raise
+                retried = True
                 log.warning("outbox.aio: the waiters' connection was lost; opening it again")
                 await _discard(self._control)
                 self._control = None
-        raise AssertionError("unreachable")  # pragma: no cover
 
     async def _receive(self) -> None:
         """Wake the waiters of each notified operation; reopen a lost connection."""
@@ -248,8 +249,7 @@ class SettledListener:
                         self._wake_all()  # a notification may have been lost with the old one
                     delay = _RECONNECT_FIRST_S
                     raw = await self._listening.get_raw_connection()
-                    listener = raw.driver_connection
-                    assert isinstance(listener, psycopg.AsyncConnection)
+                    listener = cast(psycopg.AsyncConnection[Any], raw.driver_connection)
                     async for notification in listener.notifies():
                         self._wake(notification.payload)
                 except (DBAPIError, psycopg.OperationalError, OSError) as exc:
@@ -277,6 +277,11 @@ class SettledListener:
         for watch in self._watches.values():
             for event in watch.events:
                 event.set()
+
+
+def _register_all(conn: Connection, operation_ids: list[UUID]) -> None:
+    for operation_id in operation_ids:
+        sql.intents.register_waiter(conn, operation_id)
 
 
 def _lost(exc: BaseException) -> bool:
