@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 from uuid import UUID
@@ -227,12 +228,20 @@ async def wait(
                             operation=current,
                         )
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(min(remaining, poll_interval)):
+                        async with asyncio.timeout(min(remaining, _next_poll(loop, poll_interval))):
                             await woken.wait()
                     if shared.closed:
                         break  # closed under us: carry on with the loop's next listener
         except listener.ListenerClosed:
             pass
+
+
+def _next_poll(loop: asyncio.AbstractEventLoop, poll_interval: float) -> float:
+    """Seconds to the next re-read: on the loop clock's grid of ``poll_interval``, at least
+    ``poll_interval`` away, so that the waiters polling at one interval re-read together,
+    in one statement (:meth:`outbox.listener.SettledListener.read` batches them), not one each."""
+    now = loop.time()
+    return math.ceil((now + poll_interval) / poll_interval) * poll_interval - now
 
 
 async def close() -> None:

@@ -97,23 +97,22 @@ class SettledListener:
     async def close(self) -> None:
         """Stop listening and close both connections; waiters still waiting move to a new
         listener. The registrations go with the control connection's backend."""
-        if self.closed:
-            return
-        self.closed = True
-        if self._receiver is not None:
+        if self._receiver is not None and not self._receiver.done():
             self._receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._receiver
-        else:
+        elif not self.closed:  # never started: nothing but its engine to release
+            self.closed = True
             await self._release()
-        for watch in self._watches.values():
-            for event in watch.events:
-                event.set()
 
     async def _release(self) -> None:
         # Invalidated, not pooled: a connection that LISTENs or holds registrations must not
         # go back to a pool of the agent's engine.
         async with self._lock:
+            if self._control is not None and self._watches:
+                # Waiters still waiting register again on the loop's next listener.
+                with contextlib.suppress(Exception):
+                    await self._control.run_sync(_forget_all, list(self._watches))
             for conn in (self._listening, self._control):
                 await _discard(conn)
             self._listening = self._control = None
@@ -130,7 +129,12 @@ class SettledListener:
         watch = self._watches.setdefault(operation_id, _Watch())
         watch.events.add(event)
         try:
-            if watch.registered is None:
+            failed = (
+                watch.registered is not None
+                and watch.registered.done()
+                and (watch.registered.cancelled() or watch.registered.exception() is not None)
+            )
+            if watch.registered is None or failed:
                 watch.registered = asyncio.ensure_future(self._register(operation_id))
             # Shielded: one waiter's cancellation must not cancel the others' registration.
             await asyncio.shield(watch.registered)
@@ -252,7 +256,7 @@ class SettledListener:
                     listener = cast(psycopg.AsyncConnection[Any], raw.driver_connection)
                     async for notification in listener.notifies():
                         self._wake(notification.payload)
-                except (DBAPIError, psycopg.OperationalError, OSError) as exc:
+                except (DBAPIError, psycopg.Error, OSError) as exc:
                     log.warning(
                         "outbox.aio: the listening connection was lost (%s); opening it again",
                         type(exc).__name__,
@@ -262,6 +266,9 @@ class SettledListener:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, _RECONNECT_MAX_S)
         finally:
+            # Cancelled (close(), the loop's end) or failed: its waiters move to a new one.
+            self.closed = True
+            self._wake_all()
             await self._release()
 
     def _wake(self, payload: str) -> None:
@@ -282,6 +289,11 @@ class SettledListener:
 def _register_all(conn: Connection, operation_ids: list[UUID]) -> None:
     for operation_id in operation_ids:
         sql.intents.register_waiter(conn, operation_id)
+
+
+def _forget_all(conn: Connection, operation_ids: list[UUID]) -> None:
+    for operation_id in operation_ids:
+        sql.intents.forget_waiter(conn, operation_id)
 
 
 def _lost(exc: BaseException) -> bool:

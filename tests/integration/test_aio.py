@@ -547,3 +547,28 @@ def test_listeners_do_not_outlive_their_event_loop(url: str, engine: Engine) -> 
             break
         time.sleep(0.01)
     assert _listening(engine) == []
+
+
+def test_close_while_waiting_moves_the_waiter_to_a_new_listener(url: str, engine: Engine) -> None:
+    """aio.close() under a pending wait closes the shared connections; the waiter registers
+    again on the loop's next listener and still gets its operation when it settles."""
+    op = make_operation(engine, State.SENT)
+
+    async def body(aengine: AsyncEngine) -> Operation:
+        waiting = asyncio.create_task(
+            aio.wait(op.id, timeout=60, engine=aengine, poll_interval=3600)
+        )
+        first = await _registered(engine, op.id)
+        await aio.close()
+        for _ in range(500):
+            rows = await asyncio.to_thread(_waiter_rows, engine)
+            if any(op_id == op.id and pid != first for op_id, pid in rows):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the waiter did not register on a new listener")
+        await asyncio.to_thread(move, engine, op, State.CONFIRMED, Actor.DISPATCHER, remote_ref="r")
+        return await waiting
+
+    assert run(url, body).state is State.CONFIRMED
+    assert _waiter_rows(engine) == []
