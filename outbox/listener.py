@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,9 @@ from outbox.models import Operation
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Operations read back per statement (the rest wait for the next one).
+_READ_BATCH = 50
 
 # Between attempts to open a lost connection again: doubling from the first to the last.
 _RECONNECT_FIRST_S = 0.05
@@ -158,7 +162,11 @@ class SettledListener:
     async def _read_batches(self) -> None:
         while self._reads:
             async with self._lock:
-                batch, self._reads = self._reads, {}
+                # At most _READ_BATCH rows per statement: building each row's Operation runs
+                # on the loop, and 200 at once held it for ~10 ms on the reference machine.
+                batch = dict(itertools.islice(self._reads.items(), _READ_BATCH))
+                for operation_id in batch:
+                    del self._reads[operation_id]
                 try:
                     rows = await self._read_rows(list(batch))
                 except BaseException as exc:  # handed to every waiter of the batch
