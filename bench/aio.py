@@ -41,7 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 from throwaway import throwaway_database
 
-from outbox import aio, api, transitions
+from outbox import aio, api, listener, transitions
 from outbox.db import create_async_engine, create_engine
 from outbox.states import Actor, State
 
@@ -155,6 +155,9 @@ class AioBench:
             started = time.perf_counter()
             await asyncio.gather(*(agent(i) for i in range(self.waiters)))
             elapsed = time.perf_counter() - started
+            statements = sum(
+                sum(shared.statements.values()) for shared in listener.listeners_of_this_loop()
+            )
             done.set()
             await tick
             await sampler
@@ -169,6 +172,7 @@ class AioBench:
             "loop lag max": (max(ms), "ms"),
             f"{self.waiters} enqueue+commit+wait": (elapsed, "s"),
             "connections open (max, whole database)": (float(max(connections)), ""),
+            "the waiters' statements (register, read, forget)": (float(statements), ""),
         }
 
     # --- enqueue rate ---------------------------------------------------------------------

@@ -180,11 +180,12 @@ async def resolve(
     )
 
 
-# approve / reject: outbox/approval.py's `approve(session, op_id, *, by, payload_hash,
+# TO ADD, approve / reject: outbox/approval.py's `approve(session, op_id, *, by, payload_hash,
 # note=None)` and `reject(session, op_id, *, by, reason)` get their twins here, one short
-# function each, as resolve above: an explicit keyword-only signature, the docstring adapted,
+# function each, as resolve above: the same keyword-only signature, the docstring adapted,
 # and `return await _run(session, lambda s: approval.approve(s, op_id, by=by, ...))`; then
-# add them to __all__, to tests/integration/test_aio.py and to the docs' list.
+# add them to __all__, to tests/integration/test_aio.py and to the README's list. Likewise a
+# keyword added to api.enqueue (require_approval=...) is added to enqueue above.
 
 
 async def wait(

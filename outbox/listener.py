@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# What the waiters ask the control connection for, in the order a batch runs them.
+_FORGET, _REGISTER, _READ = "forget", "register", "read"
+_KINDS = (_FORGET, _REGISTER, _READ)
+
 # Operations read back per statement (the rest wait for the next one).
 _READ_BATCH = 50
 
@@ -71,13 +75,16 @@ class SettledListener:
         self._control: AsyncConnection | None = None
         self._lock = asyncio.Lock()  # the control connection runs one statement at a time
         self._watches: dict[UUID, _Watch] = {}
-        self._reads: dict[UUID, list[asyncio.Future[Operation | None]]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        # What the waiters asked the control connection for, by kind, batched by _flush.
+        self._pending: dict[str, dict[UUID, list[asyncio.Future[Any]]]] = {
+            kind: {} for kind in _KINDS
+        }
+        self._flusher: asyncio.Task[None] | None = None
         self._receiver: asyncio.Task[None] | None = None
         self._starting: asyncio.Future[None] | None = None
         self.closed = False
-        #: Statements that read rows back (each for every operation asked for meanwhile).
-        self.read_statements = 0
+        #: Statements run for the waiters, by kind (each for every operation asked meanwhile).
+        self.statements = dict.fromkeys(_KINDS, 0)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -113,10 +120,11 @@ class SettledListener:
         # Invalidated, not pooled: a connection that LISTENs or holds registrations must not
         # go back to a pool of the agent's engine.
         async with self._lock:
-            if self._control is not None and self._watches:
+            leaving = [*self._watches, *self._pending[_FORGET]]
+            if self._control is not None and leaving:
                 # Waiters still waiting register again on the loop's next listener.
                 with contextlib.suppress(Exception):
-                    await self._control.run_sync(_forget_all, list(self._watches))
+                    await self._control.run_sync(sql.intents.forget_waiters, leaving)
             for conn in (self._listening, self._control):
                 await _discard(conn)
             self._listening = self._control = None
@@ -153,48 +161,11 @@ class SettledListener:
         """The operation's row as committed now, read with whatever else is being asked for."""
         if self.closed:
             raise ListenerClosed
-        future: asyncio.Future[Operation | None] = asyncio.get_running_loop().create_future()
-        self._reads.setdefault(operation_id, []).append(future)
-        if self._reader is None or self._reader.done():
-            self._reader = asyncio.get_running_loop().create_task(self._read_batches())
-        return await future
-
-    async def _read_batches(self) -> None:
-        while self._reads:
-            async with self._lock:
-                # At most _READ_BATCH rows per statement: building each row's Operation runs
-                # on the loop, and 200 at once held it for ~10 ms on the reference machine.
-                batch = dict(itertools.islice(self._reads.items(), _READ_BATCH))
-                for operation_id in batch:
-                    del self._reads[operation_id]
-                try:
-                    rows = await self._read_rows(list(batch))
-                except BaseException as exc:  # handed to every waiter of the batch
-                    error = exc if isinstance(exc, Exception) else ListenerClosed()
-                    for futures in batch.values():
-                        for future in futures:
-                            if not future.done():
-                                future.set_exception(error)
-                    if error is not exc:
-                        raise
-                    continue
-            found = {op.id: op for op in rows}
-            for operation_id, futures in batch.items():
-                for future in futures:
-                    if not future.done():
-                        future.set_result(found.get(operation_id))
-
-    async def _read_rows(self, operation_ids: list[UUID]) -> list[Operation]:
-        if self.closed:
-            raise ListenerClosed
-        self.read_statements += 1
-        return await self._on_control(lambda c: sql.intents.get_operations(c, operation_ids))
+        found: Operation | None = await self._ask(_READ, operation_id)
+        return found
 
     async def _register(self, operation_id: UUID) -> None:
-        async with self._lock:
-            if self.closed:
-                raise ListenerClosed
-            await self._on_control(lambda c: sql.intents.register_waiter(c, operation_id))
+        await self._ask(_REGISTER, operation_id)
 
     async def _forget(self, operation_id: UUID, watch: _Watch) -> None:
         registered = watch.registered
@@ -205,13 +176,72 @@ class SettledListener:
             await asyncio.wait([registered])
         if registered.cancelled() or registered.exception() is not None:
             return
-        async with self._lock:
-            if self.closed or operation_id in self._watches:
-                return  # closed (the rows go with the backend), or watched again meanwhile
-            # Best effort: a row left by a lost connection names a dead backend, which the
-            # next registration anywhere deletes; it costs at most one needless NOTIFY.
-            with contextlib.suppress(DBAPIError, psycopg.Error):
-                await self._on_control(lambda c: sql.intents.forget_waiter(c, operation_id))
+        await self._ask(_FORGET, operation_id)
+
+    def _ask(self, kind: str, operation_id: UUID) -> asyncio.Future[Any]:
+        """Queue one operation's statement of ``kind``; its result, once a batch ran it."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._pending[kind].setdefault(operation_id, []).append(future)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = loop.create_task(self._flush())
+        return future
+
+    async def _flush(self) -> None:
+        """Run what the waiters asked for, one statement per kind for all asked meanwhile:
+        forgets, then registrations (so an operation watched again stays registered), then
+        reads (a waiter reads only once registered)."""
+        while any(self._pending.values()):
+            async with self._lock:
+                for kind in _KINDS:
+                    pending = self._pending[kind]
+                    # At most _READ_BATCH rows per read: building each row's Operation runs
+                    # on the loop, and 200 at once held it for 10-16 ms (bench/aio.py).
+                    limit = _READ_BATCH if kind == _READ else None
+                    batch = dict(itertools.islice(pending.items(), limit))
+                    for operation_id in batch:
+                        del pending[operation_id]
+                    if batch:
+                        await self._run_batch(kind, batch)
+
+    async def _run_batch(self, kind: str, batch: dict[UUID, list[asyncio.Future[Any]]]) -> None:
+        """Run one statement for ``batch`` and hand its result (or error) to each waiter."""
+        try:
+            found = await self._statement(kind, list(batch))
+        except BaseException as exc:
+            error = exc if isinstance(exc, Exception) else ListenerClosed()
+            for futures in batch.values():
+                for future in futures:
+                    if not future.done():
+                        future.set_exception(error)
+            if error is not exc:
+                raise
+            return
+        for operation_id, futures in batch.items():
+            for future in futures:
+                if not future.done():
+                    future.set_result(found.get(operation_id))
+
+    async def _statement(self, kind: str, ids: list[UUID]) -> dict[UUID, Operation]:
+        if kind == _FORGET:
+            # Not one watched again meanwhile (its new waiter relies on the row), and nothing
+            # once closed (_release forgot them). Best effort: a row left by a lost connection
+            # names a dead backend, which the next registration anywhere deletes; it costs at
+            # most one needless NOTIFY.
+            ids = [operation_id for operation_id in ids if operation_id not in self._watches]
+            if ids and not self.closed:
+                self.statements[kind] += 1
+                with contextlib.suppress(DBAPIError, psycopg.Error):
+                    await self._on_control(lambda c: sql.intents.forget_waiters(c, ids))
+            return {}
+        if self.closed:
+            raise ListenerClosed
+        self.statements[kind] += 1
+        if kind == _REGISTER:
+            await self._on_control(lambda c: sql.intents.register_waiters(c, ids))
+            return {}
+        rows = await self._on_control(lambda c: sql.intents.get_operations(c, ids))
+        return {op.id: op for op in rows}
 
     # --- connections ----------------------------------------------------------------------
 
@@ -240,7 +270,10 @@ class SettledListener:
             try:
                 if self._control is None:
                     self._control = await self._connect()
-                    await self._control.run_sync(_register_all, list(self._watches))
+                    if self._watches:
+                        await self._control.run_sync(
+                            sql.intents.register_waiters, list(self._watches)
+                        )
                 return await self._control.run_sync(statement)
             except (DBAPIError, psycopg.OperationalError) as exc:
                 if retried or not _lost(exc):
@@ -292,16 +325,6 @@ class SettledListener:
         for watch in self._watches.values():
             for event in watch.events:
                 event.set()
-
-
-def _register_all(conn: Connection, operation_ids: list[UUID]) -> None:
-    for operation_id in operation_ids:
-        sql.intents.register_waiter(conn, operation_id)
-
-
-def _forget_all(conn: Connection, operation_ids: list[UUID]) -> None:
-    for operation_id in operation_ids:
-        sql.intents.forget_waiter(conn, operation_id)
 
 
 def _lost(exc: BaseException) -> bool:

@@ -335,7 +335,7 @@ def test_wait_is_woken_by_the_notify_not_by_polling(url: str, engine: Engine) ->
         settled = await aio.wait(op.id, timeout=60, engine=aengine, poll_interval=3600)
         await settler
         [shared] = listener.listeners_of_this_loop()
-        return settled, shared.read_statements
+        return settled, shared.statements["read"]
 
     started = time.monotonic()
     settled, reads = run(url, body)
