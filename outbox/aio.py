@@ -241,6 +241,8 @@ def _next_poll(loop: asyncio.AbstractEventLoop, poll_interval: float) -> float:
     """Seconds to the next re-read: on the loop clock's grid of ``poll_interval``, at least
     ``poll_interval`` away, so that the waiters polling at one interval re-read together,
     in one statement (:meth:`outbox.listener.SettledListener.read` batches them), not one each."""
+    if poll_interval <= 0:
+        return 0.0
     now = loop.time()
     return math.ceil((now + poll_interval) / poll_interval) * poll_interval - now
 
