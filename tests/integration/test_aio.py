@@ -326,16 +326,20 @@ def test_wait_is_woken_by_the_notify_not_by_polling(url: str, engine: Engine) ->
     settled move's NOTIFY woke it, and it read the row back only twice."""
     op = make_operation(engine, State.SENT)
 
-    def confirm_later() -> None:
-        time.sleep(0.2)
-        move(engine, op, State.CONFIRMED, Actor.DISPATCHER, remote_ref="rel-7")
-
     async def body(aengine: AsyncEngine) -> tuple[Operation, int]:
-        settler = asyncio.create_task(asyncio.to_thread(confirm_later))
-        settled = await aio.wait(op.id, timeout=60, engine=aengine, poll_interval=3600)
-        await settler
-        [shared] = listener.listeners_of_this_loop()
-        return settled, shared.statements["read"]
+        waiting = asyncio.create_task(
+            aio.wait(op.id, timeout=60, engine=aengine, poll_interval=3600)
+        )
+        for _ in range(1000):  # until its first read found the operation still sent
+            shared = listener.listeners_of_this_loop()
+            if shared and shared[0].statements["read"] >= 1:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(
+            move, engine, op, State.CONFIRMED, Actor.DISPATCHER, remote_ref="rel-7"
+        )
+        settled = await waiting
+        return settled, shared[0].statements["read"]
 
     started = time.monotonic()
     settled, reads = run(url, body)
