@@ -51,7 +51,7 @@ TOOL = "deploy.create_release"
 TICK_S = 0.005
 #: How long the ticker runs alone first: the lag this machine gives an idle loop.
 IDLE_S = 1.0
-#: Connections of the agents' async engine in the lag case (the waiters add two: the listener).
+#: Connections of the agents' async engine in the lag case (the shared listener holds two).
 AGENT_POOL = 10
 #: The driver-only case's statement (its table made by the bench).
 _RAW_INSERT = "INSERT INTO bench_aio_raw (v) VALUES (%s)"
