@@ -203,8 +203,9 @@ async def wait(
     ``poll_interval`` seconds in case a notification is missed: no busy loop. The waiters of
     one event loop share one listener on ``engine`` (an ``AsyncEngine``, whose pool lends
     it two connections until :func:`close`; a URL, or by default the configured database,
-    for which it opens its own two): two connections however many wait, and no thread. It writes nothing but the ``outbox.waiters`` row of each
-    waited operation, removed when its last waiter returns or is cancelled. Raises
+    for which it opens its own two): two connections however many wait, and no thread.
+    It writes nothing but the ``outbox.waiters`` row of each waited operation, removed when
+    its last waiter returns or is cancelled. Raises
     :class:`~outbox.WaitTimeout` (carrying the operation as last seen) after ``timeout``
     seconds, and :class:`~outbox.OperationNotFound`.
     """
