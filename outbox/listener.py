@@ -6,8 +6,10 @@ outbox_settled`` and does nothing else (psycopg holds a connection's lock while 
 notifications), the other runs everything the waiters ask for, one statement at a time: it
 registers each watched operation in ``outbox.waiters`` (under its backend pid: a settled move
 NOTIFYs only operations someone waits for), forgets it when its last waiter leaves, and reads
-the rows back. Reads asked for while one runs are batched into the next: 200 waiters
-re-reading at once cost one or two round trips, not 200.
+the rows back. What is asked for while a statement runs is batched into the next, one
+statement per kind (up to 50 rows per read): 200 waiters registering, re-reading or leaving
+at once cost a few round trips, not 200 each. Waiters polling at one interval re-read on one
+grid of the loop's clock (:func:`outbox.aio.wait`), so their polls batch as well.
 
 A lost connection is opened again: the control connection re-registers every watched
 operation before its next statement, and after the listening one is back every waiter
@@ -106,8 +108,8 @@ class SettledListener:
         )
 
     async def close(self) -> None:
-        """Stop listening and close both connections; waiters still waiting move to a new
-        listener. The registrations go with the control connection's backend."""
+        """Stop listening, forget the registrations and close both connections; waiters
+        still waiting move to the loop's next listener."""
         if self._receiver is not None and not self._receiver.done():
             self._receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
