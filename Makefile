@@ -36,12 +36,14 @@ bench: $(INSTALLED)  ## The full benchmark suite (docs/performance.md): about an
 	$(BIN)/python bench/pipeline.py --broker both --mode both
 	$(BIN)/python bench/peers.py --rounds 3
 	$(BIN)/python bench/scale.py
+	$(BIN)/python bench/aio.py
 
 bench-quick: $(INSTALLED)  ## Every benchmark in its few-second smoke form: do they still run.
 	$(BIN)/python bench/limits.py --smoke
 	$(BIN)/python bench/pipeline.py --smoke
 	$(BIN)/python bench/peers.py --smoke --systems ours,celery
 	$(BIN)/python bench/scale.py --smoke
+	$(BIN)/python bench/aio.py --smoke
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

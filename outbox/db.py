@@ -12,6 +12,8 @@ from sqlalchemy import Engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry, PoolResetState
 
 from outbox import embedded
@@ -57,6 +59,21 @@ def create_engine(url: str, **options: object) -> Engine:
     options["hide_parameters"] = True
     engine = sqlalchemy.create_engine(normalize_url(url), **options)
     event.listen(engine, "reset", _release_session_locks)
+    return engine
+
+
+def create_async_engine(url: str, **options: object) -> AsyncEngine:
+    """An asyncio engine on ``url`` (psycopg 3's async driver) with the defaults of
+    :func:`create_engine`: what :mod:`outbox.aio` takes, for an agent that has none of its own.
+
+    There is no process-wide one like :func:`get_engine`: an async engine's pooled connections
+    belong to the event loop that opened them, so each loop (each ``asyncio.run``) needs its
+    own engine, disposed before the loop ends.
+    """
+    options.setdefault("pool_pre_ping", True)
+    options["hide_parameters"] = True
+    engine = _create_async_engine(normalize_url(url), **options)
+    event.listen(engine.sync_engine, "reset", _release_session_locks)
     return engine
 
 

@@ -36,6 +36,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Select, TextClause
 from sqlalchemy.types import JSON
+from sqlalchemy.util import await_only
 
 from outbox.models import Executor
 
@@ -73,30 +74,74 @@ class DriverStatement:
         """Run the statement in ``executor``'s transaction; its rows by column name."""
         conn = _connection(executor)
         dbapi = conn.connection.driver_connection
-        if not isinstance(dbapi, psycopg.Connection):
+        if not isinstance(dbapi, psycopg.Connection | psycopg.AsyncConnection):
             return [dict(row) for row in conn.execute(self.clause, dict(params)).mappings()]
         values = {**self.defaults, **params}
         for name in self.json_params & values.keys():
             if values[name] is not None:
                 values[name] = Jsonb(values[name])
-        events = conn.dispatch
-        sql: str = self.sql
-        execution = ListenerContext()
         try:
-            with dbapi.cursor() as cursor:
-                if events.before_cursor_execute:
-                    # As SQLAlchemy does: every listener hands back the statement and values,
-                    # possibly changed (a tracer appending a comment).
-                    for listener in events.before_cursor_execute:
-                        sql, values = listener(conn, cursor, sql, values, execution, False)
-                cursor.execute(sql, values)
-                if events.after_cursor_execute:
-                    for listener in events.after_cursor_execute:
-                        listener(conn, cursor, sql, values, execution, False)
-                rows = cursor.fetchall()
-        except psycopg.Error as exc:
-            raise _as_sqlalchemy_error(conn, sql, values, exc) from exc
+            if isinstance(dbapi, psycopg.Connection):
+                rows = _run_sync(conn, dbapi, self.sql, values)
+            else:  # an async engine's: we are in the greenlet of its run_sync
+                rows = _run_async(conn, dbapi, self.sql, values)
+        except _Failed as failed:
+            raise _as_sqlalchemy_error(conn, failed.sql, failed.values, failed.error) from (
+                failed.error
+            )
         return [dict(zip(self.columns, row, strict=True)) for row in rows]
+
+
+class _Failed(Exception):
+    """A driver error, with the statement and values as the listeners left them."""
+
+    def __init__(self, sql: str, values: dict[str, Any], error: psycopg.Error) -> None:
+        super().__init__(sql)
+        self.sql, self.values, self.error = sql, values, error
+
+
+def _run_sync(
+    conn: Connection, dbapi: psycopg.Connection[Any], sql: str, values: dict[str, Any]
+) -> list[tuple[Any, ...]]:
+    events = conn.dispatch
+    execution = ListenerContext()
+    try:
+        with dbapi.cursor() as cursor:
+            if events.before_cursor_execute:
+                # As SQLAlchemy does: every listener hands back the statement and values,
+                # possibly changed (a tracer appending a comment).
+                for listener in events.before_cursor_execute:
+                    sql, values = listener(conn, cursor, sql, values, execution, False)
+            cursor.execute(sql, values)
+            if events.after_cursor_execute:
+                for listener in events.after_cursor_execute:
+                    listener(conn, cursor, sql, values, execution, False)
+            return cursor.fetchall()
+    except psycopg.Error as exc:
+        raise _Failed(sql, values, exc) from exc
+
+
+def _run_async(
+    conn: Connection, dbapi: psycopg.AsyncConnection[Any], sql: str, values: dict[str, Any]
+) -> list[tuple[Any, ...]]:
+    """:func:`_run_sync` on psycopg's async connection, from SQLAlchemy's greenlet: each
+    coroutine is awaited on the event loop as SQLAlchemy's own async adaption does."""
+    events = conn.dispatch
+    execution = ListenerContext()
+    cursor = dbapi.cursor()
+    try:
+        if events.before_cursor_execute:
+            for listener in events.before_cursor_execute:
+                sql, values = listener(conn, cursor, sql, values, execution, False)
+        await_only(cursor.execute(sql, values))
+        if events.after_cursor_execute:
+            for listener in events.after_cursor_execute:
+                listener(conn, cursor, sql, values, execution, False)
+        return await_only(cursor.fetchall())
+    except psycopg.Error as exc:
+        raise _Failed(sql, values, exc) from exc
+    finally:
+        await_only(cursor.close())
 
 
 class ListenerContext:

@@ -283,3 +283,40 @@ _FORGET_WAITER = text(
 def forget_waiter(executor: Executor, operation_id: UUID) -> None:
     """Undo :func:`register_waiter` for this session."""
     executor.execute(_FORGET_WAITER, {"operation_id": operation_id})
+
+
+_GET_OPERATIONS = select(operations).where(
+    operations.c.id.in_(bindparam("operation_ids", expanding=True))
+)
+
+
+def get_operations(executor: Executor, operation_ids: Sequence[UUID]) -> list[Operation]:
+    """The operations with these ids (those that exist), in no particular order: the
+    re-reads of many waiters (:mod:`outbox.aio`) in one round trip."""
+    rows = executor.execute(_GET_OPERATIONS, {"operation_ids": list(operation_ids)})
+    return [Operation.from_row(row) for row in rows.mappings()]
+
+
+_REGISTER_WAITERS = text(
+    "WITH gone AS (DELETE FROM outbox.waiters WHERE backend_pid NOT IN "
+    "(SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)) "
+    "INSERT INTO outbox.waiters (operation_id, backend_pid) "
+    "SELECT operation_id, pg_backend_pid() "
+    "FROM unnest(CAST(:operation_ids AS uuid[])) AS operation_id ON CONFLICT DO NOTHING"
+)
+
+
+def register_waiters(executor: Executor, operation_ids: Sequence[UUID]) -> None:
+    """:func:`register_waiter` for many operations in one statement (:mod:`outbox.aio`)."""
+    executor.execute(_REGISTER_WAITERS, {"operation_ids": list(operation_ids)})
+
+
+_FORGET_WAITERS = text(
+    "DELETE FROM outbox.waiters "
+    "WHERE operation_id = ANY(CAST(:operation_ids AS uuid[])) AND backend_pid = pg_backend_pid()"
+)
+
+
+def forget_waiters(executor: Executor, operation_ids: Sequence[UUID]) -> None:
+    """:func:`forget_waiter` for many operations in one statement (:mod:`outbox.aio`)."""
+    executor.execute(_FORGET_WAITERS, {"operation_ids": list(operation_ids)})

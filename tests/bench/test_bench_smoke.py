@@ -1,4 +1,5 @@
-"""The benchmarks still run: ``bench/pipeline.py --smoke`` and ``bench/limits.py --smoke``.
+"""The benchmarks still run: ``bench/pipeline.py``, ``bench/limits.py`` and ``bench/aio.py``
+with ``--smoke``.
 
 Each is a real run of a few seconds against the test server (a throw-away ``bench_*``
 database, dropped at the end; RabbitMQ on a throw-away vhost when one is up, else the
@@ -50,3 +51,14 @@ def test_limits_smoke(admin_url: str) -> None:
     assert re.search(
         r"target enqueue\(\) >= 0\.8x a raw INSERT\+COMMIT .*: .* (met|NOT met)", result.stdout
     ), result.stdout
+
+
+@pytest.mark.timeout(110)
+def test_aio_smoke(admin_url: str) -> None:
+    result = _smoke("aio.py", admin_url)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    for row in ("loop lag p99", "enqueue+commit+wait", "async / sync, Session", "raw psycopg"):
+        assert row in result.stdout, result.stdout
+    assert re.search(r"target event-loop lag p99 < 20 ms: .* (met|NOT met)", result.stdout), (
+        result.stdout
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -12,7 +13,8 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
 from outbox import api
-from outbox.driver import DriverStatement
+from outbox.db import create_async_engine
+from outbox.driver import DriverStatement, ListenerContext
 from tests.factories import operation_count
 
 _DIVIDE = DriverStatement.of(text("SELECT 1 / :divisor AS quotient"), ["quotient"])
@@ -182,3 +184,38 @@ def test_a_logged_database_error_shows_no_bound_values(
             assert _SECRET not in repr(raised.value)
     assert "INSERT INTO outbox.events" in caplog.text
     assert _SECRET not in caplog.text
+
+
+def test_an_async_engine_runs_the_statement_on_psycopgs_async_connection(
+    database_url: str, engine: Engine
+) -> None:
+    """Under an async engine (outbox.aio, in run_sync's greenlet) the statement runs on
+    psycopg's AsyncConnection directly: listeners see it with the driver's context, its row
+    comes back by name, and a failure raises SQLAlchemy's error."""
+    contexts: list[object] = []
+
+    def before(
+        _conn: object, _cursor: object, sql: str, _p: object, context: Any, *_: object
+    ) -> None:
+        if sql == _DIVIDE.sql:
+            contexts.append(context)
+
+    async def body() -> None:
+        async_engine = create_async_engine(database_url)
+        event.listen(async_engine.sync_engine, "before_cursor_execute", before)
+        try:
+            async with async_engine.connect() as conn:
+                assert await conn.run_sync(_DIVIDE.fetch_one, {"divisor": 1}) == {"quotient": 1}
+                doc = await conn.run_sync(_ECHO_JSON.fetch_one, {"doc": {"a": [1]}})
+                assert doc == {"doc": {"a": [1]}}
+                with pytest.raises(DataError, match="division by zero"):
+                    await conn.run_sync(_DIVIDE.fetch_one, {"divisor": 0})
+                await conn.rollback()
+                await conn.run_sync(_enqueue, "async")
+                await conn.commit()
+        finally:
+            await async_engine.dispose()
+
+    asyncio.run(body())
+    assert [type(context) for context in contexts] == [ListenerContext, ListenerContext]
+    assert operation_count(engine) == 1
