@@ -8,8 +8,10 @@ PostgreSQL (the raw driver, psycopg, no SQLAlchemy; rows shaped like ``outbox.op
 
 Our own statements, as our code issues them (SQLAlchemy, ``outbox.sql``):
 
-* ``enqueue()+COMMIT`` on ``--connections`` connections (the agent's side), with no relay
-  waiting on its bell and with one (then every enqueue NOTIFYs: what the doorbell costs);
+* ``enqueue()+COMMIT`` on one connection and on ``--connections`` connections (the agent's
+  side), with no relay waiting on its bell and with one (then every enqueue NOTIFYs: what the
+  doorbell costs); and on one connection through a ``Session`` that begins a transaction per
+  intent, as an agent writes it (the Session checks a connection out of the pool each time);
 * the ``sent`` compare-and-set: ``outbox.transitions.mark_sent`` planned→sent with
   ``synchronous_commit=on`` and its COMMIT, as the dispatcher makes it, on 1 and N connections;
 * the advisory lock round trip: ``sql.locks.try_lock`` + ``sql.locks.unlock`` (autocommit);
@@ -30,6 +32,7 @@ keep-alive connections: through httpx (as the HTTP tool calls it), and through r
 (almost no client cost, so the service's own ceiling), with the service's CPU use.
 
 Usage: python bench/limits.py [--url postgresql://...] [--rounds 3] [--ops 2000] [--smoke]
+       [--cases 'insert 1,enqueue 1']  (only these cases, by the names progress prints)
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from typing import Any
 from uuid import UUID
 
 import httpx
+import sqlalchemy
 
 # The bench directory is not a package: `python bench/limits.py` puts it on sys.path.
 from arguments import add_common_arguments
@@ -201,6 +205,31 @@ class Limits:
             return op
 
         return _in_threads(connections, self.ops, setup)
+
+    def enqueue_session_commit(self) -> float:
+        """``outbox.enqueue`` + COMMIT on one thread, as an agent writes it (the README): its
+        own engine (SQLAlchemy's defaults: no pre-ping), one ``Session``, ``session.begin()``
+        per intent, so a pool checkout and checkin per intent."""
+        tag = self._next_tag()
+
+        def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
+            agents = sqlalchemy.create_engine(self.engine.url, pool_size=1)
+            stack.callback(agents.dispose)
+            session = stack.enter_context(Session(agents))
+
+            def op(i: int) -> None:
+                with session.begin():
+                    api.enqueue(
+                        session,
+                        tool="bench.tool",
+                        target="web",
+                        payload={"version": f"1.0.{i}"},
+                        intent_key=f"session-{tag}-{i}",
+                    )
+
+            return op
+
+        return _in_threads(1, self.ops, setup)
 
     def enqueue_many_commit(self, connections: int) -> float:
         """``outbox.enqueue_many`` of ``BATCH`` intents + COMMIT: intents per second."""
@@ -523,6 +552,19 @@ def _cases(
             pg,
         ),
         Case(
+            "enqueue 1",
+            one("enqueue()+COMMIT, 1 connection", lambda: limits.enqueue_commit(1)),
+            ours,
+        ),
+        Case(
+            "enqueue session 1",
+            one(
+                "enqueue()+COMMIT, a Session's transaction per intent, 1 thread",
+                limits.enqueue_session_commit,
+            ),
+            ours,
+        ),
+        Case(
             "enqueue n",
             one(f"enqueue()+COMMIT, {n} connections", lambda: limits.enqueue_commit(n)),
             ours,
@@ -600,6 +642,16 @@ def _ratios(results: Results, n: int, clients: int) -> None:
         "INSERT+COMMIT, 1 connection",
     )
     results.ratio(
+        "enqueue() / raw INSERT (1 connection)",
+        "enqueue()+COMMIT, 1 connection",
+        "INSERT+COMMIT, 1 connection",
+    )
+    results.ratio(
+        "enqueue(): a Session per intent / a held Connection (1)",
+        "enqueue()+COMMIT, a Session's transaction per intent, 1 thread",
+        "enqueue()+COMMIT, 1 connection",
+    )
+    results.ratio(
         f"enqueue() / raw INSERT ({n} connections)",
         f"enqueue()+COMMIT, {n} connections",
         f"INSERT+COMMIT, {n} connections",
@@ -665,6 +717,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=5000, help="requests per service case")
     parser.add_argument("--clients", type=int, default=16, help="service connections")
     parser.add_argument("--broker-url", help="an AMQP URL to use as it is (no vhost is made)")
+    parser.add_argument(
+        "--cases",
+        type=lambda value: [name.strip() for name in value.split(",") if name.strip()],
+        help="only these cases, comma-separated, by the names the progress lines print "
+        "(default: all)",
+    )
     args = parser.parse_args(argv)
     logging.getLogger("amqp").setLevel(logging.ERROR)  # acks arriving while a channel closes
     if args.smoke:
@@ -681,8 +739,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         limits = Limits(engine, args)
         broker_url = stack.enter_context(_maybe_vhost(use_rabbitmq, args.broker_url))
         service = stack.enter_context(ServiceProcess(port=0))
-        run_rounds(args.rounds, _cases(limits, broker_url, service, args), results)
+        cases = _cases(limits, broker_url, service, args)
+        if args.cases:
+            unknown = sorted(set(args.cases) - {case.name for case in cases})
+            if unknown:
+                parser.error(f"unknown case(s): {', '.join(unknown)}")
+            cases = [case for case in cases if case.name in args.cases]
+        run_rounds(args.rounds, cases, results)
     _ratios(results, args.connections, args.clients)
+    results.target(
+        "enqueue() >= 0.8x a raw INSERT+COMMIT (1 connection)",
+        "enqueue() / raw INSERT (1 connection)",
+        at_least=0.8,
+    )
     results.target(
         f"enqueue() >= 0.8x a raw INSERT+COMMIT ({args.connections} connections)",
         f"enqueue() / raw INSERT ({args.connections} connections)",

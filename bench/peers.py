@@ -19,10 +19,13 @@ here) of ``--concurrency`` jobs in flight each (default 8), as real subprocesses
 before the clock starts; its own throw-away database(s) (and RabbitMQ vhost where it uses one).
 
 Per system, load and round (a *case*: one system's workers started, warmed, measured,
-stopped; :mod:`peer_drivers.base`), ``--agents`` threads make the intents:
+stopped; :mod:`peer_drivers.base`), agent threads make the intents, each with its own
+connection, one intent per transaction: the largest of ``--agents`` (default ``8,1``: eight)
+in every load, and each smaller count in a flat load of its own (``flat, 1 agent``: one
+agent's stream, where its enqueue alone bounds the throughput):
 
 * flat: as fast as they can; throughput = results / (last result recorded - first intent
-  commit), ops/s;
+  commit), ops/s; and the enqueue rate the agents offered, intents / (last commit - first);
 * steady at ``--rate`` intents/s in total: latency from the intent's commit (``time.time()``
   right after the agent's COMMIT returned) to the request arriving at the service (its clock,
   the same host's), p50 / p95 / p99; and to the result being recorded (``clock_timestamp()``
@@ -42,7 +45,7 @@ peers with ``pip install -e '.[bench]'``). Databases, vhosts and processes are r
 end, also on a failure, Ctrl-C or SIGTERM.
 
 Usage: python bench/peers.py [--url postgresql://...] [--rounds 3] [--intents 3000]
-       [--rate 100] [--agents 8] [--workers 2] [--concurrency 8]
+       [--rate 100] [--agents 8,1] [--workers 2] [--concurrency 8]
        [--systems ours,celery,procrastinate,dbos] [--broker-url amqp://...] [--dbos-poll 0.1]
        [--smoke] [--json FILE]
 """
@@ -85,12 +88,30 @@ def _systems(value: str) -> list[str]:
     return list(dict.fromkeys(chosen))
 
 
+def _agent_counts(value: str) -> list[int]:
+    try:
+        counts = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a comma-separated list of agent thread counts (each >= 1)"
+        )
+    return sorted(set(counts), reverse=True)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     add_common_arguments(parser)
     parser.add_argument("--intents", type=int, default=3000, help="per system, load and round")
     parser.add_argument("--rate", type=float, default=100.0, help="steady: intents/s in all")
-    parser.add_argument("--agents", type=int, default=8, help="agent threads (connections)")
+    parser.add_argument(
+        "--agents",
+        type=_agent_counts,
+        default=[8, 1],
+        help="agent threads (connections), comma-separated: the largest in every load, each "
+        "smaller count in a flat load of its own (default 8,1)",
+    )
     parser.add_argument("--workers", type=int, default=2, help="worker processes per system")
     parser.add_argument("--concurrency", type=int, default=8, help="jobs in flight per worker")
     parser.add_argument(
@@ -175,14 +196,21 @@ def _ratios(results: Results, systems: Sequence[System]) -> None:
     ours = next((s for s in systems if s.key == "ours"), None)
     if ours is None:
         return
+    flats = sorted({row.rsplit(": ", 1)[0] for _, row in results.rows if row.startswith("flat")})
     for peer in systems:
         if peer is ours:
             continue
-        results.ratio(
-            f"flat throughput: ours / {peer.label}",
-            (ours.label, "flat: throughput"),
-            (peer.label, "flat: throughput"),
-        )
+        for flat in flats:
+            results.ratio(
+                f"{flat} throughput: ours / {peer.label}",
+                (ours.label, f"{flat}: throughput"),
+                (peer.label, f"{flat}: throughput"),
+            )
+            results.ratio(
+                f"{flat} enqueue rate: ours / {peer.label}",
+                (ours.label, f"{flat}: enqueue rate (offered)"),
+                (peer.label, f"{flat}: enqueue rate (offered)"),
+            )
     for q in (50, 99):
         for peer in systems:
             if peer is ours:
@@ -218,6 +246,12 @@ def _targets(results: Results, systems: Sequence[System]) -> None:
     )
 
 
+def _loads(args: argparse.Namespace) -> list[Load]:
+    """Flat and steady with the most agent threads; flat again with each smaller count."""
+    _, *fewer = args.agents  # largest first
+    return [Load(None), *(Load(None, agents=n) for n in fewer), Load(args.rate)]
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     """SIGTERM as Ctrl-C: unwind, so every ``finally`` and context manager cleans up."""
     raise KeyboardInterrupt
@@ -229,9 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rounds, args.intents, args.rate = 1, 100, 100.0
     logging.getLogger("amqp").setLevel(logging.ERROR)
     rabbitmq = bool(args.broker_url) or rabbitmq_available()
-    loads = [Load(None), Load(args.rate)]
+    loads = _loads(args)
     results = Results(
-        f"peers: {args.intents} intents per case, {args.agents} agents, {args.workers} workers "
+        f"peers: {args.intents} intents per case, {'/'.join(map(str, args.agents))} agents, "
+        f"{args.workers} workers "
         f"x {args.concurrency} per system, steady at {args.rate:g}/s, {args.rounds} rounds"
     )
     cpu = Results("CPU while measuring, in % of one core (from /proc; rabbitmq: the whole broker)")
@@ -248,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             service = stack.enter_context(ServiceProcess(port=0, record_arrivals=True))
             settings = Settings(
                 intents=args.intents,
-                agents=args.agents,
+                agents=args.agents[0],
                 workers=args.workers,
                 concurrency=args.concurrency,
                 service=service,

@@ -53,19 +53,37 @@ Rows = dict[str, tuple[float, str]]
 
 @dataclass(frozen=True)
 class Load:
-    """Flat out (``rate`` None) or steady at ``rate`` intents/s in total."""
+    """Flat out (``rate`` None) or steady at ``rate`` intents/s in total; by the settings'
+    agent threads, or by ``agents`` of them (peers.py's further ``--agents`` counts)."""
 
     rate: float | None = None
+    agents: int | None = None
 
     @property
     def kind(self) -> str:
-        """``flat`` or ``steady``: the prefix of this load's rows."""
+        """``flat`` or ``steady``."""
         return "flat" if self.rate is None else "steady"
 
     @property
+    def prefix(self) -> str:
+        """The prefix of this load's rows: ``flat``, ``steady``, or ``flat, 1 agent``."""
+        return self.kind + self._agents_suffix
+
+    @property
     def label(self) -> str:
-        """``flat`` or ``steady 100/s``."""
-        return "flat" if self.rate is None else f"steady {self.rate:g}/s"
+        """``flat``, ``steady 100/s``, or ``flat, 1 agent``."""
+        shape = "flat" if self.rate is None else f"steady {self.rate:g}/s"
+        return shape + self._agents_suffix
+
+    def agent_threads(self, settings: Settings) -> int:
+        """The agent threads this load runs with."""
+        return settings.agents if self.agents is None else self.agents
+
+    @property
+    def _agents_suffix(self) -> str:
+        if self.agents is None:
+            return ""
+        return f", {self.agents} agent" + ("" if self.agents == 1 else "s")
 
 
 @dataclass(frozen=True)
@@ -274,7 +292,7 @@ def measured_rows(
     arrivals: Mapping[str, float],
     recorded: Mapping[str, float],
 ) -> Rows:
-    """The rows of one case, named ``flat: ...`` or ``steady: ...``.
+    """The rows of one case, named ``flat: ...`` or ``steady: ...`` (``load.prefix``).
 
     * throughput: results recorded / (last result recorded - first intent commit);
     * enqueue rate (offered, flat only): intents / (last commit - first commit);
@@ -284,11 +302,14 @@ def measured_rows(
     done = [recorded[key] for key in commits if key in recorded]
     first = min(commits.values())
     rows: Rows = {
-        f"{load.kind}: throughput": (len(done) / max(max(done, default=first) - first, 1e-9), PER_S)
+        f"{load.prefix}: throughput": (
+            len(done) / max(max(done, default=first) - first, 1e-9),
+            PER_S,
+        )
     }
     if load.rate is None:
         last_commit = max(commits.values())
-        rows["flat: enqueue rate (offered)"] = (
+        rows[f"{load.prefix}: enqueue rate (offered)"] = (
             len(commits) / max(last_commit - first, 1e-9),
             PER_S,
         )
@@ -296,9 +317,9 @@ def measured_rows(
     to_arrival = [1000 * (arrivals[key] - t) for key, t in commits.items() if key in arrivals]
     to_result = [1000 * (recorded[key] - t) for key, t in commits.items() if key in recorded]
     for q in (50, 95, 99):
-        rows[f"steady: commit -> arrival p{q}"] = (percentile(to_arrival, q), MS)
+        rows[f"{load.prefix}: commit -> arrival p{q}"] = (percentile(to_arrival, q), MS)
     for q in (50, 99):
-        rows[f"steady: commit -> result p{q}"] = (percentile(to_result, q), MS)
+        rows[f"{load.prefix}: commit -> result p{q}"] = (percentile(to_result, q), MS)
     return rows
 
 
@@ -383,7 +404,8 @@ class PeerDriver(System):
         failed = True
         try:
             workers = self.start_workers(log_dir)
-            run_agents(self.open_agent, min(s.agents, s.warm), s.warm, None)
+            agents = load.agent_threads(s)
+            run_agents(self.open_agent, min(agents, s.warm), s.warm, None)
             self._wait_recorded(s.warm, workers, f"{where}, warming up")
             s.service.clear()
             meter = CpuMeter(
@@ -396,7 +418,7 @@ class PeerDriver(System):
                 }
             )
             meter.start()
-            commits = run_agents(self.open_agent, s.agents, s.intents, load.rate)
+            commits = run_agents(self.open_agent, agents, s.intents, load.rate)
             self._wait_recorded(s.warm + s.intents, workers, f"{where}, measuring")
             for name, percent in meter.stop().items():
                 s.cpu.add(name, percent, unit=CORE, section=f"{self.label}, {load.label}")

@@ -33,18 +33,19 @@ RELAYS = 1
 BATCH_SIZE = 200
 QUEUES = "dispatch,lookup,reconcile,human"
 
+#: Pipeline's row names -> the peers' (after the load's prefix: ``flat: throughput``).
 _ROWS = {
     "flat": {
-        "throughput": "flat: throughput",
-        "enqueue rate (offered)": "flat: enqueue rate (offered)",
+        "throughput": "throughput",
+        "enqueue rate (offered)": "enqueue rate (offered)",
     },
     "steady": {
-        "throughput": "steady: throughput",
-        "commit -> arrival p50": "steady: commit -> arrival p50",
-        "commit -> arrival p95": "steady: commit -> arrival p95",
-        "commit -> arrival p99": "steady: commit -> arrival p99",
-        "commit -> confirmed p50": "steady: commit -> result p50",
-        "commit -> confirmed p99": "steady: commit -> result p99",
+        "throughput": "throughput",
+        "commit -> arrival p50": "commit -> arrival p50",
+        "commit -> arrival p95": "commit -> arrival p95",
+        "commit -> arrival p99": "commit -> arrival p99",
+        "commit -> confirmed p50": "commit -> result p50",
+        "commit -> confirmed p99": "commit -> result p99",
     },
 }
 
@@ -73,12 +74,13 @@ class Ours(base.System):
             batch_size=BATCH_SIZE,
             log_level=settings.log_level,
         )
-        self.pipelines: dict[str, tuple[Pipeline, Results]] = {}
+        self.pipelines: dict[base.Load, tuple[Pipeline, Results]] = {}
         self.cases = 0
 
     def _pipeline(self, load: base.Load) -> tuple[Pipeline, Results]:
-        if load.kind not in self.pipelines:
-            workdir = Path(self.settings.workdir) / f"ours-{load.kind}"
+        if load not in self.pipelines:
+            agents = load.agent_threads(self.settings)
+            workdir = Path(self.settings.workdir) / f"ours-{load.kind}-{agents}"
             workdir.mkdir(parents=True)
             cpu = Results("pipeline's CPU")
             pipeline = Pipeline(
@@ -86,12 +88,12 @@ class Ours(base.System):
                 db_url=self.database_url,
                 broker_url=self.broker_url,
                 service=self.settings.service,
-                args=self.args,
+                args=argparse.Namespace(**{**vars(self.args), "agents": agents}),
                 workdir=workdir,
                 cpu=cpu,
             )
-            self.pipelines[load.kind] = (pipeline, cpu)
-        return self.pipelines[load.kind]
+            self.pipelines[load] = (pipeline, cpu)
+        return self.pipelines[load]
 
     def run(self, load: base.Load) -> base.Rows:
         self.cases += 1
@@ -118,7 +120,7 @@ class Ours(base.System):
                     name, row.values[-1], unit=row.unit, section=f"{self.label}, {load.label}"
                 )
         return {
-            ours: measured[theirs]
+            f"{load.prefix}: {ours}": measured[theirs]
             for theirs, ours in _ROWS[load.kind].items()
             if theirs in measured
         }

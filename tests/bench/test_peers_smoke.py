@@ -44,12 +44,15 @@ def test_peers_smoke(admin_url: str) -> None:
     out = result.stdout
     for row in (
         "flat: throughput",
+        "flat, 1 agent: throughput",
+        "flat, 1 agent: enqueue rate (offered)",
         "steady: commit -> arrival p50",
         "steady: commit -> arrival p99",
     ):
         assert row in out, out
     for peer in ("naive celery", *installed):
         assert f"flat throughput: ours / {peer}" in out, out
+        assert f"flat, 1 agent enqueue rate: ours / {peer}" in out, out
         assert f"steady arrival p50: ours / {peer}" in out, out
     # Each target this run measures is judged under the table, met or not.
     assert re.search(r"target flat throughput >= 1\.2x naive celery: .* (met|NOT met)", out), out
