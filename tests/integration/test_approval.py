@@ -448,6 +448,36 @@ def test_the_dispatcher_holds_back_an_unapproved_operation_of_a_tool_requiring_a
     assert len(calls) == 1
 
 
+def test_metrics_show_what_waits_for_approval_and_count_the_decisions(engine: Engine) -> None:
+    """The exporter reports operations awaiting approval, the oldest's age, and counts
+    approvals, rejections and expiries."""
+    from outbox.metrics import OutboxCollector  # noqa: PLC0415 -- as tests/integration/test_metrics.py
+    from tests.integration.test_metrics import scrape  # noqa: PLC0415
+
+    collector = OutboxCollector(engine)
+    assert collector.baseline()
+    approved, rejected, expired, waiting = (awaiting(engine, target=t) for t in "abcd")
+    approve(engine, approved)
+    with Session(engine) as session, session.begin():
+        outbox.reject(session, rejected.id, by="carol", reason="no")
+    expire(engine, expired)
+    with engine.connect() as conn:
+        approval.expire_due_and_commit(conn)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE outbox.operations SET updated_at = now() - interval '90 seconds'"
+                " WHERE id = :id"
+            ),
+            {"id": waiting.id},
+        )
+    samples = scrape(collector)
+    assert samples("outbox_operations", state="awaiting_approval", tool=TOOL) == 1
+    assert samples("outbox_oldest_age_seconds", state="awaiting_approval") >= 90
+    for decision in ("approved", "rejected", "expired"):
+        assert samples("outbox_approval_decisions_total", decision=decision) == 1
+
+
 def test_an_unknown_operation_id_is_not_found(engine: Engine) -> None:
     """approve of an id with no operation raises OperationNotFound."""
     with pytest.raises(outbox.OperationNotFound), Session(engine) as session, session.begin():
