@@ -56,8 +56,10 @@ _INSERT_INTENT = DriverStatement.of(
            inserted.available_at, inserted.state, inserted.approval_expires_at,
            -- Ring the relay only while one sleeps: NOTIFY serialises commits cluster-wide,
            -- so a busy relay (which polls anyway) must not cost the agent's commit that lock.
+           -- (Nor for an operation awaiting approval: no relay publishes it.)
            (SELECT pg_notify('outbox_planned', '')
-            WHERE EXISTS (SELECT FROM outbox.relays WHERE idle)) AS rang
+            WHERE inserted.state = 'planned' AND EXISTS (SELECT FROM outbox.relays WHERE idle))
+             AS rang
     FROM inserted
     """
     ),
@@ -188,7 +190,8 @@ _INSERT_INTENTS = text(
     ),
     rang AS (
         SELECT pg_notify('outbox_planned', '')
-        WHERE EXISTS (SELECT FROM inserted) AND EXISTS (SELECT FROM outbox.relays WHERE idle)
+        WHERE EXISTS (SELECT FROM inserted WHERE state = 'planned')
+          AND EXISTS (SELECT FROM outbox.relays WHERE idle)
     )
     SELECT inserted.*, new.n AS position, (SELECT count(*) FROM rang) AS rang
     FROM inserted JOIN new ON new.id = inserted.id
