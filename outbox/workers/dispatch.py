@@ -232,7 +232,7 @@ def _ready_to_send(  # noqa: PLR0911 -- one return per reason not to send, in or
     tool = registry.get(op.tool)
     if tool is None:
         return _to_human(conn, op, f"tool {op.tool!r} is not registered on this worker")
-    if tool.contract.approval_required and op.approved_payload_hash != op.payload_hash:
+    if _needs_approval(op, tool.contract):
         return _to_approval(conn, op, tool.contract)
     if op.attempts_in_budget >= tool.contract.max_attempts:
         return _to_human(conn, op, f"max_attempts ({tool.contract.max_attempts}) reached")
@@ -349,6 +349,17 @@ def _dispatcher_lost(conn: Connection, op: Operation) -> DispatchReport:
         extra={"action": Action.DISPATCH_LOST, "operation_id": str(op.id)},
     )
     return DispatchReport(op.id, Outcome.DISPATCHER_LOST, op.attempts)
+
+
+def _needs_approval(op: Operation, contract: ToolContract) -> bool:
+    """Whether the tool requires an approval this row does not hold. Only before its first
+    attempt: a row already sent under the tool's former policy is retried as it was released
+    (the database refuses an attempted row back in ``awaiting_approval``)."""
+    return (
+        contract.approval_required
+        and op.attempts == 0
+        and op.approved_payload_hash != op.payload_hash
+    )
 
 
 def _to_approval(conn: Connection, op: Operation, contract: ToolContract) -> DispatchReport:
