@@ -7,7 +7,8 @@ escalation cannot lose its webhook and a rolled-back one never sends one. The de
 is the ``webhook-id``, the same on every retry, so receivers can deduplicate.
 
 A message never carries a secret, nor the operation's payload (it may hold personal data):
-only the payload's hash. The statements on ``outbox.webhook_deliveries`` are in
+only the payload's hash; except ``approval_requested``, whose reader must see exactly the
+payload they are asked to approve. The statements on ``outbox.webhook_deliveries`` are in
 :mod:`outbox.sql.webhooks`.
 """
 
