@@ -19,7 +19,13 @@ import outbox
 from outbox import approval
 from outbox.config import get_settings
 from outbox.contracts import ContractTable, ToolContract
-from outbox.errors import AlreadyDecided, ApprovalMismatch, ApprovalRefused, NotCancellable
+from outbox.errors import (
+    AlreadyDecided,
+    ApprovalMismatch,
+    ApprovalRefused,
+    NotCancellable,
+    WaitTimeout,
+)
 from outbox.models import Operation
 from outbox.relay import Relay, RelayConfig
 from outbox.states import Actor, State
@@ -322,6 +328,14 @@ def test_wait_returns_an_operation_awaiting_approval(engine: Engine) -> None:
     """wait() returns an operation awaiting approval, like one that needs a human."""
     op = awaiting(engine)
     assert outbox.wait(op.id, timeout=5, engine=engine).state is State.AWAITING_APPROVAL
+
+
+def test_wait_through_approval_waits_on_for_the_outcome(engine: Engine) -> None:
+    """wait(through_approval=True) keeps waiting while the operation awaits approval."""
+    op = awaiting(engine)
+    with pytest.raises(WaitTimeout) as caught:
+        outbox.wait(op.id, timeout=0.5, engine=engine, poll_interval=0.1, through_approval=True)
+    assert caught.value.operation.state is State.AWAITING_APPROVAL
 
 
 def test_the_agent_can_cancel_an_operation_awaiting_approval(engine: Engine) -> None:
