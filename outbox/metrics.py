@@ -164,7 +164,10 @@ class OutboxCollector:
         #: (``time.monotonic()``); insertion order is age order.
         self._gaps: dict[int, float] = {}
         self._transitions: Counter[tuple[str, str, str]] = Counter(
-            {(NO_STATE, State.PLANNED.value, "agent"): 0}
+            {
+                (NO_STATE, State.PLANNED.value, "agent"): 0,
+                (NO_STATE, State.AWAITING_APPROVAL.value, "agent"): 0,
+            }
             | {
                 (from_state.value, to_state.value, actor.value): 0
                 for (from_state, to_state), actors in ALLOWED.items()
