@@ -295,8 +295,8 @@ def cancel(session: Executor, operation_id: UUID | str, *, reason: str | None = 
         raise OperationNotFound(f"no operation {op_id}", operation_id=op_id)
     if current.state not in (State.PLANNED, State.AWAITING_APPROVAL):
         raise NotCancellable(
-            f"operation {op_id} is {current.state.value}; only a planned or awaiting_approval "
-            "operation can be cancelled",
+            f"operation {op_id} is {current.state.value}; only a planned operation (or one "
+            "awaiting approval) can be cancelled",
             operation_id=op_id,
         )
     move = transitions.cancel(

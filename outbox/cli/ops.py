@@ -107,7 +107,8 @@ def cancel(
     reason: Annotated[str, typer.Option(help="Why, for the audit trail.")] = "cancelled by CLI",
     as_json: Annotated[bool, typer.Option("--json", help="Print the operation as JSON.")] = False,
 ) -> None:
-    """Cancel a planned operation that no attempt can have reached the remote with."""
+    """Cancel a planned operation (or one awaiting approval) that no attempt can have reached
+    the remote with."""
     with transaction() as session:
         op = api.cancel(session, operation_id, reason=reason)
     if as_json:
