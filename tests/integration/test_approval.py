@@ -335,7 +335,9 @@ def test_wait_through_approval_waits_on_for_the_outcome(engine: Engine) -> None:
     op = awaiting(engine)
     with pytest.raises(WaitTimeout) as caught:
         outbox.wait(op.id, timeout=0.5, engine=engine, poll_interval=0.1, through_approval=True)
-    assert caught.value.operation.state is State.AWAITING_APPROVAL
+    last_seen = caught.value.operation
+    assert isinstance(last_seen, Operation)
+    assert last_seen.state is State.AWAITING_APPROVAL
 
 
 def test_the_agent_can_cancel_an_operation_awaiting_approval(engine: Engine) -> None:
