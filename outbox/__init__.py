@@ -8,7 +8,11 @@ looked up, replayed only under the remote's dedup contract, or put before a huma
 from importlib import metadata
 
 from outbox.api import Intent, cancel, enqueue, enqueue_many, find, get, wait
+from outbox.approval import approve, reject
 from outbox.errors import (
+    AlreadyDecided,
+    ApprovalMismatch,
+    ApprovalRefused,
     ConfigError,
     DatabaseUnavailable,
     IntentAlreadyDone,
@@ -39,6 +43,9 @@ except metadata.PackageNotFoundError:  # pragma: no cover -- only without an ins
 
 __all__ = [
     "Actor",
+    "AlreadyDecided",
+    "ApprovalMismatch",
+    "ApprovalRefused",
     "ConfigError",
     "DatabaseUnavailable",
     "Event",
@@ -61,11 +68,13 @@ __all__ = [
     "TransitionNotAllowed",
     "WaitTimeout",
     "__version__",
+    "approve",
     "cancel",
     "enqueue",
     "enqueue_many",
     "find",
     "get",
+    "reject",
     "resolve",
     "wait",
 ]

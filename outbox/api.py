@@ -17,7 +17,7 @@ from uuid import UUID
 
 from sqlalchemy import Engine
 
-from outbox import sql, transitions
+from outbox import sql, transitions, webhooks
 from outbox.canonical import NotCanonicalizable, canonical_json, intent_hash, payload_hash
 from outbox.config import get_settings
 from outbox.contracts import CONTRACTS
@@ -53,6 +53,7 @@ def enqueue(
     intent_key: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     requested_by: str | None = None,
+    require_approval: bool = False,
 ) -> Operation:
     """Record the intent to call ``tool`` on ``target`` with ``payload``, in the caller's txn.
 
@@ -72,8 +73,15 @@ def enqueue(
     The payload must be a JSON object; it is canonicalised (RFC 8785) and its sha256 stored,
     and it never changes afterwards. Malformed input raises :class:`InvalidIntent` naming
     the field.
+
+    The operation is created ``awaiting_approval`` (never published or sent until a person
+    approves it: :func:`outbox.approve`) when ``require_approval`` is true or its tool
+    requires approval (``approval = "required"``, known from ``outbox.tool_policies`` or
+    this process's loaded tools). A call may tighten its tool's policy, never loosen it.
     """
-    one = _check(Intent(tool, target, payload, intent_key, metadata, requested_by))
+    one = _check(
+        Intent(tool, target, payload, intent_key, metadata, requested_by, require_approval)
+    )
     for _ in range(_INSERT_TRIES):
         created = sql.intents.insert_intent(
             session,
@@ -85,8 +93,12 @@ def enqueue(
             intent_hash=one.intent_hash,
             metadata=one.metadata,
             requested_by=one.requested_by,
+            require_approval=one.require_approval,
+            approval_ttl_s=one.approval_ttl_s,
         )
         if created is not None:
+            if created.state is State.AWAITING_APPROVAL:
+                webhooks.record_approval_requested(session, created)
             return created
         # A generated key is the new operation's id and cannot collide, so intent_key is set.
         existing = sql.intents.find_operation(session, str(intent_key))
@@ -114,6 +126,8 @@ class Intent:
     intent_key: str | None = None
     metadata: Mapping[str, Any] | None = field(default=None, hash=False)
     requested_by: str | None = None
+    #: Wait for a person's approval before any send, whatever the tool says.
+    require_approval: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,9 @@ class _Checked:
     intent_hash: str
     metadata: dict[str, Any]
     requested_by: str | None
+    require_approval: bool
+    #: The approval TTL of this process's loaded contract, if it has one (else the policy's).
+    approval_ttl_s: float | None
 
 
 def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation]:
@@ -165,7 +182,12 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
             intent_hashes=[c.intent_hash for c in unique],
             metadata=[json.dumps(c.metadata) for c in unique],
             requested_by=[c.requested_by for c in unique],
+            require_approval=[c.require_approval for c in unique],
+            approval_ttl_s=[c.approval_ttl_s for c in unique],
         )
+        for created in inserted.values():
+            if created.state is State.AWAITING_APPROVAL:
+                webhooks.record_approval_requested(session, created)
         by_key = {op.intent_key: op for op in inserted.values()}
         taken = [c.intent_key for c in unique if c.intent_key and c.intent_key not in by_key]
         for existing in sql.intents.find_operations(session, taken) if taken else []:
@@ -202,6 +224,9 @@ def _check(intent: Intent) -> _Checked:
     _check_intent_key(intent.intent_key)
     canonical = _canonical_payload(intent.payload)
     digest = payload_hash(canonical)
+    if not isinstance(intent.require_approval, bool):
+        raise InvalidIntent("require_approval must be True or False", field="require_approval")
+    contract = CONTRACTS.get(intent.tool)
     return _Checked(
         intent_key=intent.intent_key,
         tool=intent.tool,
@@ -211,6 +236,10 @@ def _check(intent: Intent) -> _Checked:
         intent_hash=intent_hash(intent.tool, intent.target, digest),
         metadata=_checked_metadata(intent.metadata),
         requested_by=intent.requested_by,
+        # This process's loaded contract counts too (tighten only), with its TTL.
+        require_approval=intent.require_approval
+        or (contract is not None and contract.approval_required),
+        approval_ttl_s=contract.approval_ttl_s if contract is not None else None,
     )
 
 
@@ -253,7 +282,8 @@ def find(session: Executor, intent_key: str) -> Operation | None:
 
 
 def cancel(session: Executor, operation_id: UUID | str, *, reason: str | None = None) -> Operation:
-    """Withdraw a ``planned`` operation that no attempt can have reached the remote with.
+    """Withdraw a ``planned`` or ``awaiting_approval`` operation that no attempt can have
+    reached the remote with.
 
     Joins the caller's transaction and does not commit. Raises :class:`NotCancellable` when
     the operation is past ``planned`` or an earlier attempt's outcome is in doubt (resolve
@@ -263,13 +293,15 @@ def cancel(session: Executor, operation_id: UUID | str, *, reason: str | None = 
     current = sql.intents.get_operation(session, op_id)
     if current is None:
         raise OperationNotFound(f"no operation {op_id}", operation_id=op_id)
-    if current.state is not State.PLANNED:
+    if current.state not in (State.PLANNED, State.AWAITING_APPROVAL):
         raise NotCancellable(
-            f"operation {op_id} is {current.state.value}; only a planned operation can be "
-            "cancelled",
+            f"operation {op_id} is {current.state.value}; only a planned operation (or one "
+            "awaiting approval) can be cancelled",
             operation_id=op_id,
         )
-    move = transitions.cancel(op_id, reason=reason or "cancelled by the agent")
+    move = transitions.cancel(
+        op_id, reason=reason or "cancelled by the agent", from_state=current.state
+    )
     return transitions.apply(session, move).operation
 
 
@@ -279,8 +311,12 @@ def wait(
     *,
     engine: Engine | None = None,
     poll_interval: float = 1.0,
+    through_approval: bool = False,
 ) -> Operation:
-    """Block until the operation is terminal or needs a human, and return it.
+    """Block until the operation is terminal or waits for a person, and return it.
+
+    An operation ``awaiting_approval`` is returned like one that ``needs_human``; with
+    ``through_approval=True`` the wait goes on through the approval to the real outcome.
 
     Sleeps on PostgreSQL ``LISTEN`` (a settled move sends a ``NOTIFY`` for an operation that
     someone waits for: ``outbox.waiters``), re-reading the row at most every
@@ -305,7 +341,9 @@ def wait(
                 current = sql.intents.get_operation(conn, op_id)
                 if current is None:
                     raise OperationNotFound(f"no operation {op_id}", operation_id=op_id)
-                if current.is_settled:
+                if current.is_settled and not (
+                    through_approval and current.state is State.AWAITING_APPROVAL
+                ):
                     return current
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

@@ -37,7 +37,9 @@ OTHER_VARIABLES = {
 }
 
 #: Events an escalation webhook may subscribe to.
-WEBHOOK_EVENT_NAMES = frozenset({"needs_human", "resolved", "confirmed", "failed"})
+WEBHOOK_EVENT_NAMES = frozenset(
+    {"needs_human", "resolved", "confirmed", "failed", "approval_requested", "approval_expired"}
+)
 
 Seconds = Annotated[float, Field(gt=0)]
 
@@ -151,8 +153,16 @@ class Settings(BaseSettings):
         default=None, description="Standard Webhooks signing secret (whsec_...)."
     )
     webhook_events: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: ["needs_human", "resolved"],
-        description="Comma-separated events to deliver: needs_human, resolved, confirmed, failed.",
+        default_factory=lambda: [
+            "needs_human",
+            "resolved",
+            "approval_requested",
+            "approval_expired",
+        ],
+        description=(
+            "Comma-separated events to deliver: needs_human, resolved, approval_requested, "
+            "approval_expired, confirmed, failed."
+        ),
     )
 
     _split_tools = field_validator("tools", "webhook_events", mode="before")(_split_commas)

@@ -21,6 +21,12 @@ INFLIGHT_MARGIN_S = 5.0
 #: ``dedup margin_s``: NTP keeps servers within milliseconds, and 30 s is a week of a broken
 #: sync at a typical quartz drift of 50 ppm.
 DEDUP_SKEW_ALLOWANCE_S = 30.0
+#: How long an operation may wait for a person's approval before the sweep cancels it, unless
+#: the tool says otherwise: a working day and a night, so a request made in the evening can
+#: still be approved the next morning.
+DEFAULT_APPROVAL_TTL_S = 86400.0
+#: The values of a tool's ``approval`` (TOML key and ``@tool`` keyword).
+APPROVAL_VALUES = ("none", "required")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +64,10 @@ class ToolContract:
     has_lookup: bool = False
     #: The remote's deduplication contract, if it has one.
     dedup: DedupContract | None = None
+    #: Whether every operation of this tool waits for a person's approval before any send.
+    approval_required: bool = False
+    #: How long such an operation may wait for it; then the sweep cancels it.
+    approval_ttl_s: float = DEFAULT_APPROVAL_TTL_S
 
     def __post_init__(self) -> None:
         for problem in self._problems():
@@ -70,6 +80,7 @@ class ToolContract:
             "inflight_horizon_s": self.inflight_horizon_s,
             "max_checks": self.max_checks,
             "max_attempts": self.max_attempts,
+            "approval_ttl_s": self.approval_ttl_s,
         }
         for name, value in positive.items():
             if value <= 0:
@@ -101,6 +112,17 @@ class ToolContract:
             yield (
                 f"dedup window_s ({dedup.window_s:g}) must exceed its margin_s ({dedup.margin_s:g})"
             )
+
+
+def approval_required(value: object, tool: str) -> bool:
+    """``approval = "required"`` → True, ``"none"`` → False; anything else raises
+    :class:`ConfigError` naming the tool and the field."""
+    if value not in APPROVAL_VALUES:
+        raise ConfigError(
+            f"tool {tool!r}: approval must be one of {', '.join(map(repr, APPROVAL_VALUES))}, "
+            f"not {value!r}"
+        )
+    return value == "required"
 
 
 @dataclass

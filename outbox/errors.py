@@ -183,3 +183,37 @@ class StaleResolution(ResolutionRefused, StaleTransition):
     Also a :class:`StaleTransition`: ``expected`` is the state and attempt the operator saw
     (the state as ``None`` when only the attempt was given), ``actual`` what the row holds now.
     """
+
+
+class ApprovalMismatch(TransitionError):
+    """The payload hash given with the approval is not the operation's: the approver did not
+    see this payload. Nothing was written.
+
+    ``operation_id``, ``given`` (the hash the approver sent) and ``expected`` (the stored one).
+    """
+
+    operation_id: Any
+    given: str
+    expected: str
+
+
+class AlreadyDecided(TransitionError):
+    """The operation no longer waits for approval: someone decided it, it expired, or it moved
+    on. Nothing was written.
+
+    ``operation_id``; ``state`` (where it is now); ``decided_by`` and ``decided_at`` (the
+    decision, when a person made one); ``expired_at`` (its approval's TTL end, when that is why).
+    """
+
+    operation_id: Any
+    state: Any
+    decided_by: str | None
+    decided_at: Any
+    expired_at: Any
+
+
+class ApprovalRefused(TransitionError):
+    """The approval or rejection is malformed (``field`` names it). Nothing was written."""
+
+    operation_id: Any
+    field: str

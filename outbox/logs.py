@@ -42,6 +42,9 @@ class Action(enum.StrEnum):
     DISPATCH_REPLANNED = "dispatch_replanned"
     DISPATCH_LOST = "dispatch_lost"  #: found in `sent`: its dispatcher died
     DISPATCH_NEEDS_HUMAN = "dispatch_needs_human"
+    #: its tool requires approval and the row had none: back to `awaiting_approval`, not sent
+    DISPATCH_AWAITING_APPROVAL = "dispatch_awaiting_approval"
+    TOOL_POLICIES_PUBLISHED = "tool_policies_published"  #: approval policies written
     DISPATCH_LATE = "dispatch_late"  #: the outcome arrived after the row moved on
     DISPATCH_OUTCOME_UNRECORDED = "dispatch_outcome_unrecorded"
     DISPATCH_UNKNOWN_OPERATION = "dispatch_unknown_operation"  #: no such row (other deployment?)
@@ -60,6 +63,7 @@ class Action(enum.StrEnum):
     SWEEP_ROW_FAILED = "sweep_row_failed"
     SWEEP_ROW_FAILURE_UNRECORDED = "sweep_row_failure_unrecorded"
     SWEEP_ROW_ESCALATED = "sweep_row_escalated"
+    SWEEP_APPROVAL_EXPIRED = "sweep_approval_expired"  #: approvals past their TTL: cancelled
     RECONCILE_LOOKUP = "reconcile_lookup"
     RECONCILE_REPLAY = "reconcile_replay"
     RECONCILE_WAIT = "reconcile_wait"

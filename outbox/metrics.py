@@ -53,7 +53,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox import sql
 from outbox.logs import Action
 from outbox.models import DeliveryStatus
-from outbox.states import ALLOWED, State
+from outbox.states import ALLOWED, Actor, State
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,22 @@ NO_STATE = "none"
 #: * ``unknown``: ``updated_at``, in the state since (a check leaves it alone); waits for the
 #:   reconciler. Read through the partial index on ``next_check_at``: every unknown row.
 #: * ``needs_human``: ``updated_at``, in the queue since; waits for a person. Partial index.
-OLDEST_STATES = (State.PLANNED, State.SENT, State.UNKNOWN, State.NEEDS_HUMAN)
+#: * ``awaiting_approval``: ``updated_at``, waiting for an approval since. Read through the
+#:   partial index on ``approval_expires_at``: every row awaiting approval.
+OLDEST_STATES = (
+    State.PLANNED,
+    State.SENT,
+    State.UNKNOWN,
+    State.NEEDS_HUMAN,
+    State.AWAITING_APPROVAL,
+)
+
+#: The decisions on an approval, by the move out of ``awaiting_approval`` that records each.
+_DECISIONS = {
+    (State.PLANNED.value, Actor.OPERATOR.value): "approved",
+    (State.CANCELLED.value, Actor.OPERATOR.value): "rejected",
+    (State.CANCELLED.value, Actor.SWEEP.value): "expired",
+}
 
 
 @dataclass
@@ -149,7 +164,10 @@ class OutboxCollector:
         #: (``time.monotonic()``); insertion order is age order.
         self._gaps: dict[int, float] = {}
         self._transitions: Counter[tuple[str, str, str]] = Counter(
-            {(NO_STATE, State.PLANNED.value, "agent"): 0}
+            {
+                (NO_STATE, State.PLANNED.value, "agent"): 0,
+                (NO_STATE, State.AWAITING_APPROVAL.value, "agent"): 0,
+            }
             | {
                 (from_state.value, to_state.value, actor.value): 0
                 for (from_state, to_state), actors in ALLOWED.items()
@@ -157,6 +175,7 @@ class OutboxCollector:
             }
         )
         self._escalations = 0
+        self._decisions: Counter[str] = Counter(dict.fromkeys(_DECISIONS.values(), 0))
         self._dispatch: dict[tuple[str, str], _Histogram] = {
             (to_state.value, actor.value): _Histogram()
             for (from_state, to_state), actors in ALLOWED.items()
@@ -234,6 +253,10 @@ class OutboxCollector:
         self._transitions[(from_state, row.to_state, row.actor)] += 1
         if row.to_state == State.NEEDS_HUMAN.value:
             self._escalations += 1
+        if from_state == State.AWAITING_APPROVAL.value:
+            decision = _DECISIONS.get((row.to_state, row.actor))
+            if decision is not None:
+                self._decisions[decision] += 1
         if row.dispatch_s is not None:
             histogram = self._dispatch.setdefault((row.to_state, row.actor), _Histogram())
             histogram.observe(max(0.0, float(row.dispatch_s)))
@@ -301,6 +324,8 @@ class OutboxCollector:
         for move, count in sorted(self._transitions.items()):
             families["transitions"].add_metric(list(move), float(count))
         families["escalations"].add_metric([], float(self._escalations))
+        for decision, count in sorted(self._decisions.items()):
+            families["approvals"].add_metric([decision], float(count))
         if self.unknown_operations is not None:
             for task, count in sorted(self.unknown_operations.counts().items()):
                 families["unknown_operations"].add_metric([task], float(count))
@@ -346,6 +371,12 @@ def _families() -> dict[str, Any]:
         "escalations": CounterMetricFamily(
             "outbox_escalations",
             "Moves into needs_human since the exporter started.",
+        ),
+        "approvals": CounterMetricFamily(
+            "outbox_approval_decisions",
+            "Decisions on operations awaiting approval since the exporter started: approved, "
+            "rejected (by an operator) or expired (cancelled by the sweep past the TTL).",
+            labels=["decision"],
         ),
         "unknown_operations": CounterMetricFamily(
             "outbox_unknown_operation_messages",

@@ -57,6 +57,15 @@ class Operation:
     attempt_budget_base: int
     #: sha256 of (tool, target, payload_hash), written at enqueue (the dispatcher checks it).
     intent_hash: str
+    #: Whether a person must approve this payload before any send (the tool or the call said so).
+    approval_required: bool = False
+    #: When an approval nobody gave stops being possible (database clock; the sweep cancels it).
+    approval_expires_at: datetime | None = None
+    #: Who approved or rejected it, and when (also in its events).
+    decided_by: str | None = None
+    decided_at: datetime | None = None
+    #: The payload hash the approver saw: set by an approval, equal to ``payload_hash``.
+    approved_payload_hash: str | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> Operation:
@@ -180,6 +189,10 @@ class WebhookEvent(enum.StrEnum):
     CONFIRMED = "confirmed"
     #: The operation entered ``failed`` (opt-in).
     FAILED = "failed"
+    #: The operation waits for a person's approval before any send (``awaiting_approval``).
+    APPROVAL_REQUESTED = "approval_requested"
+    #: Nobody approved it within its TTL: the sweep cancelled it.
+    APPROVAL_EXPIRED = "approval_expired"
 
 
 class DeliveryStatus(enum.StrEnum):

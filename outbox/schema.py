@@ -16,6 +16,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
+    Double,
     ForeignKey,
     Identity,
     Index,
@@ -87,15 +88,24 @@ operations = Table(
     # sha256 of (tool, target, payload_hash), written at enqueue: the dispatcher checks it
     # before every send (outbox.canonical.intent_hash; migration 0010).
     Column("intent_hash", Text, nullable=False),
+    # Approval before send (migration 0012): required by the tool or the call at enqueue; the
+    # approval expires at the database clock's enqueue time plus the tool's TTL; a decision
+    # records who and when, and an approval the payload hash the approver saw.
+    Column("approval_required", Boolean, nullable=False, server_default=text("false")),
+    _timestamp("approval_expires_at"),
+    Column("decided_by", Text),
+    _timestamp("decided_at"),
+    Column("approved_payload_hash", Text),
     UniqueConstraint("intent_key"),
-    # The row's twelve invariants (the state machine's, the key's and the hash's shapes), in
+    # The row's fifteen invariants (the state machine's, the key's and the hash's shapes), in
     # one PL/pgSQL function that names the rule a bad row breaks (ck_operations_state_known,
     # ck_operations_sent_has_attempt, ...): PostgreSQL prepares every CHECK expression again
     # for each statement, and twelve of them doubled the cost of a move (migration 0009).
     CheckConstraint(
         "outbox.operation_invariants_hold(state, intent_key, tool, target, payload_hash,"
         " attempts, checks, attempt_budget_base, maybe_applied, remote_ref, first_sent_at,"
-        " sent_at, resolved_at)",
+        " sent_at, resolved_at, approval_required, approval_expires_at, decided_by, decided_at,"
+        " approved_payload_hash)",
         name="invariants",
     ),
     # The live queues each component scans: partial, so terminal rows cost nothing.
@@ -110,6 +120,12 @@ operations = Table(
         "ix_operations_needs_human_since",
         "updated_at",
         postgresql_where=text("state = 'needs_human'"),
+    ),
+    # The sweep's expiry of approvals nobody gave in time.
+    Index(
+        "ix_operations_awaiting_approval_expires",
+        "approval_expires_at",
+        postgresql_where=text("state = 'awaiting_approval'"),
     ),
     # Retention (`outbox db prune`): terminal rows by age, so a prune reads only what it deletes.
     Index(
@@ -164,6 +180,19 @@ pruned_intents = Table(
     Index("ix_pruned_intents_resolved_at", "resolved_at"),
 )
 
+#: Each tool's approval policy (migration 0012), upserted by every process that loads the tools
+#: (workers, relay, beat): ``enqueue`` reads it in its INSERT, since an agent process usually
+#: loads no tools. A tool not found here requires no approval (unless the call asks for one).
+tool_policies = Table(
+    "tool_policies",
+    metadata,
+    Column("tool", Text, primary_key=True),
+    Column("approval_required", Boolean, nullable=False),
+    Column("approval_ttl_s", Double, nullable=False),
+    _timestamp("updated_at", nullable=False, now=True),
+    CheckConstraint("approval_ttl_s > 0", name="ttl_positive"),
+)
+
 #: Running relays. ``idle`` says one sleeps on LISTEN, so ``enqueue`` rings the bell only then.
 relays = Table(
     "relays",
@@ -212,7 +241,9 @@ webhook_deliveries = Table(
     _timestamp("created_at", nullable=False, now=True),
     _timestamp("delivered_at"),
     CheckConstraint(
-        "event IN ('confirmed', 'failed', 'needs_human', 'resolved')", name="event_known"
+        "event IN ('approval_expired', 'approval_requested', 'confirmed', 'failed',"
+        " 'needs_human', 'resolved')",
+        name="event_known",
     ),
     CheckConstraint("status IN ('abandoned', 'delivered', 'pending')", name="status_known"),
     CheckConstraint("attempts >= 0", name="attempts_not_negative"),

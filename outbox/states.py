@@ -34,7 +34,12 @@ class State(enum.StrEnum):
     #: No conclusive lookup and no usable dedup contract, or a limit was reached.
     #: Moved out by an operator only (or by evidence that the effect applied).
     NEEDS_HUMAN = "needs_human"
-    #: The agent withdrew it while no attempt could have reached the remote. Terminal.
+    #: The tool or the call requires a person's approval before any send: never published,
+    #: never sent. Moved out by an operator (approve to ``planned``, reject to ``cancelled``),
+    #: the sweep (``cancelled`` once its approval TTL has passed) or the agent (cancel).
+    AWAITING_APPROVAL = "awaiting_approval"
+    #: The agent withdrew it while no attempt could have reached the remote, or its approval
+    #: was refused or expired. Terminal.
     CANCELLED = "cancelled"
 
 
@@ -53,7 +58,7 @@ class Actor(enum.StrEnum):
 
 TERMINAL_STATES = frozenset({State.CONFIRMED, State.FAILED, State.CANCELLED})
 #: States an operation waits in until a person or a terminal verdict moves it: what `wait()` awaits.
-SETTLED_STATES = TERMINAL_STATES | {State.NEEDS_HUMAN}
+SETTLED_STATES = TERMINAL_STATES | {State.NEEDS_HUMAN, State.AWAITING_APPROVAL}
 LIVE_STATES = frozenset(State) - TERMINAL_STATES
 
 _S, _A = State, Actor
@@ -77,6 +82,13 @@ ALLOWED: Mapping[tuple[State, State], frozenset[Actor]] = {
     (_S.NEEDS_HUMAN, _S.CONFIRMED): frozenset({_A.OPERATOR, _A.EVIDENCE}),
     (_S.NEEDS_HUMAN, _S.FAILED): frozenset({_A.OPERATOR}),
     (_S.NEEDS_HUMAN, _S.PLANNED): frozenset({_A.OPERATOR}),
+    # A person approved the payload (bound to its hash), refused it, the approval's TTL
+    # passed (sweep), or the agent withdrew it.
+    (_S.AWAITING_APPROVAL, _S.PLANNED): frozenset({_A.OPERATOR}),
+    (_S.AWAITING_APPROVAL, _S.CANCELLED): frozenset({_A.OPERATOR, _A.SWEEP, _A.AGENT}),
+    # The dispatcher's re-check: the worker's tool requires approval and the row, enqueued
+    # before the tool's policy reached the database, has none.
+    (_S.PLANNED, _S.AWAITING_APPROVAL): frozenset({_A.DISPATCHER}),
 }
 
 
@@ -113,13 +125,23 @@ def check_remote_ref(
 #: The columns a move into each state may write besides the ones its rules set
 #: (DESIGN.md, the bookkeeping columns); a move given any other is refused.
 COLUMNS_FOR: Mapping[State, frozenset[str]] = {
-    State.PLANNED: frozenset({"last_error", "available_in_s", "replay_window_s", "not_applied"}),
+    State.PLANNED: frozenset(
+        {
+            "last_error",
+            "available_in_s",
+            "replay_window_s",
+            "not_applied",
+            "decided_by",
+            "approved_payload_hash",
+        }
+    ),
     State.SENT: frozenset(),
     State.CONFIRMED: frozenset({"remote_ref", "result"}),
     State.FAILED: frozenset({"last_error", "result", "not_applied"}),
     State.UNKNOWN: frozenset({"last_error", "check_in_s"}),
     State.NEEDS_HUMAN: frozenset({"not_applied"}),
-    State.CANCELLED: frozenset(),
+    State.AWAITING_APPROVAL: frozenset({"approval_ttl_s"}),
+    State.CANCELLED: frozenset({"decided_by"}),
 }
 
 #: States that wait for a verdict: evidence that arrives late may still confirm them.

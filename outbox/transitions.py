@@ -2,7 +2,8 @@
 
 One named function per transition builds its :class:`Move` and takes only the columns
 that belong to it (:func:`mark_sent`, :func:`confirm`, :func:`fail`, :func:`mark_unknown`,
-:func:`replan`, :func:`escalate`, :func:`cancel`); a :class:`Move` built any other way with
+:func:`replan`, :func:`escalate`, :func:`cancel`, :func:`approve`, :func:`reject`,
+:func:`expire_approval`, :func:`await_approval`); a :class:`Move` built any other way with
 a column its target state does not take is refused (``ValueError``), never silently cut.
 
 A move runs in one of two ways, named for who commits:
@@ -57,14 +58,18 @@ __all__ = [
     "Moved",
     "apply",
     "apply_and_commit",
+    "approve",
+    "await_approval",
     "cancel",
     "confirm",
     "escalate",
+    "expire_approval",
     "fail",
     "keep_late_evidence_and_commit",
     "mark_sent",
     "mark_unknown",
     "note",
+    "reject",
     "replan",
 ]
 
@@ -100,6 +105,12 @@ class Move:
     replay_window_s: float | None = None
     #: Entering ``unknown``: seconds before the reconciler's first check.
     check_in_s: float = 0.0
+    #: Leaving ``awaiting_approval`` by a person's (or the sweep's) decision: who decided.
+    decided_by: str | None = None
+    #: An approval: the payload hash the approver saw (must be the stored one).
+    approved_payload_hash: str | None = None
+    #: Entering ``awaiting_approval``: seconds until the approval expires.
+    approval_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         allowed = COLUMNS_FOR[self.to_state]
@@ -113,6 +124,9 @@ class Move:
                 ("available_in_s", self.available_in_s, 0.0),
                 ("replay_window_s", self.replay_window_s, None),
                 ("check_in_s", self.check_in_s, 0.0),
+                ("decided_by", self.decided_by, None),
+                ("approved_payload_hash", self.approved_payload_hash, None),
+                ("approval_ttl_s", self.approval_ttl_s, None),
             )
             if value != unset
         }
@@ -285,16 +299,84 @@ def escalate(
     )
 
 
-def cancel(operation_id: UUID, *, reason: str) -> Move:
-    """``planned -> cancelled`` by the agent; refused (:class:`NotCancellable`) when an
-    earlier attempt may have applied."""
+def cancel(operation_id: UUID, *, reason: str, from_state: State = State.PLANNED) -> Move:
+    """``planned`` (or ``awaiting_approval``) ``-> cancelled`` by the agent; refused
+    (:class:`NotCancellable`) when an earlier attempt may have applied."""
     return Move(
         operation_id=operation_id,
-        from_state=State.PLANNED,
+        from_state=from_state,
         to_state=State.CANCELLED,
         actor=Actor.AGENT,
         reason=reason,
         attempt=None,
+    )
+
+
+def approve(
+    operation_id: UUID,
+    *,
+    decided_by: str,
+    approved_payload_hash: str,
+    reason: str,
+    detail: Mapping[str, Any] | None = None,
+) -> Move:
+    """``awaiting_approval -> planned`` by an operator, due at once: only while the stored
+    payload hash is ``approved_payload_hash`` (the payload the approver saw) and the approval
+    has not expired (database clock). Records who, when and the hash: single-use."""
+    return Move(
+        operation_id=operation_id,
+        from_state=State.AWAITING_APPROVAL,
+        to_state=State.PLANNED,
+        actor=Actor.OPERATOR,
+        reason=reason,
+        attempt=0,
+        detail=detail,
+        decided_by=decided_by,
+        approved_payload_hash=approved_payload_hash,
+    )
+
+
+def reject(
+    operation_id: UUID, *, decided_by: str, reason: str, detail: Mapping[str, Any] | None = None
+) -> Move:
+    """``awaiting_approval -> cancelled`` by an operator, who is recorded with the time."""
+    return Move(
+        operation_id=operation_id,
+        from_state=State.AWAITING_APPROVAL,
+        to_state=State.CANCELLED,
+        actor=Actor.OPERATOR,
+        reason=reason,
+        attempt=0,
+        detail=detail,
+        decided_by=decided_by,
+    )
+
+
+def expire_approval(operation_id: UUID) -> Move:
+    """``awaiting_approval -> cancelled`` by the sweep, only once the approval's expiry has
+    passed (database clock): ``approval expired``."""
+    return Move(
+        operation_id=operation_id,
+        from_state=State.AWAITING_APPROVAL,
+        to_state=State.CANCELLED,
+        actor=Actor.SWEEP,
+        reason="approval expired",
+        attempt=0,
+    )
+
+
+def await_approval(operation_id: UUID, *, attempt: int, approval_ttl_s: float, reason: str) -> Move:
+    """``planned -> awaiting_approval`` by the dispatcher: its tool requires approval and the
+    row has none (it was enqueued before the tool's policy reached the database). The row is
+    marked as requiring approval, expiring ``approval_ttl_s`` from now."""
+    return Move(
+        operation_id=operation_id,
+        from_state=State.PLANNED,
+        to_state=State.AWAITING_APPROVAL,
+        actor=Actor.DISPATCHER,
+        reason=reason,
+        attempt=attempt,
+        approval_ttl_s=approval_ttl_s,
     )
 
 
@@ -329,6 +411,9 @@ def apply(executor: Executor, move: Move) -> Moved:
         not_applied=move.not_applied,
         replay_window=move.replay_window_s is not None,
         detail=move.detail is not None,
+        decided=move.decided_by is not None,
+        approval=move.approved_payload_hash is not None,
+        approval_ttl=move.approval_ttl_s is not None,
     )
     moved = sql.move(executor, shape, _params(move, reason))
     if moved is None:
@@ -358,6 +443,12 @@ def _params(move: Move, reason: str) -> dict[str, Any]:
         params["last_error"] = storable.text(move.last_error)
     if move.detail is not None:
         params["detail"] = storable.json_mapping(move.detail)
+    if move.decided_by is not None:
+        params["decided_by"] = storable.text(move.decided_by)
+    if move.approved_payload_hash is not None:
+        params["approved_hash"] = move.approved_payload_hash
+    if move.approval_ttl_s is not None:
+        params["approval_ttl"] = timedelta(seconds=move.approval_ttl_s)
     return params
 
 
@@ -387,7 +478,7 @@ def _own_transaction(conn: Connection, move: Move) -> Iterator[None]:
     the only place the isolation level changes, and it depends on those settings on purpose.
     """
     autocommit = conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
-    if autocommit and webhooks.subscribed_events(move.from_state, move.to_state):
+    if autocommit and webhooks.subscribed_events(move.from_state, move.to_state, move.actor):
         conn.commit()  # ends SQLAlchemy's autobegun (autocommit) transaction: nothing to send
         conn.execution_options(isolation_level=conn.default_isolation_level)
         try:
@@ -415,7 +506,7 @@ def _why_missed(executor: Executor, move: Move) -> Exception:
             expected=(from_state, attempt),
             actual=(current.state, current.attempts),
         )
-    if where_seen and move.to_state is State.CANCELLED:
+    if where_seen and move.to_state is State.CANCELLED and move.from_state is State.PLANNED:
         return NotCancellable(
             f"operation {operation_id} cannot be cancelled: attempt {current.attempts} may "
             "have reached the remote; resolve it instead",

@@ -7,7 +7,8 @@ escalation cannot lose its webhook and a rolled-back one never sends one. The de
 is the ``webhook-id``, the same on every retry, so receivers can deduplicate.
 
 A message never carries a secret, nor the operation's payload (it may hold personal data):
-only the payload's hash. The statements on ``outbox.webhook_deliveries`` are in
+only the payload's hash; except ``approval_requested``, whose reader must see exactly the
+payload they are asked to approve. The statements on ``outbox.webhook_deliveries`` are in
 :mod:`outbox.sql.webhooks`.
 """
 
@@ -30,13 +31,21 @@ SECRET_PREFIX = "whsec_"  # noqa: S105 -- the format's prefix, not a secret
 MIN_SECRET_BYTES = 24
 
 
-def events_for_move(from_state: State, to_state: State) -> list[WebhookEvent]:
+def events_for_move(
+    from_state: State, to_state: State, actor: Actor | None = None
+) -> list[WebhookEvent]:
     """The events a move produces, before subscription; a move can produce two.
 
     ``needs_human -> confirmed`` is both ``resolved`` (the escalation's follow-up) and
-    ``confirmed``.
+    ``confirmed``. A move into ``awaiting_approval`` (the dispatcher's re-check) is
+    ``approval_requested``; the sweep's ``awaiting_approval -> cancelled``,
+    ``approval_expired``.
     """
     found: list[WebhookEvent] = []
+    if to_state is State.AWAITING_APPROVAL:
+        found.append(WebhookEvent.APPROVAL_REQUESTED)
+    if from_state is State.AWAITING_APPROVAL and actor is Actor.SWEEP:
+        found.append(WebhookEvent.APPROVAL_EXPIRED)
     if to_state is State.NEEDS_HUMAN:
         found.append(WebhookEvent.NEEDS_HUMAN)
     if from_state is State.NEEDS_HUMAN:
@@ -68,9 +77,11 @@ def message(
     """The body of one webhook (Standard Webhooks' ``type`` / ``timestamp`` / ``data``).
 
     ``timestamp`` is the move's own instant (``updated_at``, the database clock). The
-    operation's payload is left out on purpose: only its hash identifies it.
+    operation's payload is left out on purpose: only its hash identifies it. Except in
+    ``approval_requested``: the approver must see exactly what they approve (its hash is what
+    the approve command binds to), with the approve and reject commands.
     """
-    return {
+    body: dict[str, Any] = {
         "type": f"operation.{event.value}",
         "timestamp": iso_utc(operation.updated_at),
         "data": {
@@ -90,9 +101,27 @@ def message(
             ),
         },
     }
+    if event in (WebhookEvent.APPROVAL_REQUESTED, WebhookEvent.APPROVAL_EXPIRED):
+        expires = operation.approval_expires_at
+        body["data"] |= {
+            "requested_by": operation.requested_by,
+            "approval_expires_at": iso_utc(expires) if expires is not None else None,
+        }
+    if event is WebhookEvent.APPROVAL_REQUESTED:
+        body["data"] |= {
+            "payload": operation.payload,
+            "approve_command": (
+                f"outbox ops approve {operation.id} --by NAME "
+                f"--payload-hash {operation.payload_hash}"
+            ),
+            "reject_command": f"outbox ops reject {operation.id} --by NAME --reason TEXT",
+        }
+    return body
 
 
-def subscribed_events(from_state: State, to_state: State) -> list[WebhookEvent]:
+def subscribed_events(
+    from_state: State, to_state: State, actor: Actor | None = None
+) -> list[WebhookEvent]:
     """The events this move makes that are delivered here (none without a webhook URL).
 
     A move with any writes its delivery rows in the same transaction, so a caller that
@@ -102,7 +131,7 @@ def subscribed_events(from_state: State, to_state: State) -> list[WebhookEvent]:
     if settings.webhook_url is None:
         return []
     subscribed = set(settings.webhook_events)
-    return [e for e in events_for_move(from_state, to_state) if e.value in subscribed]
+    return [e for e in events_for_move(from_state, to_state, actor) if e.value in subscribed]
 
 
 def record_for_move(
@@ -120,7 +149,7 @@ def record_for_move(
     Does nothing when ``OUTBOX_WEBHOOK_URL`` is unset or the move makes no subscribed event
     (``OUTBOX_WEBHOOK_EVENTS``), so the common move costs no statement.
     """
-    events = subscribed_events(from_state, to_state)
+    events = subscribed_events(from_state, to_state, actor)
     if not events:
         return
     rows = [
@@ -132,6 +161,23 @@ def record_for_move(
         for event in events
     ]
     sql.webhooks.insert_deliveries(executor, rows)
+
+
+def record_approval_requested(executor: Executor, operation: Operation) -> None:
+    """Write the ``approval_requested`` delivery of an operation just enqueued
+    ``awaiting_approval``, in the caller's transaction (never commits); nothing when the
+    event is not subscribed."""
+    settings = get_settings()
+    event = WebhookEvent.APPROVAL_REQUESTED
+    if settings.webhook_url is None or event.value not in settings.webhook_events:
+        return
+    payload = message(
+        event, operation, from_state=State.AWAITING_APPROVAL, actor=Actor.AGENT, reason="enqueued"
+    )
+    payload["data"]["from_state"] = None
+    sql.webhooks.insert_deliveries(
+        executor, [{"operation_id": operation.id, "event": event.value, "payload": payload}]
+    )
 
 
 # --- configuration -------------------------------------------------------------------------

@@ -127,7 +127,8 @@ def engine(_session_engine: Engine) -> Engine:
         conn.execute(
             text(
                 "TRUNCATE outbox.operations, outbox.events, outbox.relays, "
-                "outbox.webhook_deliveries, outbox.waiters, outbox.pruned_intents"
+                "outbox.webhook_deliveries, outbox.waiters, outbox.pruned_intents, "
+                "outbox.tool_policies"
             )
         )
         if conn.execute(text("SELECT to_regclass(:t)"), {"t": BROKER_MESSAGE_TABLE}).scalar():

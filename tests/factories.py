@@ -39,6 +39,9 @@ _PATHS: dict[State, list[tuple[State, State, Actor, dict[str, Any]]]] = {
         (State.UNKNOWN, State.NEEDS_HUMAN, Actor.RECONCILER, {}),
     ],
     State.CANCELLED: [(State.PLANNED, State.CANCELLED, Actor.AGENT, {})],
+    # Enqueued so (require_approval=True): no move leads there from `planned` but the
+    # dispatcher's re-check.
+    State.AWAITING_APPROVAL: [],
 }
 
 
@@ -59,6 +62,7 @@ def make_operation(
             target=target,
             payload=payload if payload is not None else {"n": next(_counter)},
             intent_key=intent_key,
+            require_approval=state is State.AWAITING_APPROVAL,
         )
         for from_state, to_state, actor, columns in _PATHS[state]:
             op = apply_move(

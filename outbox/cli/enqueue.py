@@ -69,6 +69,13 @@ def enqueue_command(
     requested_by: Annotated[
         str | None, typer.Option(help="Who asked for it (an agent or user name).")
     ] = None,
+    require_approval: Annotated[
+        bool,
+        typer.Option(
+            "--require-approval",
+            help="Wait for a person's approval (`outbox ops approve`) before any send.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the operation as JSON.")] = False,
 ) -> None:
     """Record the intent of one consequential action; the relay will deliver it.
@@ -88,6 +95,7 @@ def enqueue_command(
             intent_key=key,
             metadata=_read_json(metadata, "--metadata") if metadata is not None else None,
             requested_by=requested_by,
+            require_approval=require_approval,
         )
     if as_json:
         print_json(op.to_dict())

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 from sqlalchemy.orm import Session
 
-from outbox import api, sql
+from outbox import api, approval, sql
 from outbox.cli.common import transaction
 from outbox.cli.output import age, console, print_json
 from outbox.errors import ConfigError, OperationNotFound
@@ -33,7 +33,9 @@ def list_operations(
     """List operations, newest first.
 
     With `--state needs_human` (or `unknown`) it lists the queue an operator works through:
-    how long each has waited in that state and why it is there (`reason` in JSON).
+    how long each has waited in that state and why it is there (`reason` in JSON). With
+    `--state awaiting_approval`, what waits for an approval: for how long, until when, and
+    its payload hash (`outbox ops approve ID --by NAME --payload-hash H`).
     """
     queue = state in RESOLVABLE_STATES
     with transaction() as session:
@@ -49,6 +51,9 @@ def list_operations(
         return
     if queue:
         console.print(_queue_table(found, reasons, now))
+        return
+    if state is State.AWAITING_APPROVAL:
+        console.print(_approval_table(found, now))
         return
     console.print(_operations_table(found, now))
 
@@ -75,6 +80,8 @@ def show(
     console.print(_events_table(history))
     if op.state in RESOLVABLE_STATES:
         console.print(_resolve_hint(op), highlight=False, markup=False, soft_wrap=True)
+    if op.state is State.AWAITING_APPROVAL:
+        console.print(_approval_hint(op), highlight=False, markup=False, soft_wrap=True)
 
 
 def _by_id_or_key(session: Session, value: str) -> Operation:
@@ -100,13 +107,57 @@ def cancel(
     reason: Annotated[str, typer.Option(help="Why, for the audit trail.")] = "cancelled by CLI",
     as_json: Annotated[bool, typer.Option("--json", help="Print the operation as JSON.")] = False,
 ) -> None:
-    """Cancel a planned operation that no attempt can have reached the remote with."""
+    """Cancel a planned operation (or one awaiting approval) that no attempt can have reached
+    the remote with."""
     with transaction() as session:
         op = api.cancel(session, operation_id, reason=reason)
     if as_json:
         print_json(op.to_dict())
         return
     console.print(f"{op.id} cancelled", highlight=False)
+
+
+@app.command("approve")
+def approve_command(
+    operation_id: Annotated[str, typer.Argument(metavar="ID", help="The operation id.")],
+    *,
+    by: Annotated[str, typer.Option(help="Who approves it (your name), for the audit trail.")],
+    payload_hash: Annotated[
+        str,
+        typer.Option(help="The hash of the payload you read and approve (`ops show`)."),
+    ],
+    note: Annotated[str | None, typer.Option(help="Why, for the audit trail.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the operation as JSON.")] = False,
+) -> None:
+    """Approve an operation that waits in `awaiting_approval`: it is sent next.
+
+    Bound to the payload you saw: refused, writing nothing, if `--payload-hash` is not the
+    stored payload's, if someone decided already ("already decided by X at T"), or once the
+    approval expired. Read the payload and its hash with `ops show ID` first.
+    """
+    with transaction() as session:
+        op = approval.approve(session, operation_id, by=by, payload_hash=payload_hash, note=note)
+    if as_json:
+        print_json(op.to_dict())
+        return
+    console.print(f"{op.id} approved by {by}: now {op.state.value}", highlight=False)
+
+
+@app.command("reject")
+def reject_command(
+    operation_id: Annotated[str, typer.Argument(metavar="ID", help="The operation id.")],
+    *,
+    by: Annotated[str, typer.Option(help="Who rejects it (your name), for the audit trail.")],
+    reason: Annotated[str, typer.Option(help="Why, for the audit trail.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the operation as JSON.")] = False,
+) -> None:
+    """Reject an operation that waits in `awaiting_approval`: it is cancelled, never sent."""
+    with transaction() as session:
+        op = approval.reject(session, operation_id, by=by, reason=reason)
+    if as_json:
+        print_json(op.to_dict())
+        return
+    console.print(f"{op.id} rejected by {by}: now {op.state.value}", highlight=False)
 
 
 @app.command("resolve")
@@ -239,6 +290,39 @@ def _queue_table(found: list[Operation], reasons: dict[UUID, str], now: object) 
     return table
 
 
+def _approval_table(found: list[Operation], now: object) -> Table:
+    """What waits for an approval: since when, until when, and the hash to approve."""
+    table = Table()
+    table.add_column("id", no_wrap=True, min_width=36)
+    for header in ("tool", "target", "requested by", "waiting", "expires"):
+        table.add_column(header)
+    table.add_column("payload hash", no_wrap=True, min_width=64)
+    for op in found:
+        expires = op.approval_expires_at
+        table.add_row(
+            str(op.id),
+            op.tool,
+            op.target,
+            op.requested_by or "",
+            age(op.updated_at, now),  # type: ignore[arg-type]
+            expires.isoformat(timespec="seconds") if expires is not None else "",
+            op.payload_hash,
+        )
+    return table
+
+
+def _approval_hint(op: Operation) -> str:
+    """The `ops approve` / `ops reject` commands to copy, bound to the payload shown."""
+    return "\n".join(
+        [
+            "",
+            "it waits for your approval; read the payload above, then one of:",
+            f"  approve: {approval.approve_command(op)}",
+            f"  reject:  {approval.reject_command(op)}",
+        ]
+    )
+
+
 def _resolve_hint(op: Operation) -> str:
     """The `ops resolve` commands to copy, fenced on what is shown now."""
     fence = f"--expect-attempts {op.attempts} --payload-hash {op.payload_hash}"
@@ -263,6 +347,7 @@ def _details(op: Operation) -> str:
         ("target", op.target),
         ("intent key", op.intent_key),
         ("payload hash", op.payload_hash),
+        ("approval", _approval_status(op)),
         ("attempts", op.attempts),
         ("maybe applied", op.maybe_applied),
         ("remote ref", op.remote_ref),
@@ -274,6 +359,22 @@ def _details(op: Operation) -> str:
         ("payload", json.dumps(op.payload, ensure_ascii=False)),
     ]
     return "\n".join(f"{name:>14}: {'-' if value is None else value}" for name, value in rows)
+
+
+def _approval_status(op: Operation) -> str | None:
+    """Whether a person must approve it, and where that stands; ``None`` if not required."""
+    if not op.approval_required:
+        return None
+    expires = (
+        op.approval_expires_at.isoformat(timespec="seconds") if op.approval_expires_at else "?"
+    )
+    if op.approved_payload_hash is not None:
+        return f"approved by {op.decided_by} at {op.decided_at}"
+    if op.decided_by is not None:
+        return f"rejected by {op.decided_by} at {op.decided_at}"
+    if op.state is State.AWAITING_APPROVAL:
+        return f"required, waiting (expires {expires})"
+    return f"required, not given (expired {expires} or cancelled)"
 
 
 def _events_table(history: list[Event]) -> Table:

@@ -32,7 +32,7 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, sql, storable, transitions
+from outbox import approval, faults, sql, storable, transitions
 from outbox.config import Settings, get_settings
 from outbox.locks import operation_lock_key
 from outbox.logs import Action as LogAction
@@ -95,6 +95,7 @@ class SweepResult:
     escalated: int = 0  #: `unknown` → `needs_human`
     busy: int = 0  #: someone held the operation's lock (or another sweep probes it): next time
     failed: int = 0  #: handling the row raised: recorded on the row, the run went on
+    approvals_expired: int = 0  #: `awaiting_approval` past its TTL → `cancelled`
 
 
 class Sweeper:
@@ -114,11 +115,26 @@ class Sweeper:
         self.request_lookup = request_lookup
 
     def run_once(self) -> SweepResult:
-        """Sweep stale `sent` rows, then route due `unknown` rows, each row on its own."""
+        """Sweep stale `sent` rows, route due `unknown` rows, each row on its own, then cancel
+        the approvals nobody gave within their TTL."""
         result = SweepResult()
         self._sweep_sent(result)
         self._route_unknown(result)
+        self._expire_approvals(result)
         return result
+
+    def _expire_approvals(self, result: SweepResult) -> None:
+        """Phase 3: `awaiting_approval` past its expiry → `cancelled` ("approval expired"),
+        each with its ``approval_expired`` webhook; an approval committed first wins."""
+        with self.engine.connect() as conn:
+            done = approval.expire_due_and_commit(conn, limit=self.config.batch_size)
+        result.approvals_expired += done.expired
+        if done.expired:
+            log.info(
+                "%d approval(s) expired: cancelled",
+                done.expired,
+                extra={"action": LogAction.SWEEP_APPROVAL_EXPIRED, "expired": done.expired},
+            )
 
     def _sweep_sent(self, result: SweepResult) -> None:
         """Phase 1, on one probe connection of the sweep's own. The probe holds session locks

@@ -39,6 +39,7 @@ state moves' statements, run only by :mod:`outbox.transitions`) and :mod:`~outbo
 """
 
 from outbox.sql import (
+    approval,
     broker,
     deployment,
     dev,
@@ -55,6 +56,7 @@ from outbox.sql import (
 )
 
 __all__ = [
+    "approval",
     "broker",
     "deployment",
     "dev",

@@ -18,14 +18,28 @@ from outbox.states import State
 _INSERT_INTENT = DriverStatement.of(
     text(
         """
-    WITH new AS (SELECT outbox.uuid_v7() AS id),
+    WITH new AS (
+        SELECT outbox.uuid_v7() AS id,
+               -- The tool's approval policy (a primary-key probe): an agent process usually
+               -- loads no tools, so what the workers loaded reaches enqueue through here.
+               (CAST(:require_approval AS boolean)
+                OR coalesce(policy.approval_required, false)) AS approval,
+               coalesce(CAST(:approval_ttl_s AS double precision), policy.approval_ttl_s,
+                        86400) AS ttl_s
+        FROM (SELECT) AS one
+        LEFT JOIN outbox.tool_policies AS policy ON policy.tool = :tool
+    ),
     inserted AS (
         INSERT INTO outbox.operations
             (id, intent_key, tool, target, payload, payload_hash, intent_hash, metadata,
-             requested_by)
+             requested_by, state, approval_required, approval_expires_at)
         SELECT new.id, coalesce(:intent_key, new.id::text), :tool, :target,
                CAST(:payload AS jsonb), :payload_hash, :intent_hash, CAST(:metadata AS jsonb),
-               :requested_by
+               :requested_by,
+               CASE WHEN new.approval THEN 'awaiting_approval' ELSE 'planned' END,
+               new.approval,
+               CASE WHEN new.approval
+                    THEN statement_timestamp() + make_interval(secs => new.ttl_s) END
         FROM new
         -- A key whose operation was pruned is done: one primary-key probe, in this statement.
         WHERE NOT EXISTS (SELECT FROM outbox.pruned_intents WHERE intent_key = :intent_key)
@@ -39,15 +53,26 @@ _INSERT_INTENT = DriverStatement.of(
     -- Only what the database chose: the rest of the new row is what the caller passed and
     -- the columns' defaults (reading all of it back was a third of enqueue's CPU).
     SELECT inserted.id, inserted.intent_key, inserted.created_at, inserted.updated_at,
-           inserted.available_at,
+           inserted.available_at, inserted.state, inserted.approval_expires_at,
            -- Ring the relay only while one sleeps: NOTIFY serialises commits cluster-wide,
            -- so a busy relay (which polls anyway) must not cost the agent's commit that lock.
+           -- (Nor for an operation awaiting approval: no relay publishes it.)
            (SELECT pg_notify('outbox_planned', '')
-            WHERE EXISTS (SELECT FROM outbox.relays WHERE idle)) AS rang
+            WHERE inserted.state = 'planned' AND EXISTS (SELECT FROM outbox.relays WHERE idle))
+             AS rang
     FROM inserted
     """
     ),
-    ["id", "intent_key", "created_at", "updated_at", "available_at", "rang"],
+    [
+        "id",
+        "intent_key",
+        "created_at",
+        "updated_at",
+        "available_at",
+        "state",
+        "approval_expires_at",
+        "rang",
+    ],
 )
 
 
@@ -62,9 +87,15 @@ def insert_intent(
     intent_hash: str,
     metadata: Mapping[str, Any],
     requested_by: str | None,
+    require_approval: bool = False,
+    approval_ttl_s: float | None = None,
 ) -> Operation | None:
     """Insert a ``planned`` operation and its first event; ``None`` if the key is taken
     (by an operation, or by a pruned one: :func:`find_pruned_intent`).
+
+    It is inserted ``awaiting_approval`` instead when ``require_approval`` or the tool's
+    policy in ``outbox.tool_policies`` says so, expiring ``approval_ttl_s`` from now (default:
+    the policy's TTL, else 24 h).
 
     A concurrent transaction inserting the same key makes this wait for its outcome
     (``ON CONFLICT DO NOTHING``), so racing agents end with one row and no IntegrityError.
@@ -80,10 +111,13 @@ def insert_intent(
             "intent_hash": intent_hash,
             "metadata": json.dumps(dict(metadata)),
             "requested_by": requested_by,
+            "require_approval": require_approval,
+            "approval_ttl_s": approval_ttl_s,
         },
     )
     if row is None:
         return None
+    state = State(row["state"])
     return Operation(
         id=row["id"],
         intent_key=row["intent_key"],
@@ -91,7 +125,7 @@ def insert_intent(
         target=target,
         payload=json.loads(canonical_payload),
         payload_hash=payload_hash,
-        state=State.PLANNED,
+        state=state,
         attempts=0,
         checks=0,
         maybe_applied=False,
@@ -111,6 +145,8 @@ def insert_intent(
         resolved_at=None,
         attempt_budget_base=0,
         intent_hash=intent_hash,
+        approval_required=state is State.AWAITING_APPROVAL,
+        approval_expires_at=row["approval_expires_at"],
     )
 
 
@@ -121,18 +157,27 @@ _INSERT_INTENTS = text(
             CAST(:intent_keys AS text[]), CAST(:tools AS text[]), CAST(:targets AS text[]),
             CAST(:payloads AS jsonb[]), CAST(:payload_hashes AS text[]),
             CAST(:intent_hashes AS text[]), CAST(:metadata AS jsonb[]),
-            CAST(:requested_by AS text[])
+            CAST(:requested_by AS text[]), CAST(:require_approval AS boolean[]),
+            CAST(:approval_ttl_s AS double precision[])
         ) WITH ORDINALITY
           AS i(intent_key, tool, target, payload, payload_hash, intent_hash, metadata,
-               requested_by, n)
+               requested_by, require_approval, approval_ttl_s, n)
     ),
-    new AS (SELECT outbox.uuid_v7() AS id, input.* FROM input),
+    new AS (
+        -- Each tool's approval policy, one primary-key probe per intent (see _INSERT_INTENT).
+        SELECT outbox.uuid_v7() AS id, input.*,
+               (input.require_approval OR coalesce(policy.approval_required, false)) AS approval,
+               coalesce(input.approval_ttl_s, policy.approval_ttl_s, 86400) AS ttl_s
+        FROM input LEFT JOIN outbox.tool_policies AS policy ON policy.tool = input.tool
+    ),
     inserted AS (
         INSERT INTO outbox.operations
             (id, intent_key, tool, target, payload, payload_hash, intent_hash, metadata,
-             requested_by)
+             requested_by, state, approval_required, approval_expires_at)
         SELECT id, coalesce(intent_key, id::text), tool, target, payload, payload_hash,
-               intent_hash, metadata, requested_by
+               intent_hash, metadata, requested_by,
+               CASE WHEN approval THEN 'awaiting_approval' ELSE 'planned' END, approval,
+               CASE WHEN approval THEN statement_timestamp() + make_interval(secs => ttl_s) END
         FROM new
         WHERE NOT EXISTS (SELECT FROM outbox.pruned_intents p WHERE p.intent_key = new.intent_key)
         ORDER BY n
@@ -145,7 +190,8 @@ _INSERT_INTENTS = text(
     ),
     rang AS (
         SELECT pg_notify('outbox_planned', '')
-        WHERE EXISTS (SELECT FROM inserted) AND EXISTS (SELECT FROM outbox.relays WHERE idle)
+        WHERE EXISTS (SELECT FROM inserted WHERE state = 'planned')
+          AND EXISTS (SELECT FROM outbox.relays WHERE idle)
     )
     SELECT inserted.*, new.n AS position, (SELECT count(*) FROM rang) AS rang
     FROM inserted JOIN new ON new.id = inserted.id
@@ -165,12 +211,16 @@ def insert_intents(
     intent_hashes: Sequence[str],
     metadata: Sequence[str],
     requested_by: Sequence[str | None],
+    require_approval: Sequence[bool] | None = None,
+    approval_ttl_s: Sequence[float | None] | None = None,
 ) -> dict[int, Operation]:
     """Insert many ``planned`` operations and their first events in one statement.
 
-    Keys already taken (or being inserted by a concurrent transaction, which this waits
-    for), and keys of pruned operations, are skipped: the result maps the position (from 0)
-    of each intent this statement inserted to its operation.
+    Each is inserted ``awaiting_approval`` when its ``require_approval`` or its tool's policy
+    says so (see :func:`insert_intent`). Keys already taken (or being inserted by a
+    concurrent transaction, which this waits for), and keys of pruned operations, are
+    skipped: the result maps the position (from 0) of each intent this statement inserted to
+    its operation.
     """
     rows = executor.execute(
         _INSERT_INTENTS,
@@ -183,6 +233,8 @@ def insert_intents(
             "intent_hashes": list(intent_hashes),
             "metadata": list(metadata),
             "requested_by": list(requested_by),
+            "require_approval": list(require_approval or [False] * len(tools)),
+            "approval_ttl_s": list(approval_ttl_s or [None] * len(tools)),
         },
     )
     return {int(row["position"]) - 1: Operation.from_row(row) for row in rows.mappings()}

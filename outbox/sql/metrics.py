@@ -65,7 +65,9 @@ _OLDEST = text(
            (SELECT min(next_check_at) FROM outbox.operations WHERE state = 'unknown')
              AS check_due,
            (SELECT min(updated_at) FROM outbox.operations WHERE state = 'needs_human')
-             AS needs_human
+             AS needs_human,
+           (SELECT min(updated_at) FROM outbox.operations WHERE state = 'awaiting_approval')
+             AS awaiting_approval
     """
 )
 
@@ -140,7 +142,13 @@ def oldest_waits(executor: Executor) -> OldestWaits:
         now=row["now"],
         since={
             state: row[state.value]
-            for state in (State.PLANNED, State.SENT, State.UNKNOWN, State.NEEDS_HUMAN)
+            for state in (
+                State.PLANNED,
+                State.SENT,
+                State.UNKNOWN,
+                State.NEEDS_HUMAN,
+                State.AWAITING_APPROVAL,
+            )
         },
         check_due=row["check_due"],
     )

@@ -69,6 +69,13 @@ class MoveShape:
     not_applied: bool = False
     replay_window: bool = False
     detail: bool = False
+    #: A person's decision on an approval: ``decided_by`` (bound) and ``decided_at`` written.
+    decided: bool = False
+    #: An approval: ``approved_hash`` (bound) must be the stored payload hash, the approval
+    #: must not have expired, and the hash is kept as ``approved_payload_hash``.
+    approval: bool = False
+    #: Entering ``awaiting_approval``: ``approval_ttl`` (an interval) sets the expiry.
+    approval_ttl: bool = False
 
 
 def _interval(name: str) -> ColumnElement[Any]:
@@ -86,7 +93,7 @@ def _replay_deadline(from_state: State, has_replay_window: bool) -> ColumnElemen
     return null()
 
 
-def _changes(shape: MoveShape) -> dict[str, Any]:
+def _changes(shape: MoveShape) -> dict[str, Any]:  # noqa: PLR0912 -- one rule per branch
     """The column values a move writes, by the rules of DESIGN.md's bookkeeping columns."""
     o = operations.c
     from_state, to_state = shape.from_state, shape.to_state
@@ -119,6 +126,15 @@ def _changes(shape: MoveShape) -> dict[str, Any]:
         values["next_check_at"] = null()
     if to_state in TERMINAL_STATES:
         values["resolved_at"] = now
+    if to_state is State.AWAITING_APPROVAL:
+        values |= {
+            "approval_required": true(),
+            "approval_expires_at": now + _interval("approval_ttl"),
+        }
+    if shape.decided:
+        values |= {"decided_by": bindparam("decided_by", type_=Text), "decided_at": now}
+    if shape.approval:
+        values["approved_payload_hash"] = o.payload_hash
     if to_state in (State.UNKNOWN, State.NEEDS_HUMAN) and from_an_attempt:
         values["maybe_applied"] = true()
     if shape.not_applied:
@@ -160,6 +176,12 @@ def _move_statement(shape: MoveShape) -> DriverStatement:
         )
     if shape.to_state is State.CANCELLED:
         conditions.append(o.maybe_applied.is_(False))
+    if shape.approval:
+        # Bound to the payload the approver saw, and only while the approval may be given.
+        conditions.append(o.payload_hash == bindparam("approved_hash", type_=Text))
+        conditions.append(o.approval_expires_at > func.statement_timestamp())
+    if shape.from_state is State.AWAITING_APPROVAL and shape.actor is Actor.SWEEP:
+        conditions.append(o.approval_expires_at <= func.statement_timestamp())
     moved = (
         update(operations)
         .where(*conditions)

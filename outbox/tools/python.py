@@ -20,7 +20,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import TypeVar, overload
 
-from outbox.contracts import DedupContract, ToolContract
+from outbox.contracts import DedupContract, ToolContract, approval_required
 from outbox.errors import ConfigError
 from outbox.tools.base import Tool, ToolCall, check_tool_name
 from outbox.tools.registry import REGISTRY, ToolRegistry
@@ -127,6 +127,8 @@ def tool(
     max_checks: int = ToolContract.max_checks,
     max_attempts: int = ToolContract.max_attempts,
     dedup: DedupContract | None = None,
+    approval: str = "none",
+    approval_ttl_s: float = ToolContract.approval_ttl_s,
     registry: ToolRegistry | None = None,
 ) -> Callable[[DispatchFn], PythonTool]:
     """Register the decorated function as the dispatch of tool ``name``.
@@ -136,9 +138,11 @@ def tool(
     ``sent`` commit to the first byte, ``inflight_horizon`` the time after which a request can
     no longer land, ``max_checks`` the inconclusive lookups before falling back to ``dedup``
     or a human, ``max_attempts`` the sends before a human. ``dedup`` states the remote's
-    deduplication contract, if any. The function receives a :class:`ToolCall`, sends one
-    request with ``call.operation_id`` as idempotency key, and returns a
-    :data:`DispatchResult`; it may be ``async def``.
+    deduplication contract, if any. ``approval="required"`` makes every operation of the tool
+    wait in ``awaiting_approval`` for a person (``outbox ops approve``) before any send, for
+    at most ``approval_ttl_s`` seconds (then it is cancelled). The function receives a
+    :class:`ToolCall`, sends one request with ``call.operation_id`` as idempotency key, and
+    returns a :data:`DispatchResult`; it may be ``async def``.
 
     Raises :class:`ConfigError` at decoration time for an invalid name, contradictory
     values (naming the field), or a name another definition already holds.
@@ -151,6 +155,8 @@ def tool(
         max_checks=max_checks,
         max_attempts=max_attempts,
         dedup=dedup,
+        approval_required=approval_required(approval, name),
+        approval_ttl_s=approval_ttl_s,
     )
     target = registry if registry is not None else REGISTRY
 

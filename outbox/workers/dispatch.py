@@ -74,6 +74,7 @@ class Outcome(enum.StrEnum):
     NOT_PLANNED = "not_planned"  #: a duplicate message: someone already moved it on
     DISPATCHER_LOST = "dispatcher_lost"  #: found in `sent`: moved to `unknown`, not called
     NEEDS_HUMAN = "needs_human"  #: cannot be dispatched (unknown tool, limits, deadline)
+    AWAITING_APPROVAL = "awaiting_approval"  #: its tool requires an approval it does not have
     NOT_SENT = "not_sent"  #: the send deadline passed after the `sent` commit: not called
     CONFIRMED = "confirmed"
     FAILED = "failed"
@@ -231,6 +232,8 @@ def _ready_to_send(  # noqa: PLR0911 -- one return per reason not to send, in or
     tool = registry.get(op.tool)
     if tool is None:
         return _to_human(conn, op, f"tool {op.tool!r} is not registered on this worker")
+    if _needs_approval(op, tool.contract):
+        return _to_approval(conn, op, tool.contract)
     if op.attempts_in_budget >= tool.contract.max_attempts:
         return _to_human(conn, op, f"max_attempts ({tool.contract.max_attempts}) reached")
     if not due:
@@ -346,6 +349,35 @@ def _dispatcher_lost(conn: Connection, op: Operation) -> DispatchReport:
         extra={"action": Action.DISPATCH_LOST, "operation_id": str(op.id)},
     )
     return DispatchReport(op.id, Outcome.DISPATCHER_LOST, op.attempts)
+
+
+def _needs_approval(op: Operation, contract: ToolContract) -> bool:
+    """Whether the tool requires an approval this row does not hold. Only before its first
+    attempt: a row already sent under the tool's former policy is retried as it was released
+    (the database refuses an attempted row back in ``awaiting_approval``)."""
+    return (
+        contract.approval_required
+        and op.attempts == 0
+        and op.approved_payload_hash != op.payload_hash
+    )
+
+
+def _to_approval(conn: Connection, op: Operation, contract: ToolContract) -> DispatchReport:
+    """The tool requires approval and the row has none (enqueued before the tool's policy
+    reached the database): back to a person instead of a send."""
+    reason = f"tool {op.tool!r} requires approval before any send; the operation has none"
+    move = transitions.await_approval(
+        op.id, attempt=op.attempts, approval_ttl_s=contract.approval_ttl_s, reason=reason
+    )
+    if not isinstance(missed := transitions.apply_and_commit(conn, move), Moved):
+        return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(missed))
+    log.warning(
+        "%s awaits approval: %s",
+        op.id,
+        reason,
+        extra={"action": Action.DISPATCH_AWAITING_APPROVAL, "operation_id": str(op.id)},
+    )
+    return DispatchReport(op.id, Outcome.AWAITING_APPROVAL, op.attempts, reason)
 
 
 def _to_human(conn: Connection, op: Operation, reason: str) -> DispatchReport:

@@ -9,13 +9,17 @@ import sys
 from celery.signals import worker_init, worker_process_init
 from celery.worker import WorkController
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
+from outbox.approval import publish_policies_committed
 from outbox.config import get_settings
+from outbox.contracts import CONTRACTS
 from outbox.db import create_engine, database_errors, database_url
 from outbox.errors import AsyncReplicas, DatabaseUnavailable
 from outbox.logs import Action
 from outbox.replicas import check_replicas
+from outbox.tools import load_tools
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,41 @@ def _forget_parent_engine(**_: object) -> None:
 @worker_init.connect  # type: ignore[untyped-decorator]
 def _short_switch_interval(**_: object) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
+@worker_init.connect  # type: ignore[untyped-decorator]
+def _publish_tool_policies(sender: object = None, **_: object) -> None:
+    """Write every loaded tool's approval policy to ``outbox.tool_policies`` at start, so an
+    agent process that loads no tools still enqueues an approval-required tool's operations
+    ``awaiting_approval`` (the dispatcher re-checks too). A failure is logged, not fatal: the
+    dispatcher's re-check still holds every unapproved operation back."""
+    if not isinstance(sender, WorkController):
+        return  # the signal sent by hand (tests), not by a starting worker
+    publish_loaded_policies()
+
+
+def publish_loaded_policies() -> None:
+    """Load the tools and write their approval policies (committed), on a throw-away engine."""
+    settings = get_settings()
+    load_tools(settings)
+    contracts = [c for name in CONTRACTS.names() if (c := CONTRACTS.get(name)) is not None]
+    probe = create_engine(database_url(settings), poolclass=NullPool)
+    try:
+        count = publish_policies_committed(probe, contracts)
+    except DBAPIError as exc:
+        log.warning(
+            "could not write the tools' approval policies: %s",
+            type(exc).__name__,
+            extra={"action": Action.TOOL_POLICIES_PUBLISHED, "tools": 0},
+        )
+        return
+    finally:
+        probe.dispose()
+    log.info(
+        "approval policies of %d tool(s) written",
+        count,
+        extra={"action": Action.TOOL_POLICIES_PUBLISHED, "tools": count},
+    )
 
 
 @worker_init.connect  # type: ignore[untyped-decorator]

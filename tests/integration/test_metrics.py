@@ -32,7 +32,7 @@ from tests.proxy import TcpProxy
 
 DEPLOY = "deploy.create_release"
 BILLING = "billing.charge"
-LIVE = ("planned", "sent", "unknown", "needs_human")
+LIVE = ("planned", "sent", "unknown", "needs_human", "awaiting_approval")
 
 
 @dataclass(frozen=True)
@@ -216,6 +216,7 @@ def test_the_oldest_ages_are_index_probes(engine: Engine) -> None:
         "ix_operations_sent_since",
         "ix_operations_unknown_next_check",
         "ix_operations_needs_human_since",
+        "ix_operations_awaiting_approval_expires",
     ):
         assert index in plan, plan
 

@@ -113,7 +113,8 @@ def test_upgrade_from_empty_matches_create_all(
     """The migrated catalog equals the models' own DDL, CHECK constraints and indexes included."""
     initial = importlib.import_module("outbox.migrations.versions.0001_initial")
     lock_and_read = importlib.import_module("outbox.migrations.versions.0007_lock_and_read")
-    invariants = importlib.import_module("outbox.migrations.versions.0009_invariants_function")
+    # The operation row's invariants as revision 0012 left them (0009's function, replaced).
+    invariants = importlib.import_module("outbox.migrations.versions.0012_approval")
     identity = importlib.import_module("outbox.migrations.versions.0010_immutable_identity")
     pruned = importlib.import_module("outbox.migrations.versions.0011_pruned_intents")
     reference = create_engine(databases.create())

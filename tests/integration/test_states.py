@@ -49,9 +49,16 @@ REFUSED_PAIRS = [
 ]
 
 
-def columns_for(to_state: State) -> dict[str, Any]:
-    """The columns a real caller passes for a move into ``to_state``."""
-    return {"remote_ref": "ref-42"} if to_state is State.CONFIRMED else {}
+def columns_for(to_state: State, op: Operation | None = None) -> dict[str, Any]:
+    """The columns a real caller passes for a move into ``to_state`` (of ``op``, whose
+    approval needs its payload hash)."""
+    if to_state is State.CONFIRMED:
+        return {"remote_ref": "ref-42"}
+    if to_state is State.AWAITING_APPROVAL:
+        return {"approval_ttl_s": 60.0}
+    if op is not None and op.state is State.AWAITING_APPROVAL and to_state is State.PLANNED:
+        return {"decided_by": "alice", "approved_payload_hash": op.payload_hash}
+    return {}
 
 
 def commit_transition(engine: Engine, operation_id: UUID, **arguments: Any) -> Operation:
@@ -72,6 +79,8 @@ def test_allowed_move_succeeds_and_appends_one_event(
 ) -> None:
     """An allowed move changes the state and appends one event naming from, to, actor and reason."""
     op = make_operation(engine, from_state)
+    if from_state is State.AWAITING_APPROVAL and actor is Actor.SWEEP:
+        age(engine, op.id, 86400 + 1, "approval_expires_at")  # the sweep cancels only past it
     events_before = events_of(engine, op.id)
 
     moved = commit_transition(
@@ -82,7 +91,7 @@ def test_allowed_move_succeeds_and_appends_one_event(
         actor=actor,
         reason="because the test says so",
         attempt=op.attempts,
-        **columns_for(to_state),
+        **columns_for(to_state, op),
         detail={"step": 1},
     )
 
@@ -120,7 +129,7 @@ def test_refused_move_raises_and_writes_nothing(
                 to_state=to_state,
                 actor=actor,
                 reason="not allowed",
-                **columns_for(to_state),
+                **columns_for(to_state, op),
             )
         assert (caught.value.from_state, caught.value.to_state, caught.value.actor) == (
             from_state,
@@ -557,7 +566,7 @@ def test_check_constraints_reject_impossible_rows(
 
 def test_invariants_list_every_state() -> None:
     """The invariants function's state lists are the code's (a new state needs a migration)."""
-    invariants = importlib.import_module("outbox.migrations.versions.0009_invariants_function")
+    invariants = importlib.import_module("outbox.migrations.versions.0012_approval")
 
     def quoted(states: Iterable[State]) -> str:
         return ", ".join(f"'{state.value}'" for state in sorted(states))

@@ -49,7 +49,12 @@ def test_defaults_are_valid_with_no_variable() -> None:
     assert settings.sent_max_age >= settings.sent_timeout
     assert settings.lookup_lease == 60.0
     assert settings.webhook_url is None
-    assert settings.webhook_events == ["needs_human", "resolved"]
+    assert settings.webhook_events == [
+        "needs_human",
+        "resolved",
+        "approval_requested",
+        "approval_expired",
+    ]
     assert settings.max_payload_bytes == 256 * 1024
 
 
@@ -296,7 +301,8 @@ def test_the_help_lists_every_setting_with_its_default() -> None:
         "`OUTBOX_HOME` (default: .outbox)",
         "`OUTBOX_TASK_EVENTS` (default: true)",
         "`OUTBOX_LOG_FORMAT` (default: logfmt)",
-        "`OUTBOX_WEBHOOK_EVENTS` (default: needs_human,resolved)",
+        "`OUTBOX_WEBHOOK_EVENTS` (default: needs_human,resolved,approval_requested,"
+        "approval_expired)",
         "`OUTBOX_FLOWER_BASIC_AUTH` (default: unset)",
         "`OUTBOX_TOOLS` (default: none)",
     ):

@@ -345,6 +345,29 @@ def test_toml_declares_an_http_tool(
     assert "s3cret" not in repr(http_tool)
 
 
+def test_toml_declares_an_approval(write_toml: Callable[[str], Path]) -> None:
+    """approval = "required" and approval_ttl_s reach the tool's contract."""
+    table = with_line(MINIMAL_TABLE, 'approval = "required"\napproval_ttl_s = 3600')
+    (http_tool,) = load_http_tools(write_toml(table))
+    assert http_tool.contract == ToolContract(
+        name=NAME, approval_required=True, approval_ttl_s=3600
+    )
+
+
+def test_the_decorator_declares_an_approval() -> None:
+    """@tool(approval="required", approval_ttl_s=...) sets the contract; another value is
+    refused naming the tool and the field."""
+    registry = ToolRegistry(ContractTable())
+
+    @tool("billing.charge", approval="required", approval_ttl_s=60, registry=registry)
+    def charge(call: ToolCall) -> DispatchResult:
+        return Applied("ch_1")
+
+    assert (charge.contract.approval_required, charge.contract.approval_ttl_s) == (True, 60)
+    with pytest.raises(ConfigError, match=r"tool 'billing\.refund': approval must be one of"):
+        tool("billing.refund", approval="yes", registry=registry)
+
+
 def test_toml_defaults_come_from_the_contract(write_toml: Callable[[str], Path]) -> None:
     """A minimal table gets ToolContract's defaults, no lookup and no dedup contract."""
     (http_tool,) = load_http_tools(write_toml(MINIMAL_TABLE))
@@ -375,6 +398,8 @@ def test_toml_defaults_come_from_the_contract(write_toml: Callable[[str], Path])
         ('headers = { idempotency-key = "v" }', "set more than once"),
         ('remote_ref = "data..id"', "is not a dotted path"),
         ("max_attempts = true", f'tools."{NAME}".max_attempts: Input should be a valid integer'),
+        ('approval = "maybe"', f"tools.\"{NAME}\".approval: Input should be 'none' or 'required'"),
+        ("approval_ttl_s = 0", "approval_ttl_s must be positive"),
     ],
 )
 def test_invalid_tables_are_refused_naming_the_key(

@@ -40,6 +40,10 @@ NAMED: list[tuple[Callable[..., Move], State, set[str]]] = [
     ),
     (transitions.escalate, State.NEEDS_HUMAN, {"not_applied"}),
     (transitions.cancel, State.CANCELLED, set()),
+    (transitions.approve, State.PLANNED, {"decided_by", "approved_payload_hash"}),
+    (transitions.reject, State.CANCELLED, {"decided_by"}),
+    (transitions.expire_approval, State.CANCELLED, set()),
+    (transitions.await_approval, State.AWAITING_APPROVAL, {"approval_ttl_s"}),
 ]
 
 
@@ -75,6 +79,9 @@ def _value_for(column: str) -> Any:
         "available_in_s": 5.0,
         "replay_window_s": 60.0,
         "check_in_s": 5.0,
+        "decided_by": "alice",
+        "approved_payload_hash": "0" * 64,
+        "approval_ttl_s": 60.0,
     }[column]
 
 

@@ -57,6 +57,8 @@ class HttpToolSpec(BaseModel):
     headers: dict[str, str] = Field(default_factory=dict)
     env_headers: dict[str, str] = Field(default_factory=dict)
     allowed_hosts: list[str] | None = None
+    approval: Literal["none", "required"] = "none"
+    approval_ttl_s: float | None = None
 
     @field_validator("method")
     @classmethod
@@ -222,11 +224,16 @@ class HttpToolSpec(BaseModel):
                 "inflight_horizon_s",
                 "max_checks",
                 "max_attempts",
+                "approval_ttl_s",
             )
             if getattr(self, key) is not None
         }
         return ToolContract(
-            name=name, has_lookup=self.lookup_url is not None, dedup=self._dedup(), **knobs
+            name=name,
+            has_lookup=self.lookup_url is not None,
+            dedup=self._dedup(),
+            approval_required=self.approval == "required",
+            **knobs,
         )
 
     def _dedup(self) -> DedupContract | None:
