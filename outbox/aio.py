@@ -1,5 +1,6 @@
-"""The agent API for asyncio: :mod:`outbox.api` (and :func:`outbox.resolve`) on SQLAlchemy's
-``AsyncSession`` and ``AsyncConnection``, and an awaitable :func:`wait`.
+"""The agent API for asyncio: :mod:`outbox.api`, :mod:`outbox.approval` and
+:func:`outbox.resolve` on SQLAlchemy's ``AsyncSession`` and ``AsyncConnection``, and an
+awaitable :func:`wait`.
 
 Each function runs its synchronous twin unchanged through SQLAlchemy's ``run_sync`` (the sync
 code runs in a greenlet on the caller's async connection; psycopg's async driver does the
@@ -30,21 +31,24 @@ from uuid import UUID
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
-from outbox import api, listener
+from outbox import api, approval, listener
 from outbox.api import Intent, _as_uuid
 from outbox.errors import OperationNotFound, WaitTimeout
 from outbox.models import Executor, Operation
 from outbox.resolve import resolve as _resolve
+from outbox.states import State
 
 __all__ = [
     "AsyncExecutor",
     "Intent",
+    "approve",
     "cancel",
     "close",
     "enqueue",
     "enqueue_many",
     "find",
     "get",
+    "reject",
     "resolve",
     "wait",
 ]
@@ -71,6 +75,7 @@ async def enqueue(
     intent_key: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     requested_by: str | None = None,
+    require_approval: bool = False,
 ) -> Operation:
     """Record the intent to call ``tool`` on ``target`` with ``payload``, in the caller's txn.
 
@@ -90,6 +95,11 @@ async def enqueue(
     The payload must be a JSON object; it is canonicalised (RFC 8785) and its sha256 stored,
     and it never changes afterwards. Malformed input raises :class:`~outbox.InvalidIntent`
     naming the field. The rules are :func:`outbox.enqueue`'s, run by it.
+
+    A tool that requires approval (its ``approval = "required"``), or ``require_approval=True``
+    here (a call may tighten its tool's policy, never loosen it), creates the operation in
+    ``awaiting_approval``: nothing is sent until a person approves exactly this payload
+    (:func:`approve`).
     """
     return await _run(
         session,
@@ -101,6 +111,7 @@ async def enqueue(
             intent_key=intent_key,
             metadata=metadata,
             requested_by=requested_by,
+            require_approval=require_approval,
         ),
     )
 
@@ -180,12 +191,38 @@ async def resolve(
     )
 
 
-# TO ADD, approve / reject: outbox/approval.py's `approve(session, op_id, *, by, payload_hash,
-# note=None)` and `reject(session, op_id, *, by, reason)` get their twins here, one short
-# function each, as resolve above: the same keyword-only signature, the docstring adapted,
-# and `return await _run(session, lambda s: approval.approve(s, op_id, by=by, ...))`; then
-# add them to __all__, to tests/integration/test_aio.py and to the README's list. Likewise a
-# keyword added to api.enqueue (require_approval=...) is added to enqueue above.
+async def approve(
+    session: AsyncExecutor,
+    op_id: UUID | str,
+    *,
+    by: str,
+    payload_hash: str,
+    note: str | None = None,
+) -> Operation:
+    """Approve an ``awaiting_approval`` operation: it moves to ``planned``, due at once.
+
+    :func:`outbox.approve`, run by it, with the same arguments, rules and errors:
+    ``payload_hash`` must be the stored payload's (the approver saw exactly this payload),
+    ``by`` is recorded with the time, and an approval is single-use. It joins the caller's
+    transaction and does not commit. Raises, writing nothing: :class:`~outbox.ApprovalRefused`
+    (``field``), :class:`~outbox.ApprovalMismatch`, :class:`~outbox.AlreadyDecided` ("already
+    decided by X at T", or expired) and :class:`~outbox.OperationNotFound`.
+    """
+    return await _run(
+        session,
+        lambda s: approval.approve(s, op_id, by=by, payload_hash=payload_hash, note=note),
+    )
+
+
+async def reject(session: AsyncExecutor, op_id: UUID | str, *, by: str, reason: str) -> Operation:
+    """Refuse an ``awaiting_approval`` operation: it moves to ``cancelled`` and is never sent.
+
+    :func:`outbox.reject`, run by it: ``by`` and ``reason`` are required and recorded with
+    the time; it joins the caller's transaction and does not commit. Raises, writing nothing:
+    :class:`~outbox.ApprovalRefused`, :class:`~outbox.AlreadyDecided`,
+    :class:`~outbox.OperationNotFound`.
+    """
+    return await _run(session, lambda s: approval.reject(s, op_id, by=by, reason=reason))
 
 
 async def wait(
@@ -194,9 +231,13 @@ async def wait(
     *,
     engine: AsyncEngine | str | None = None,
     poll_interval: float = 1.0,
+    through_approval: bool = False,
 ) -> Operation:
     """Wait, without blocking the event loop, until the operation is terminal or needs a
     human, and return it.
+
+    An operation ``awaiting_approval`` waits for a person too, so it is returned as it is;
+    with ``through_approval=True`` the wait goes on through the approval to the real outcome.
 
     Sleeps on PostgreSQL ``LISTEN`` (a settled move sends a ``NOTIFY`` for an operation that
     someone waits for: ``outbox.waiters``), re-reading the row at most every
@@ -221,7 +262,9 @@ async def wait(
                     current = await shared.read(op_id)
                     if current is None:
                         raise OperationNotFound(f"no operation {op_id}", operation_id=op_id)
-                    if current.is_settled:
+                    if current.is_settled and not (
+                        through_approval and current.state is State.AWAITING_APPROVAL
+                    ):
                         return current
                     remaining = deadline - loop.time()
                     if remaining <= 0:

@@ -19,6 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from outbox import aio, api, listener
 from outbox.db import create_async_engine
 from outbox.errors import (
+    AlreadyDecided,
+    ApprovalMismatch,
     IntentConflict,
     InvalidIntent,
     NotCancellable,
@@ -276,6 +278,57 @@ def test_resolve_records_the_operators_verdict(url: str, engine: Engine) -> None
     resolved = run(url, body)
     assert (resolved.state, resolved.remote_ref) == (State.CONFIRMED, "rel-9")
     assert reload(engine, unknown.id) == resolved
+
+
+def test_approve_and_reject_decide_in_the_callers_transaction(url: str, engine: Engine) -> None:
+    """aio.enqueue(require_approval=True) waits for a person; aio.approve with the stored hash
+    plans it, a wrong hash is refused, and aio.reject cancels another, each in the caller's
+    transaction."""
+
+    async def body(aengine: AsyncEngine) -> tuple[Operation, Operation, Operation]:
+        first = await enqueue_committed(aengine, intent_key="a1", require_approval=True)
+        second = await enqueue_committed(aengine, intent_key="a2", require_approval=True)
+        async with AsyncSession(aengine) as session:
+            with pytest.raises(ApprovalMismatch):
+                await aio.approve(session, first.id, by="ana", payload_hash="0" * 64)
+            await session.rollback()
+            async with session.begin():
+                approved = await aio.approve(
+                    session, first.id, by="ana", payload_hash=first.payload_hash, note="ok"
+                )
+                assert reload(engine, first.id).state is State.AWAITING_APPROVAL  # uncommitted
+            async with session.begin():
+                rejected = await aio.reject(session, second.id, by="ana", reason="not now")
+            with pytest.raises(AlreadyDecided):
+                await aio.reject(session, first.id, by="bo", reason="late")
+        return first, approved, rejected
+
+    first, approved, rejected = run(url, body)
+    assert first.state is State.AWAITING_APPROVAL
+    assert (approved.state, approved.decided_by) == (State.PLANNED, "ana")
+    assert (rejected.state, rejected.decided_by) == (State.CANCELLED, "ana")
+    assert reload(engine, approved.id) == approved
+
+
+def test_wait_returns_awaiting_approval_unless_told_to_wait_through(
+    url: str, engine: Engine
+) -> None:
+    """aio.wait returns an operation awaiting approval at once; with through_approval=True it
+    waits on, and times out carrying the operation as last seen."""
+
+    async def body(aengine: AsyncEngine) -> tuple[Operation, WaitTimeout]:
+        op = await enqueue_committed(aengine, require_approval=True)
+        seen = await aio.wait(op.id, timeout=5, engine=aengine)
+        with pytest.raises(WaitTimeout) as timed_out:
+            await aio.wait(
+                op.id, timeout=0.5, engine=aengine, poll_interval=0.1, through_approval=True
+            )
+        return seen, timed_out.value
+
+    seen, timed_out = run(url, body)
+    assert seen.state is State.AWAITING_APPROVAL
+    assert isinstance(timed_out.operation, Operation)
+    assert timed_out.operation.state is State.AWAITING_APPROVAL
 
 
 # --- wait -----------------------------------------------------------------------------------
