@@ -11,8 +11,9 @@ against the sync API's, side by side in one run.
 * **Enqueue rate**: ``enqueue()+COMMIT`` one at a time on one connection, sync
   (``Connection``, ``Session``) and async (``AsyncConnection``, ``AsyncSession``), and their
   ratio (target: async at least 0.9x sync), with this process's CPU per enqueue; beside them
-  psycopg alone, sync and async, one small INSERT+COMMIT at a time: the async driver's own
-  cost against its sync one, the floor under our ratio.
+  psycopg alone, sync and async, one small INSERT+COMMIT at a time (the async driver's own
+  cost against its sync one), and the same INSERT through SQLAlchemy's ``Connection`` and
+  ``AsyncConnection`` (the floor of an API that joins the caller's SQLAlchemy transaction).
 
 Usage: python bench/aio.py [--url postgresql://...] [--rounds 3] [--ops 2000] [--waiters 200]
 [--smoke]
@@ -55,6 +56,8 @@ IDLE_S = 1.0
 AGENT_POOL = 10
 #: The driver-only case's statement (its table made by the bench).
 _RAW_INSERT = "INSERT INTO bench_aio_raw (v) VALUES (%s)"
+#: The same through SQLAlchemy.
+_SA_INSERT = text("INSERT INTO bench_aio_raw (v) VALUES (:v)")
 
 
 def _settle(
@@ -243,6 +246,31 @@ class AioBench:
 
         return asyncio.run(run())
 
+    def sqlalchemy_sync(self) -> Rate:
+        """SQLAlchemy alone, no outbox: the same INSERT+COMMIT in ``Connection.begin()``."""
+        with self.engine.connect() as conn:
+            started, cpu = time.perf_counter(), time.process_time()
+            for i in range(self.ops):
+                with conn.begin():
+                    conn.execute(_SA_INSERT, {"v": str(i)})
+            return self._rates("SQLAlchemy sync", "Connection", started, cpu, what="INSERT")
+
+    def sqlalchemy_async(self) -> Rate:
+        """The same in ``AsyncConnection.begin()``: the floor of an API that joins the
+        caller's SQLAlchemy async transaction, whatever it runs inside."""
+
+        async def run(engine: AsyncEngine) -> Rate:
+            async with engine.connect() as conn:
+                started, cpu = time.perf_counter(), time.process_time()
+                for i in range(self.ops):
+                    async with conn.begin():
+                        await conn.execute(_SA_INSERT, {"v": str(i)})
+                return self._rates(
+                    "SQLAlchemy async", "AsyncConnection", started, cpu, what="INSERT"
+                )
+
+        return self._in_loop(run)
+
     def _rates(
         self, kind: str, executor: str, started: float, cpu: float, *, what: str = "enqueue"
     ) -> Rate:
@@ -280,6 +308,10 @@ def _cases(bench: AioBench) -> list[Case]:
         Case("async AsyncSession", bench.async_session, section="enqueue rate, one connection"),
         Case("raw sync", bench.raw_sync, section="the driver alone, one connection"),
         Case("raw async", bench.raw_async, section="the driver alone, one connection"),
+        Case("sqlalchemy sync", bench.sqlalchemy_sync, section="SQLAlchemy alone, one connection"),
+        Case(
+            "sqlalchemy async", bench.sqlalchemy_async, section="SQLAlchemy alone, one connection"
+        ),
     ]
 
 
@@ -332,6 +364,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "raw psycopg async / sync (the driver's floor)",
         "raw psycopg async INSERT+COMMIT, AsyncConnection",
         "raw psycopg sync INSERT+COMMIT, Connection",
+    )
+    results.ratio(
+        "SQLAlchemy async / sync (the API's floor)",
+        "SQLAlchemy async INSERT+COMMIT, AsyncConnection",
+        "SQLAlchemy sync INSERT+COMMIT, Connection",
     )
     results.note(
         "Medians over rounds; ratios are computed within each round, then their median. The "

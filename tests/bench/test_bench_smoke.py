@@ -67,7 +67,13 @@ def test_limits_smoke(admin_url: str) -> None:
 def test_aio_smoke(admin_url: str) -> None:
     result = _smoke("aio.py", admin_url)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    for row in ("loop lag p99", "enqueue+commit+wait", "async / sync, Session", "raw psycopg"):
+    for row in (
+        "loop lag p99",
+        "enqueue+commit+wait",
+        "async / sync, Session",
+        "raw psycopg",
+        "SQLAlchemy async / sync",
+    ):
         assert row in result.stdout, result.stdout
     assert re.search(r"target event-loop lag p99 < 20 ms: .* (met|NOT met)", result.stdout), (
         result.stdout
