@@ -217,3 +217,16 @@ class ApprovalRefused(TransitionError):
 
     operation_id: Any
     field: str
+
+
+class TokenRefused(OutboxError):
+    """The API token cannot be made as asked (``field`` names the argument: ``name``,
+    ``scope``). Nothing was written."""
+
+    field: str
+
+
+class TokenNotFound(OutboxError):
+    """No API token has this name."""
+
+    name: str

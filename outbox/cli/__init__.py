@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from outbox import __version__
-from outbox.cli import db, dev, ops, webhooks
+from outbox.cli import db, dev, ops, tokens, webhooks
 from outbox.cli.chaos import chaos_command
 from outbox.cli.demo import demo_command
 from outbox.cli.enqueue import enqueue_command
@@ -60,6 +60,7 @@ app.add_typer(db.app, name="db")
 app.add_typer(ops.app, name="ops")
 app.add_typer(dev.app, name="dev")
 app.add_typer(webhooks.app, name="webhooks")
+app.add_typer(tokens.app, name="tokens")
 app.command("enqueue", no_args_is_help=True)(enqueue_command)
 app.command("demo")(demo_command)
 app.command("relay")(relay_command)
