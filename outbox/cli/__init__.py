@@ -14,6 +14,7 @@ import typer
 
 from outbox import __version__
 from outbox.cli import db, dev, ops, tokens, webhooks
+from outbox.cli.apiserver import api_command
 from outbox.cli.chaos import chaos_command
 from outbox.cli.demo import demo_command
 from outbox.cli.enqueue import enqueue_command
@@ -70,6 +71,7 @@ app.command("chaos")(chaos_command)
 app.command("flower")(flower_command)
 app.command("metrics")(metrics_command)
 app.command("up")(up_command)
+app.command("api")(api_command)
 
 
 #: Click's exit code for a usage error (its ``UsageError``, which Typer does not export).

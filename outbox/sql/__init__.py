@@ -33,7 +33,8 @@ read, ``synchronous_commit``), :mod:`~outbox.sql.reconcile` (the sweep and looku
 :mod:`~outbox.sql.resolve` (operator verdicts), :mod:`~outbox.sql.webhooks` (delivery rows),
 :mod:`~outbox.sql.metrics`, :mod:`~outbox.sql.retention` (prune, forget),
 :mod:`~outbox.sql.deployment` (the database's identity, its standbys),
-:mod:`~outbox.sql.tokens` (the HTTP API's bearer tokens),
+:mod:`~outbox.sql.tokens` (the HTTP API's bearer tokens), :mod:`~outbox.sql.web` (the HTTP
+API's pages of operations and conditional requests),
 :mod:`~outbox.sql.broker` (the database broker's tables), :mod:`~outbox.sql.moves` (the
 state moves' statements, run only by :mod:`outbox.transitions`) and :mod:`~outbox.sql.dev`
 (statements only the dev tooling runs: the demo's and chaos's reports, the scenario's reset).
@@ -54,6 +55,7 @@ from outbox.sql import (
     resolve,
     retention,
     tokens,
+    web,
     webhooks,
 )
 
@@ -72,5 +74,6 @@ __all__ = [
     "resolve",
     "retention",
     "tokens",
+    "web",
     "webhooks",
 ]
