@@ -14,7 +14,9 @@ from outbox.web.problems import Problem, documented
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", response_model=Health, summary="The process is up")
+@router.get(
+    "/healthz", response_model=Health, response_model_exclude_none=True, summary="The process is up"
+)
 async def healthz() -> Health:
     """Always 200 while the process serves requests; reads nothing."""
     return Health(status="ok")
