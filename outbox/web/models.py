@@ -8,15 +8,34 @@ not repeated here: :mod:`outbox.api` makes them, with the same words, answered a
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from outbox.models import Event, Operation
 from outbox.states import State
+from outbox.storable import unstorable_text
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+def _storable(value: Any) -> Any:
+    """Refuse what PostgreSQL cannot store (a NUL, a lone surrogate), naming it: a 422, not
+    an error from the database."""
+    found = unstorable_text(value)
+    if found is not None:
+        shown = found.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+        raise ValueError(
+            f"holds a character PostgreSQL cannot store (NUL or a lone surrogate): {shown[:80]!r}"
+        )
+    return value
+
+
+#: Text the API stores or compares in SQL: no NUL, no lone surrogate.
+Text = Annotated[str, AfterValidator(_storable)]
+#: A JSON object the API stores: its keys and strings, likewise.
+JsonObject = Annotated[dict[str, Any], AfterValidator(_storable)]
 
 
 class EnqueueRequest(BaseModel):
@@ -24,10 +43,10 @@ class EnqueueRequest(BaseModel):
 
     model_config = _STRICT
 
-    tool: str = Field(description="A tool the deployment knows (docs/api.md, unknown tools).")
-    target: str = Field(description="What the tool acts on, e.g. a project or an account.")
-    payload: dict[str, Any] = Field(description="The tool's input: a JSON object, never changed.")
-    metadata: dict[str, Any] | None = Field(
+    tool: Text = Field(description="A tool the deployment knows (docs/api.md, unknown tools).")
+    target: Text = Field(description="What the tool acts on, e.g. a project or an account.")
+    payload: JsonObject = Field(description="The tool's input: a JSON object, never changed.")
+    metadata: JsonObject | None = Field(
         default=None, description="Free JSON kept with the operation (not sent)."
     )
     require_approval: bool = Field(
@@ -41,7 +60,7 @@ class CancelRequest(BaseModel):
 
     model_config = _STRICT
 
-    reason: str | None = Field(default=None, description="Why, for the audit trail.")
+    reason: Text | None = Field(default=None, description="Why, for the audit trail.")
 
 
 class ApproveRequest(BaseModel):
@@ -49,8 +68,8 @@ class ApproveRequest(BaseModel):
 
     model_config = _STRICT
 
-    payload_hash: str = Field(description="The operation's payload_hash, as the approver saw it.")
-    note: str | None = Field(default=None, description="Why, for the audit trail.")
+    payload_hash: Text = Field(description="The operation's payload_hash, as the approver saw it.")
+    note: Text | None = Field(default=None, description="Why, for the audit trail.")
 
 
 class RejectRequest(BaseModel):
@@ -58,7 +77,7 @@ class RejectRequest(BaseModel):
 
     model_config = _STRICT
 
-    reason: str = Field(description="Why, for the audit trail (required).")
+    reason: Text = Field(description="Why, for the audit trail (required).")
 
 
 class ResolveRequest(BaseModel):
@@ -70,15 +89,15 @@ class ResolveRequest(BaseModel):
         description="true: the effect exists at the remote (confirm it, with remote_ref); "
         "false: it does not (fail it, or replay it)."
     )
-    remote_ref: str | None = Field(
+    remote_ref: Text | None = Field(
         default=None, description="With applied=true: the remote's id of the effect."
     )
     replay: bool = Field(
         default=False,
         description="With applied=false: send it again (same key, same payload) instead.",
     )
-    note: str = Field(description="What you checked and found, for the audit trail.")
-    payload_hash: str | None = Field(
+    note: Text = Field(description="What you checked and found, for the audit trail.")
+    payload_hash: Text | None = Field(
         default=None, description="The payload hash you looked at; refused if different."
     )
     force: bool = Field(

@@ -28,6 +28,7 @@ from outbox.errors import WaitTimeout
 from outbox.models import ApiToken, Operation, TokenScope
 from outbox.resolve import resolve
 from outbox.states import State
+from outbox.storable import unstorable_text
 from outbox.web.auth import Token, authorize, may_read
 from outbox.web.context import ApiContext, context
 from outbox.web.models import (
@@ -39,6 +40,7 @@ from outbox.web.models import (
     OperationPage,
     RejectRequest,
     ResolveRequest,
+    Text,
 )
 from outbox.web.problems import Problem, documented
 
@@ -138,7 +140,14 @@ def _intent_key(header: str | None) -> str:
         )
     # The IETF draft sends it as a structured-field string ("..."); a bare value is kept as is.
     if len(header) >= 2 and header[0] == header[-1] == '"':
-        return header[1:-1]
+        header = header[1:-1]
+    if unstorable_text(header) is not None:
+        raise Problem(
+            422,
+            "the Idempotency-Key holds a character PostgreSQL cannot store (NUL)",
+            slug="invalid-intent",
+            field="Idempotency-Key",
+        )
     return header
 
 
@@ -220,10 +229,10 @@ async def list_operations(
     request: Request,
     token: Token,
     *,
-    intent_key: Annotated[str | None, Query(description="Only the one with this key.")] = None,
+    intent_key: Annotated[Text | None, Query(description="Only the one with this key.")] = None,
     state: Annotated[State | None, Query(description="Only operations in this state.")] = None,
-    tool: Annotated[str | None, Query(description="Only operations of this tool.")] = None,
-    target: Annotated[str | None, Query(description="Only operations on this target.")] = None,
+    tool: Annotated[Text | None, Query(description="Only operations of this tool.")] = None,
+    target: Annotated[Text | None, Query(description="Only operations on this target.")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="At most this many.")] = 50,
     cursor: Annotated[
         str | None, Query(description="next_cursor of the previous page (opaque).")
@@ -288,7 +297,7 @@ async def list_events(request: Request, token: Token, operation_id: UUID) -> JSO
 
 # --- decide ---------------------------------------------------------------------------------
 
-_DECISION_ERRORS = documented(401, 403, 404, 409, 412, 413, 422)
+_DECISION_ERRORS = documented(400, 401, 403, 404, 409, 412, 413, 422)
 
 
 async def _decide(

@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from outbox.errors import (
@@ -194,6 +194,13 @@ async def _http(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, DataError):  # input the checks let through and the database refused
+        return Problem(
+            422,
+            "a value of the request cannot be stored by PostgreSQL (out of range, or a "
+            "character it refuses); nothing was written",
+            slug="unstorable-value",
+        ).response(request)
     if isinstance(exc, OperationalError | InterfaceError):  # the database is down or gone
         return Problem(
             503,

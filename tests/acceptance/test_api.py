@@ -512,3 +512,10 @@ def test_a_public_address_without_tls_is_refused(database_url: str) -> None:
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr
     assert "--behind-proxy" in lines[0]
+
+
+def test_a_nul_character_is_422_naming_the_member(agent: httpx.Client, engine: Engine) -> None:
+    """A target holding NUL (which PostgreSQL cannot store) is 422 naming `target`."""
+    problem = assert_problem(enqueue(agent, "k", target="a\x00b"), 422, "NUL")
+    assert problem["field"] == "target"
+    assert operation_count(engine) == 0
