@@ -199,6 +199,14 @@ class Settings(BaseSettings):
             "to OUTBOX_MAX_PAYLOAD_BYTES."
         ),
     )
+    api_token_cache: float = Field(
+        default=5.0,
+        ge=0,
+        description=(
+            "Seconds `outbox api` trusts a token it checked before checking it again: a "
+            "revoked token is refused within this (0: check on every request)."
+        ),
+    )
     api_max_wait: Seconds = Field(
         default=60.0,
         description="Longest long-poll `GET /v1/operations/{id}?wait=S` holds (S is capped to it).",

@@ -21,6 +21,7 @@ from outbox import __version__, aio, migrate
 from outbox.config import Settings, get_settings
 from outbox.db import create_async_engine, database_url
 from outbox.web import health, operations, problems
+from outbox.web.auth import TokenCache
 from outbox.web.context import ApiContext
 from outbox.web.observe import Observe, RequestMetrics
 
@@ -60,6 +61,7 @@ def create_app(settings: Settings | None = None, *, engine: AsyncEngine | None =
         lifespan=lifespan,
     )
     app.state.outbox = ctx
+    app.state.tokens = TokenCache(settings.api_token_cache)
     problems.install(app)
     app.include_router(operations.router)
     app.include_router(health.router)

@@ -31,7 +31,8 @@ PROBLEM = "application/problem+json"
 
 @pytest.fixture(scope="module")
 def server(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
-    """One `outbox api` for the module, with small limits to reach them cheaply."""
+    """One `outbox api` for the module, with small limits to reach them cheaply, checking
+    tokens on every request (a revocation takes effect at once)."""
     home = tmp_path_factory.mktemp("api")
     env = api_environment(
         database_url,
@@ -39,6 +40,7 @@ def server(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
         OUTBOX_API_MAX_WAIT="5",
         OUTBOX_API_MAX_BODY_BYTES="8192",
         OUTBOX_MAX_PAYLOAD_BYTES="2048",
+        OUTBOX_API_TOKEN_CACHE="0",  # noqa: S106 -- seconds, not a secret
     )
     with running_api(env, home / "api.log") as running:
         yield running
