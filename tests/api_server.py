@@ -31,7 +31,7 @@ class ApiServer:
 
 @contextmanager
 def running_api(
-    env: Mapping[str, str], log: Path, *args: str, timeout: float = 60
+    env: Mapping[str, str], log: Path, *args: str, timeout: float = 60, verify: bool = True
 ) -> Iterator[ApiServer]:
     """Start ``python -m outbox api --port 0 ARGS``, wait until /healthz answers, yield it;
     SIGTERM it at the end (its log stays in ``log``)."""
@@ -51,7 +51,7 @@ def running_api(
             process.wait(timeout=timeout)
             raise AssertionError(f"outbox api did not start: {line!r}\n{log.read_text()}")
         server = ApiServer(url=found.group(1), log=log)
-        _wait_healthy(server.url, process, timeout)
+        _wait_healthy(server.url, process, timeout, verify=verify)
         yield server
     finally:
         process.terminate()
@@ -64,14 +64,16 @@ def running_api(
             process.stdout.close()
 
 
-def _wait_healthy(url: str, process: subprocess.Popen[str], timeout: float) -> None:
+def _wait_healthy(
+    url: str, process: subprocess.Popen[str], timeout: float, *, verify: bool
+) -> None:
     """Poll /healthz until it answers 200 (uvicorn listens once its loop has started)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise AssertionError(f"outbox api exited with {process.returncode}")
         try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/healthz", timeout=2, verify=verify).status_code == 200:
                 return
         except httpx.TransportError:
             pass

@@ -3,8 +3,11 @@ every status it promises, agent isolation, conditional decisions, long-polling."
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
@@ -521,3 +524,28 @@ def test_a_nul_character_is_422_naming_the_member(agent: httpx.Client, engine: E
     problem = assert_problem(enqueue(agent, "k", target="a\x00b"), 422, "NUL")
     assert problem["field"] == "target"
     assert operation_count(engine) == 0
+
+
+def test_a_public_address_behind_a_proxy_is_served(database_url: str, tmp_path: Path) -> None:
+    """`--host 0.0.0.0 --behind-proxy` starts, and answers over plain HTTP."""
+    env = api_environment(database_url, tmp_path)
+    args = ("--host", "0.0.0.0", "--behind-proxy")  # noqa: S104 -- the point of the test
+    with running_api(env, tmp_path / "api.log", *args) as running:
+        assert running.url.startswith("http://0.0.0.0:")
+        assert httpx.get(f"{running.url}/readyz").status_code == 200
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificate")
+def test_a_public_address_with_tls_serves_https(database_url: str, tmp_path: Path) -> None:
+    """`--host 0.0.0.0 --tls-cert --tls-key` starts and answers over HTTPS."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    env = api_environment(database_url, tmp_path)
+    args = ("--host", "0.0.0.0", "--tls-cert", str(cert), "--tls-key", str(key))  # noqa: S104 -- idem
+    with running_api(env, tmp_path / "api.log", *args, verify=False) as running:
+        assert running.url.startswith("https://")
+        assert httpx.get(f"{running.url}/healthz", verify=False).status_code == 200  # noqa: S501
