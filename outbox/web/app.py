@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import __version__, aio, migrate
 from outbox.config import Settings, get_settings
-from outbox.db import create_async_engine, database_url
+from outbox.db import create_async_engine, create_engine, database_url
 from outbox.web import health, operations, problems
 from outbox.web.auth import TokenCache
 from outbox.web.context import ApiContext
@@ -42,12 +42,20 @@ def create_app(settings: Settings | None = None, *, engine: AsyncEngine | None =
     engine = engine or create_async_engine(
         database_url(settings), pool_size=10, max_overflow=20, pool_pre_ping=False
     )
-    ctx = ApiContext(engine=engine, settings=settings, head=migrate.head())
+    # The same database as ``engine``, for the enqueue (outbox.web.operations): its URL.
+    sync_engine = create_engine(
+        engine.url.render_as_string(hide_password=False),
+        pool_size=10,
+        max_overflow=20,
+        pool_pre_ping=False,
+    )
+    ctx = ApiContext(engine=engine, sync_engine=sync_engine, settings=settings, head=migrate.head())
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
         await aio.close()  # the long-polls' shared LISTEN, and its two connections
+        ctx.sync_engine.dispose()
         if owned:
             await ctx.engine.dispose()
 

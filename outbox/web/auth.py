@@ -12,6 +12,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox import tokens
@@ -72,6 +73,20 @@ class TokenCache:
             self._found[digest] = (token, time.monotonic() + self.ttl_s)
 
 
+def authorize_sync(
+    conn: Connection, request: Request, token: str, *, operator_only: bool = False
+) -> ApiToken:
+    """:func:`authorize` on a sync connection (in a worker thread)."""
+    cache: TokenCache = request.app.state.tokens
+    digest = tokens.hash_token(token)
+    caller = cache.get(digest)
+    if caller is None:
+        caller = tokens.authenticate(conn, token)
+        if caller is not None:
+            cache.put(digest, caller)
+    return _allowed(request, caller, operator_only=operator_only)
+
+
 async def authorize(
     conn: AsyncConnection, request: Request, token: str, *, operator_only: bool = False
 ) -> ApiToken:
@@ -84,6 +99,10 @@ async def authorize(
         caller = await conn.run_sync(lambda sync: tokens.authenticate(sync, token))
         if caller is not None:
             cache.put(digest, caller)
+    return _allowed(request, caller, operator_only=operator_only)
+
+
+def _allowed(request: Request, caller: ApiToken | None, *, operator_only: bool) -> ApiToken:
     if caller is None:
         raise Problem(
             401,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fastapi import Request
+from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.config import Settings
@@ -15,6 +16,9 @@ class ApiContext:
     """One app's database engine and settings (``app.state.outbox``)."""
 
     engine: AsyncEngine
+    #: The same database for the enqueue, run in worker threads: psycopg's sync connection
+    #: costs about half the CPU of its async one per transaction (docs/performance.md).
+    sync_engine: Engine
     settings: Settings
     #: The schema revision this package ships: /readyz compares the database's with it.
     head: str
