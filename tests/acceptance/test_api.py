@@ -16,13 +16,15 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import resolve, tokens
+from outbox import migrate, resolve, tokens
 from outbox.approval import publish_policies_committed
 from outbox.contracts import ToolContract
+from outbox.db import create_engine
 from outbox.models import TokenScope
 from outbox.states import State
 from tests.acceptance.conftest import clean_environment, run_outbox
 from tests.api_server import ApiServer, api_environment, running_api
+from tests.conftest import Databases
 from tests.factories import events_of, make_operation, operation_count, reload
 from tests.processes import wait_until
 
@@ -549,3 +551,21 @@ def test_a_public_address_with_tls_serves_https(database_url: str, tmp_path: Pat
     with running_api(env, tmp_path / "api.log", *args, verify=False) as running:
         assert running.url.startswith("https://")
         assert httpx.get(f"{running.url}/healthz", verify=False).status_code == 200  # noqa: S501
+
+
+def test_readyz_is_503_when_the_schema_is_not_at_head(databases: Databases, tmp_path: Path) -> None:
+    """Once the schema is no longer at head, /readyz answers 503 naming both revisions."""
+    url = databases.create()
+    own = create_engine(url)
+    try:
+        migrate.upgrade(own)
+        env = api_environment(url, tmp_path)
+        with running_api(env, tmp_path / "api.log") as running:
+            assert httpx.get(f"{running.url}/readyz").status_code == 200
+            with own.begin() as conn:
+                conn.execute(text("UPDATE outbox.alembic_version SET version_num = '0012'"))
+            problem = assert_problem(httpx.get(f"{running.url}/readyz"), 503, "0012", "upgrade")
+            assert (problem["schema_revision"], problem["head"]) == ("0012", migrate.head())
+            assert httpx.get(f"{running.url}/healthz").status_code == 200
+    finally:
+        own.dispose()
