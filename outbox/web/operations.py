@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated
 from uuid import UUID
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
+from sqlalchemy import Connection
 from starlette.concurrency import run_in_threadpool
 
 from outbox import aio, api, approval, sql
@@ -160,7 +162,7 @@ def _intent_key(header: str | None) -> str:
     return header
 
 
-def _require_known_tool(ctx: ApiContext, conn: Any, tool: str) -> None:
+def _require_known_tool(ctx: ApiContext, conn: Connection, tool: str) -> None:
     if tool in ctx.known_tools:
         return
     if not api.known_tool(conn, tool):
@@ -308,13 +310,17 @@ async def list_events(request: Request, token: Token, operation_id: UUID) -> JSO
 
 _DECISION_ERRORS = documented(400, 401, 403, 404, 409, 412, 413, 422)
 
+#: A decision: the Python API call, on the request's (sync) connection, by the caller, with
+#: the attempt number If-Match named (None without one).
+Decision = Callable[[Connection, ApiToken, int | None], Operation]
+
 
 async def _decide(
     request: Request,
     token: Token,
     operation_id: UUID,
     if_match: str | None,
-    decide: Any,
+    decide: Decision,
 ) -> JSONResponse:
     """Lock the row, compare it with If-Match, run ``decide(sync_conn, caller, attempts)``."""
     ctx = context(request)
@@ -367,7 +373,7 @@ async def cancel_operation(
     """Withdraw it while no attempt can have reached the remote (``outbox.cancel``)."""
     why = body.reason if body is not None and body.reason else None
 
-    def decide(sync: Any, caller: ApiToken, _seen: int | None) -> Operation:
+    def decide(sync: Connection, caller: ApiToken, _seen: int | None) -> Operation:
         reason = f"cancelled by {caller.name}" + (f": {why}" if why else "")
         return api.cancel(sync, operation_id, reason=reason)
 
@@ -390,7 +396,7 @@ async def approve_operation(
     """It moves to ``planned`` and is sent next (``outbox.approve``); the token's name is the
     approver."""
 
-    def decide(sync: Any, caller: ApiToken, _seen: int | None) -> Operation:
+    def decide(sync: Connection, caller: ApiToken, _seen: int | None) -> Operation:
         return approval.approve(
             sync, operation_id, by=caller.name, payload_hash=body.payload_hash, note=body.note
         )
@@ -413,7 +419,7 @@ async def reject_operation(
 ) -> JSONResponse:
     """``outbox.reject``; the token's name is the decider."""
 
-    def decide(sync: Any, caller: ApiToken, _seen: int | None) -> Operation:
+    def decide(sync: Connection, caller: ApiToken, _seen: int | None) -> Operation:
         return approval.reject(sync, operation_id, by=caller.name, reason=body.reason)
 
     return await _decide(request, token, operation_id, if_match, decide)
@@ -435,7 +441,7 @@ async def resolve_operation(
     """applied → ``confirmed`` (with remote_ref); not applied → ``failed``, or with replay →
     ``planned`` again (``outbox.resolve``). If-Match's attempt is ``expect_attempts``."""
 
-    def decide(sync: Any, caller: ApiToken, seen: int | None) -> Operation:
+    def decide(sync: Connection, caller: ApiToken, seen: int | None) -> Operation:
         return resolve(
             sync,
             operation_id,
