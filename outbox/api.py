@@ -28,6 +28,7 @@ from outbox.errors import (
     InvalidIntent,
     NotCancellable,
     OperationNotFound,
+    PayloadTooLarge,
     WaitTimeout,
 )
 from outbox.models import Executor, Operation, PrunedIntent
@@ -79,9 +80,44 @@ def enqueue(
     requires approval (``approval = "required"``, known from ``outbox.tool_policies`` or
     this process's loaded tools). A call may tighten its tool's policy, never loosen it.
     """
-    one = _check(
-        Intent(tool, target, payload, intent_key, metadata, requested_by, require_approval)
-    )
+    return enqueue_intent(
+        session,
+        Intent(tool, target, payload, intent_key, metadata, requested_by, require_approval),
+    ).operation
+
+
+@dataclass(frozen=True)
+class Intent:
+    """One intent for :func:`enqueue_many`: the arguments :func:`enqueue` takes."""
+
+    tool: str
+    target: str
+    payload: Any
+    intent_key: str | None = None
+    metadata: Mapping[str, Any] | None = field(default=None, hash=False)
+    requested_by: str | None = None
+    #: Wait for a person's approval before any send, whatever the tool says.
+    require_approval: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    """What :func:`enqueue_intent` did: the operation, and whether this call created it."""
+
+    operation: Operation
+    #: True: this call recorded the intent; False: it was recorded already (same intent).
+    created: bool
+
+
+def enqueue_intent(session: Executor, intent: Intent) -> Enqueued:
+    """:func:`enqueue` for one :class:`Intent`, saying whether this call created the operation
+    or found the same intent recorded already (the HTTP API answers 201 or 200).
+
+    The same rules, errors and transaction as :func:`enqueue`: it joins the caller's
+    transaction and never commits.
+    """
+    one = _check(intent)
+    intent_key, tool, target = intent.intent_key, one.tool, one.target
     for _ in range(_INSERT_TRIES):
         created = sql.intents.insert_intent(
             session,
@@ -99,12 +135,12 @@ def enqueue(
         if created is not None:
             if created.state is State.AWAITING_APPROVAL:
                 webhooks.record_approval_requested(session, created)
-            return created
+            return Enqueued(created, created=True)
         # A generated key is the new operation's id and cannot collide, so intent_key is set.
         existing = sql.intents.find_operation(session, str(intent_key))
         if existing is not None:
             _check_same_intent(existing, tool=tool, target=target, digest=one.payload_hash)
-            return existing
+            return Enqueued(existing, created=False)
         # Not live: pruned, or (rarely) its row was deleted between the two statements, in
         # which case the prune's trigger wrote the pruned intent in the same transaction.
         for pruned in sql.intents.find_pruned_intents(session, [str(intent_key)]):
@@ -114,20 +150,6 @@ def enqueue(
         intent_key=intent_key,
         differences=(),
     )
-
-
-@dataclass(frozen=True)
-class Intent:
-    """One intent for :func:`enqueue_many`: the arguments :func:`enqueue` takes."""
-
-    tool: str
-    target: str
-    payload: Any
-    intent_key: str | None = None
-    metadata: Mapping[str, Any] | None = field(default=None, hash=False)
-    requested_by: str | None = None
-    #: Wait for a person's approval before any send, whatever the tool says.
-    require_approval: bool = False
 
 
 @dataclass(frozen=True)
@@ -269,6 +291,15 @@ def _unique_keys(checked: list[_Checked]) -> list[_Checked]:
                 differences=names,
             )
     return unique
+
+
+def known_tool(session: Executor, tool: str) -> bool:
+    """Whether this deployment knows ``tool``: this process's loaded tools say so, or, in a
+    process that loads none (an agent's, the HTTP API's by default), ``outbox.tool_policies``
+    does, where every worker writes its tools when it starts. Reads in the caller's txn."""
+    if CONTRACTS.loaded:
+        return CONTRACTS.get(tool) is not None
+    return sql.approval.get_policy(session, tool) is not None
 
 
 def get(session: Executor, operation_id: UUID | str) -> Operation | None:
@@ -415,10 +446,12 @@ def _canonical_payload(payload: Any) -> bytes:
         raise InvalidIntent(f"payload is not canonical JSON: {exc}", field="payload") from exc
     limit = get_settings().max_payload_bytes
     if len(canonical) > limit:
-        raise InvalidIntent(
+        raise PayloadTooLarge(
             f"payload is {len(canonical)} bytes as canonical JSON; the limit is {limit} "
             "(OUTBOX_MAX_PAYLOAD_BYTES)",
             field="payload",
+            size=len(canonical),
+            limit=limit,
         )
     return canonical
 

@@ -165,6 +165,53 @@ class Settings(BaseSettings):
         ),
     )
 
+    api_host: str = Field(
+        default="127.0.0.1",
+        description=(
+            "Address `outbox api` binds; a non-loopback one needs OUTBOX_API_TLS_CERT and "
+            "OUTBOX_API_TLS_KEY, or OUTBOX_API_BEHIND_PROXY."
+        ),
+    )
+    api_port: int = Field(default=8600, ge=0, le=65535, description="Port `outbox api` binds.")
+    api_behind_proxy: bool = Field(
+        default=False,
+        description=(
+            "A reverse proxy terminates TLS in front of `outbox api`: it may bind a "
+            "non-loopback address without TLS of its own, and trusts X-Forwarded-* headers "
+            "from OUTBOX_API_FORWARDED_ALLOW_IPS."
+        ),
+    )
+    api_forwarded_allow_ips: str = Field(
+        default="127.0.0.1",
+        description="Comma-separated proxy addresses whose X-Forwarded-* headers are trusted.",
+    )
+    api_tls_cert: Path | None = Field(
+        default=None, description="PEM certificate `outbox api` serves HTTPS with."
+    )
+    api_tls_key: Path | None = Field(
+        default=None, description="PEM private key of OUTBOX_API_TLS_CERT."
+    )
+    api_max_body_bytes: int = Field(
+        default=512 * 1024,
+        gt=0,
+        description=(
+            "Largest request body `outbox api` reads (413 above it); a payload is also held "
+            "to OUTBOX_MAX_PAYLOAD_BYTES."
+        ),
+    )
+    api_token_cache: float = Field(
+        default=5.0,
+        ge=0,
+        description=(
+            "Seconds `outbox api` trusts a token it checked before checking it again: a "
+            "revoked token is refused within this (0: check on every request)."
+        ),
+    )
+    api_max_wait: Seconds = Field(
+        default=60.0,
+        description="Longest long-poll `GET /v1/operations/{id}?wait=S` holds (S is capped to it).",
+    )
+
     _split_tools = field_validator("tools", "webhook_events", mode="before")(_split_commas)
 
     @field_validator("log_format", mode="before")
@@ -192,6 +239,14 @@ class Settings(BaseSettings):
                 "or a digit"
             )
         return value
+
+    @model_validator(mode="after")
+    def _tls_in_pairs(self) -> Settings:
+        if (self.api_tls_cert is None) != (self.api_tls_key is None):
+            raise ValueError(
+                "OUTBOX_API_TLS_CERT and OUTBOX_API_TLS_KEY go together: set both or neither"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ages_in_order(self) -> Settings:

@@ -58,6 +58,14 @@ class InvalidIntent(OutboxError):
     field: str
 
 
+class PayloadTooLarge(InvalidIntent):
+    """The payload is larger, as canonical JSON, than ``OUTBOX_MAX_PAYLOAD_BYTES``; nothing
+    was written. ``size`` and ``limit`` are in bytes (the HTTP API answers 413)."""
+
+    size: int
+    limit: int
+
+
 class IntentConflict(OutboxError):
     """The intent key is already used by an operation with another tool, target or payload.
 
@@ -217,3 +225,16 @@ class ApprovalRefused(TransitionError):
 
     operation_id: Any
     field: str
+
+
+class TokenRefused(OutboxError):
+    """The API token cannot be made as asked (``field`` names the argument: ``name``,
+    ``scope``). Nothing was written."""
+
+    field: str
+
+
+class TokenNotFound(OutboxError):
+    """No API token has this name."""
+
+    name: str

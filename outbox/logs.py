@@ -92,6 +92,12 @@ class Action(enum.StrEnum):
     METRICS_CURSOR_RESET = "metrics_cursor_reset"
     METRICS_SCRAPE_FAILED = "metrics_scrape_failed"
 
+    # HTTP API (outbox.web, outbox api)
+    API_STARTED = "api_started"
+    API_STOPPED = "api_stopped"
+    API_REQUEST = "api_request"  #: the access log: method, path, status, ms, caller (a name)
+    API_ERROR = "api_error"  #: an unexpected error, answered 500 (its type only)
+
     # Elsewhere
     CONFIG_UNKNOWN_VARIABLE = "config_unknown_variable"  #: a misspelt OUTBOX_* variable?
     ASYNC_REPLICAS_ALLOWED = "async_replicas_allowed"

@@ -10,7 +10,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from outbox.schema import SCHEMA
 
@@ -57,10 +57,15 @@ def sql(revision: str = "head") -> str:
 def current(engine: Engine) -> str | None:
     """The revision the database's ``outbox`` schema is at, or ``None`` if never migrated."""
     with engine.connect() as connection:
-        context = MigrationContext.configure(
-            connection, opts={"version_table": VERSION_TABLE, "version_table_schema": SCHEMA}
-        )
-        heads = context.get_current_heads()
+        return current_on(connection)
+
+
+def current_on(connection: Connection) -> str | None:
+    """:func:`current`, read on ``connection`` (in its transaction, if one is open)."""
+    context = MigrationContext.configure(
+        connection, opts={"version_table": VERSION_TABLE, "version_table_schema": SCHEMA}
+    )
+    heads = context.get_current_heads()
     return heads[0] if heads else None
 
 

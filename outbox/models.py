@@ -241,3 +241,44 @@ class Delivery:
                 value = str(value)
             data[f.name] = value
         return data
+
+
+class TokenScope(enum.StrEnum):
+    """What an API token may do (docs/api.md, "Auth")."""
+
+    #: Enqueue, and read and wait for the operations it enqueued (``requested_by`` = its name).
+    AGENT = "agent"
+    #: Read every operation; approve, reject, resolve and cancel.
+    OPERATOR = "operator"
+
+
+@dataclass(frozen=True, slots=True)
+class ApiToken:
+    """One bearer token of the HTTP API, as ``outbox.api_tokens`` holds it: never its hash."""
+
+    id: UUID
+    #: The identity the API records (``requested_by``, the decider); unique for good.
+    name: str
+    scope: TokenScope
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[Any, Any]) -> ApiToken:
+        """Build one from a mapping holding the table's columns but the hash."""
+        values = {f.name: row[f.name] for f in fields(cls)}
+        values["scope"] = TokenScope(values["scope"])
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready mapping, as ``outbox tokens list --json`` prints it."""
+        data: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, datetime):
+                value = iso_utc(value)
+            elif isinstance(value, UUID | enum.Enum):
+                value = str(value)
+            data[f.name] = value
+        return data

@@ -258,3 +258,29 @@ webhook_deliveries = Table(
     ),
     Index("ix_webhook_deliveries_operation_id", "operation_id"),
 )
+
+#: Bearer tokens of the HTTP API (migration 0013; ``outbox tokens create|list|revoke``). A
+#: token's ``name`` is the identity the API records (``requested_by``, the decider), so it is
+#: unique for good, even once revoked: a name in the audit trail names one token's holder.
+#: Only the sha256 of the token is stored: a token is 256 random bits, so a fast hash is as
+#: hard to reverse as a slow one (argon2 is for passwords, which are guessable), and a fast
+#: hash lets each request find its token with one index probe.
+api_tokens = Table(
+    "api_tokens",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=text("outbox.uuid_v7()")),
+    Column("name", Text, nullable=False),
+    Column("scope", Text, nullable=False),
+    Column("token_hash", Text, nullable=False),
+    _timestamp("created_at", nullable=False, now=True),
+    _timestamp("last_used_at"),
+    _timestamp("revoked_at"),
+    UniqueConstraint("name"),
+    UniqueConstraint("token_hash"),
+    CheckConstraint("scope IN ('agent', 'operator')", name="scope_known"),
+    CheckConstraint("char_length(name) BETWEEN 1 AND 128", name="name_length"),
+    CheckConstraint(
+        "octet_length(token_hash) = 64 AND ltrim(token_hash, '0123456789abcdef') = ''",
+        name="token_hash_sha256",
+    ),
+)

@@ -38,6 +38,25 @@ TRUNCATED_KEY = "outbox_truncated"
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
+def unstorable_text(value: Any) -> str | None:
+    """The first string in ``value`` (a string, or JSON: keys and values, nested) that
+    PostgreSQL cannot store as it is (a NUL, a lone surrogate), or ``None``: input is
+    refused with it named, where a remote's answer is escaped by :func:`text`."""
+    if isinstance(value, str):
+        return value if _UNSTORABLE.search(value) else None
+    if isinstance(value, Mapping):
+        items: Any = [item for pair in value.items() for item in pair]
+    elif isinstance(value, list | tuple):
+        items = value
+    else:
+        return None
+    for item in items:
+        found = unstorable_text(item)
+        if found is not None:
+            return found
+    return None
+
+
 def _escape(match: re.Match[str]) -> str:
     code = ord(match.group())
     if code == 0:

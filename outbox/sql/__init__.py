@@ -33,6 +33,8 @@ read, ``synchronous_commit``), :mod:`~outbox.sql.reconcile` (the sweep and looku
 :mod:`~outbox.sql.resolve` (operator verdicts), :mod:`~outbox.sql.webhooks` (delivery rows),
 :mod:`~outbox.sql.metrics`, :mod:`~outbox.sql.retention` (prune, forget),
 :mod:`~outbox.sql.deployment` (the database's identity, its standbys),
+:mod:`~outbox.sql.tokens` (the HTTP API's bearer tokens), :mod:`~outbox.sql.web` (the HTTP
+API's pages of operations and conditional requests),
 :mod:`~outbox.sql.broker` (the database broker's tables), :mod:`~outbox.sql.moves` (the
 state moves' statements, run only by :mod:`outbox.transitions`) and :mod:`~outbox.sql.dev`
 (statements only the dev tooling runs: the demo's and chaos's reports, the scenario's reset).
@@ -52,6 +54,8 @@ from outbox.sql import (
     relay,
     resolve,
     retention,
+    tokens,
+    web,
     webhooks,
 )
 
@@ -69,5 +73,7 @@ __all__ = [
     "relay",
     "resolve",
     "retention",
+    "tokens",
+    "web",
     "webhooks",
 ]

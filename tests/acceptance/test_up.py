@@ -6,6 +6,7 @@ import os
 import pty
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -95,9 +96,26 @@ def up_env(stack_env: dict[str, str]) -> dict[str, str]:
     return {**stack_env, "OUTBOX_SWEEP_INTERVAL": "1"}
 
 
+def _free_port() -> int:
+    """A port nothing listens on now (the API binds it a moment later)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 @pytest.fixture
 def running_up(up_env: dict[str, str]) -> Iterator[Up]:
-    up = Up(up_env, "--no-panel", "--metrics-port", "0", "--workers", "1")
+    up = Up(
+        up_env,
+        "--no-panel",
+        "--metrics-port",
+        "0",
+        "--workers",
+        "1",
+        "--api",
+        "--api-port",
+        str(_free_port()),
+    )
     yield up
     up.kill()
 
@@ -125,6 +143,13 @@ def _pid(output: str, name: str) -> int:
     return int(found[-1])
 
 
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -136,9 +161,12 @@ def _gone(pid: int) -> bool:
 def test_up_runs_supervises_and_stops_cleanly(
     engine: Engine, service: DeployService, running_up: Up
 ) -> None:
-    """Operations go through; a SIGKILLed worker is restarted; metrics answer; Ctrl-C stops all."""
+    """Operations go through; a SIGKILLed worker is restarted; metrics and the API answer;
+    Ctrl-C stops all."""
     up = running_up
-    wait_until(lambda: "started beat" in up.output, timeout=60, what="every process started")
+    wait_until(lambda: "started api" in up.output, timeout=60, what="every process started")
+    [api_url] = re.findall(r"api:\s+(\S+)", up.output)
+    wait_until(lambda: _ready(api_url), timeout=60, what="the API's /readyz")
     _enqueue(engine, "first", 10)
     wait_until(lambda: _confirmed(engine) == 10, timeout=90, what="10 confirmed")
 
@@ -154,7 +182,7 @@ def test_up_runs_supervises_and_stops_cleanly(
     body = httpx.get(url, timeout=10).text
     assert f'outbox_operations{{state="confirmed",tool="{TOOL}"}} 15.0' in body
 
-    children = [_pid(up.output, name) for name in ("relay-1", "worker-1", "beat")]
+    children = [_pid(up.output, name) for name in ("relay-1", "worker-1", "beat", "api")]
     assert up.interrupt() == 0
     assert "stopped" in up.output
     assert all(_gone(pid) for pid in children)
@@ -165,7 +193,7 @@ def test_up_shows_a_live_panel_on_a_terminal(
     engine: Engine, service: DeployService, up_env: dict[str, str]
 ) -> None:
     """On a terminal: processes, operations by state with ages, needs_human, the rate."""
-    up = Up(up_env, "--metrics-port", "0", tty=True)
+    up = Up(up_env, "--metrics-port", "0", "--no-api", tty=True)
     try:
         _enqueue(engine, "panel", 3)
         wait_until(

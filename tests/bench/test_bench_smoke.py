@@ -1,5 +1,5 @@
-"""The benchmarks still run: ``bench/pipeline.py``, ``bench/limits.py`` and ``bench/aio.py``
-with ``--smoke``.
+"""The benchmarks still run: ``bench/pipeline.py``, ``bench/limits.py``, ``bench/aio.py`` and
+``bench/api.py`` with ``--smoke``.
 
 Each is a real run of a few seconds against the test server (a throw-away ``bench_*``
 database, dropped at the end; RabbitMQ on a throw-away vhost when one is up, else the
@@ -78,3 +78,15 @@ def test_aio_smoke(admin_url: str) -> None:
     assert re.search(r"target event-loop lag p99 < 20 ms: .* (met|NOT met)", result.stdout), (
         result.stdout
     )
+
+
+@pytest.mark.timeout(110)
+def test_api_smoke(admin_url: str) -> None:
+    """`bench/api.py --smoke` runs both ways to enqueue and judges the 0.5x target."""
+    result = _smoke("api.py", admin_url)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    for row in ("direct rate, 1", "API rate, 8", "API p50, 1", "API p99, 8", "API / direct, 8"):
+        assert row in result.stdout, result.stdout
+    assert re.search(
+        r"target API >= 0\.5x direct enqueue \(8\): .* (met|NOT met)", result.stdout
+    ), result.stdout

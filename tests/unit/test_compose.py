@@ -30,9 +30,9 @@ COMPOSE_FILE = ROOT / "compose.yaml"
 ENV_EXAMPLE = ROOT / ".env.example"
 
 #: The processes a deployment cannot do without, all from our image.
-CORE = {"migrate", "relay", "worker", "beat", "flower", "metrics"}
+CORE = {"migrate", "relay", "worker", "beat", "flower", "metrics", "api"}
 #: Long-running processes that need the schema and the broker before they start.
-AFTER_MIGRATE = ("relay", "worker", "beat", "flower", "metrics")
+AFTER_MIGRATE = ("relay", "worker", "beat", "flower", "metrics", "api")
 #: ``${NAME:?message}``: a variable Compose refuses to run without.
 REQUIRED_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*):\?")
 
@@ -167,6 +167,13 @@ def test_processes_wait_for_the_schema_and_the_broker() -> None:
         assert service["restart"] == "unless-stopped", name
     for name in ("postgres", "rabbitmq"):
         assert "healthcheck" in SERVICES[name], name
+
+
+def test_the_api_is_checked_by_its_readiness() -> None:
+    """The API's health check probes /readyz on the port its command binds."""
+    argv = _argv(SERVICES["api"])
+    port = argv[argv.index("--port") + 1]
+    assert f"http://127.0.0.1:{port}/readyz" in " ".join(SERVICES["api"]["healthcheck"]["test"])
 
 
 def test_published_ports_are_on_loopback_only() -> None:

@@ -1,0 +1,255 @@
+"""The HTTP API's enqueue (``POST /v1/operations`` on ``outbox api``) against a direct
+``enqueue()`` + COMMIT, on the same machine and database.
+
+For each number of concurrent clients (``--clients``, default 1 and 8), one round measures:
+
+* **direct**: that many threads, each with its own connection, each ``enqueue()`` in a
+  ``Session`` then COMMIT, one after another;
+* **API**: that many threads, each with one keep-alive HTTP connection (the stdlib's
+  ``http.client``: a light client, so the client's CPU, on the same cores, weighs little), each
+  POSTing an intent with a fresh ``Idempotency-Key`` and an agent token, one after another, to
+  one ``outbox api`` process (a subprocess: its own interpreter and GIL).
+
+Rates (operations per second), p50 and p99 latency of one call, and the ratio API / direct
+per round (target: at least 0.5x). Everything shares this machine's cores: PostgreSQL, the
+server and the clients.
+
+Usage: python bench/api.py [--url postgresql://...] [--rounds 3] [--ops 2000]
+[--clients 1,8] [--quick] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+# The bench directory is not a package: `python bench/api.py` puts it on sys.path.
+from arguments import add_common_arguments
+from report import Results, print_table, say, write_json
+from rounds import Case, percentile, run_rounds
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+from throwaway import throwaway_database
+
+from outbox import api, tokens
+from outbox.approval import publish_policies_committed
+from outbox.contracts import ToolContract
+from outbox.db import create_engine
+from outbox.models import TokenScope
+
+Rate = Mapping[str, tuple[float, str]]
+TOOL = "deploy.create_release"
+_SERVING = re.compile(r"serving the API on http://([^:/]+):(\d+)")
+
+
+@contextlib.contextmanager
+def api_server(db_url: str, home: Path) -> Iterator[tuple[str, int]]:
+    """``outbox api`` on an ephemeral port of 127.0.0.1 (logs at WARNING); its host and port."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env |= {"OUTBOX_DATABASE_URL": db_url, "OUTBOX_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "outbox", "api", "--port", "0", "--log-level", "warning"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None  # noqa: S101 -- Popen(stdout=PIPE)
+        found = _SERVING.search(process.stdout.readline())
+        if found is None:
+            raise RuntimeError("outbox api did not start")
+        address = found.group(1), int(found.group(2))
+        _wait_healthy(*address)
+        yield address
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+
+
+def _wait_healthy(host: str, port: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            conn = http.client.HTTPConnection(host, port, timeout=2)
+            conn.request("GET", "/healthz")
+            if conn.getresponse().status == 200:
+                conn.close()
+                return
+        time.sleep(0.1)
+    raise RuntimeError("outbox api did not answer /healthz")
+
+
+def _in_threads(clients: int, ops: int, make_worker: Callable[[], Callable[[], None]]) -> Rate:
+    """Run ``ops`` calls split over ``clients`` threads (each its own ``make_worker()``):
+    the rate over the whole run, and p50/p99 of one call."""
+    per_thread = max(1, ops // clients)
+    latencies: list[list[float]] = [[] for _ in range(clients)]
+    start = threading.Barrier(clients + 1)
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            call = make_worker()
+            start.wait()
+            mine = latencies[index]
+            for _ in range(per_thread):
+                began = time.perf_counter()
+                call()
+                mine.append(time.perf_counter() - began)
+        except BaseException as exc:  # noqa: BLE001 -- reported after the join
+            errors.append(exc)
+            with contextlib.suppress(threading.BrokenBarrierError):
+                start.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - began
+    if errors:
+        raise RuntimeError(f"a client failed: {errors[0]!r}") from errors[0]
+    every = [value for one in latencies for value in one]
+    return {
+        "rate": (len(every) / elapsed, "ops/s"),
+        "p50": (percentile(every, 50) * 1000, "ms"),
+        "p99": (percentile(every, 99) * 1000, "ms"),
+    }
+
+
+class ApiBench:
+    """The two ways to enqueue, on one throw-away database."""
+
+    def __init__(self, engine: Engine, address: tuple[str, int], token: str, ops: int) -> None:
+        self.engine = engine
+        self.address = address
+        self.token = token
+        self.ops = ops
+
+    def direct(self, clients: int) -> Rate:
+        """``enqueue()`` in a Session + COMMIT, one after another, per thread."""
+
+        def worker() -> Callable[[], None]:
+            def call() -> None:
+                with Session(self.engine) as session, session.begin():
+                    api.enqueue(
+                        session,
+                        tool=TOOL,
+                        target="project-a",
+                        payload={"version": "1.2.3"},
+                        intent_key=str(uuid.uuid4()),
+                        requested_by="bench",
+                    )
+
+            return call
+
+        return _in_threads(clients, self.ops, worker)
+
+    def http(self, clients: int) -> Rate:
+        """POST /v1/operations on one keep-alive connection per thread."""
+        body = json.dumps({"tool": TOOL, "target": "project-a", "payload": {"version": "1.2.3"}})
+
+        def worker() -> Callable[[], None]:
+            conn = http.client.HTTPConnection(*self.address, timeout=30)
+
+            def call() -> None:
+                conn.request(
+                    "POST",
+                    "/v1/operations",
+                    body=body,
+                    headers={
+                        "Authorization": f"Bearer {self.token}",
+                        "Idempotency-Key": str(uuid.uuid4()),
+                        "Content-Type": "application/json",
+                    },
+                )
+                answer = conn.getresponse()
+                answer.read()
+                if answer.status != 201:
+                    raise RuntimeError(f"POST /v1/operations answered {answer.status}")
+
+            return call
+
+        return _in_threads(clients, self.ops, worker)
+
+
+def _cases(bench: ApiBench, clients: Sequence[int]) -> list[Case]:
+    cases = []
+    for n in clients:
+        section = f"{n} client{'s' if n > 1 else ''}"
+        cases.append(Case(f"direct x{n}", _named("direct", bench.direct, n), section=section))
+        cases.append(Case(f"API x{n}", _named("API", bench.http, n), section=section))
+    return cases
+
+
+def _named(kind: str, run: Callable[[int], Rate], clients: int) -> Callable[[], Rate]:
+    def measured() -> Rate:
+        rate = run(clients)
+        return {f"{kind} {name}, {clients}": value for name, value in rate.items()}
+
+    return measured
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser)
+    parser.add_argument("--ops", type=int, default=2000, help="enqueues per case and round")
+    parser.add_argument("--clients", default="1,8", help="comma-separated client counts")
+    parser.add_argument("--quick", action="store_true", help="one round of 500 per case")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.ops = 1, 500
+    if args.smoke:
+        args.rounds, args.ops = 1, 40
+    clients = [int(n) for n in args.clients.split(",") if n.strip()]
+    results = Results(
+        f"api: {args.rounds} rounds, {args.ops} enqueues per case, clients {args.clients}"
+    )
+    with contextlib.ExitStack() as stack:
+        db_url = stack.enter_context(throwaway_database(args.url))
+        engine = create_engine(db_url, pool_size=max(clients) + 2)
+        stack.callback(engine.dispose)
+        publish_policies_committed(engine, [ToolContract(name=TOOL)])
+        with Session(engine) as session, session.begin():
+            token = tokens.create_token(session, name="bench", scope=TokenScope.AGENT).token
+        home = Path(stack.enter_context(_temporary_home()))
+        address = stack.enter_context(api_server(db_url, home))
+        say(f"outbox api on {address[0]}:{address[1]}")
+        bench = ApiBench(engine, address, token, args.ops)
+        run_rounds(args.rounds, _cases(bench, clients), results)
+    for n in clients:
+        results.ratio(f"API / direct, {n}", f"API rate, {n}", f"direct rate, {n}")
+    for n in clients:
+        results.target(f"API >= 0.5x direct enqueue ({n})", f"API / direct, {n}", at_least=0.5)
+    results.note(
+        "Medians over rounds; ratios are computed within each round, then their median. "
+        "PostgreSQL, the API process and the clients share this machine's cores."
+    )
+    print_table(results)
+    write_json(args.json, [results], vars(args))
+    return 0
+
+
+@contextlib.contextmanager
+def _temporary_home() -> Iterator[str]:
+    import tempfile  # noqa: PLC0415 -- only here
+
+    with tempfile.TemporaryDirectory(prefix="bench-api-") as home:
+        yield home
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""``outbox api``: the HTTP API (docs/api.md) on uvicorn, until SIGTERM."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from outbox.cli.common import require_schema
+from outbox.cli.extras import needs_extra
+from outbox.cli.options import LogLevel, LogLevelOption, start_logging
+from outbox.cli.output import console, fail
+from outbox.config import Settings, get_settings, variable
+from outbox.logs import Action
+
+log = logging.getLogger(__name__)
+
+_DEFAULTS = Settings.model_fields
+
+
+def _env(field: str) -> str:
+    return variable(field)
+
+
+def api_command(
+    *,
+    host: Annotated[
+        str,
+        typer.Option(
+            envvar=_env("api_host"),
+            help="Address to bind. A non-loopback one needs --tls-cert/--tls-key or "
+            "--behind-proxy.",
+        ),
+    ] = _DEFAULTS["api_host"].default,
+    port: Annotated[
+        int,
+        typer.Option(envvar=_env("api_port"), min=0, max=65535, help="Port (0: any free one)."),
+    ] = _DEFAULTS["api_port"].default,
+    behind_proxy: Annotated[
+        bool,
+        typer.Option(
+            "--behind-proxy",
+            envvar=_env("api_behind_proxy"),
+            help="A reverse proxy terminates TLS: allow a non-loopback address without TLS, "
+            "and trust its X-Forwarded-* headers (from OUTBOX_API_FORWARDED_ALLOW_IPS).",
+        ),
+    ] = False,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(
+            envvar=_env("api_tls_cert"),
+            exists=True,
+            dir_okay=False,
+            help="PEM certificate: serve HTTPS (with --tls-key).",
+        ),
+    ] = None,
+    tls_key: Annotated[
+        Path | None,
+        typer.Option(
+            envvar=_env("api_tls_key"),
+            exists=True,
+            dir_okay=False,
+            help="PEM private key of --tls-cert.",
+        ),
+    ] = None,
+    log_level: LogLevelOption = LogLevel.INFO,
+) -> None:
+    """Serve the HTTP API: `/v1/operations` for agents in any language and for operators,
+    `/docs` and `/openapi.json`, `/healthz`, `/readyz`, and request metrics on `/metrics`.
+
+    Every `/v1` request needs a bearer token (`outbox tokens create NAME --scope S`). Binds
+    127.0.0.1 by default; any other address is refused unless TLS is configured or
+    `--behind-proxy` says a proxy terminates it. SIGTERM or Ctrl-C exits 0.
+    """
+    if (tls_cert is None) != (tls_key is None):
+        raise typer.BadParameter(
+            "goes with --tls-key: give both or neither", param_hint="'--tls-cert'"
+        )
+    if not (_loopback(host) or tls_cert is not None or behind_proxy):
+        fail(
+            f"refusing to serve the API on {host} without TLS: pass --tls-cert and --tls-key, "
+            "or --behind-proxy if a proxy terminates TLS (or bind 127.0.0.1)",
+            code=2,
+        )
+    with needs_extra("api", "api"):
+        import uvicorn  # noqa: PLC0415 -- the [api] extra: `outbox --help` must not need it
+
+        from outbox.web import create_app  # noqa: PLC0415 -- fastapi, the same extra
+
+    start_logging(log_level)
+    # Alembic says which dialect it uses on every /readyz probe: nothing an operator needs.
+    logging.getLogger("alembic").setLevel(max(logging.WARNING, logging.getLogger().level))
+    settings = get_settings()
+    require_schema()
+    _load_tools(settings)
+    listening = _bind(host, port)
+    address = listening.getsockname()
+    scheme = "https" if tls_cert is not None else "http"
+    shown = f"[{address[0]}]" if ":" in address[0] else address[0]
+    url = f"{scheme}://{shown}:{address[1]}"
+    config = uvicorn.Config(
+        create_app(settings),
+        log_config=None,  # our handler (OUTBOX_LOG_FORMAT) renders uvicorn's lines too
+        access_log=False,  # ours: no query strings, the token's name (outbox.web.observe)
+        server_header=False,
+        proxy_headers=behind_proxy,
+        forwarded_allow_ips=settings.api_forwarded_allow_ips if behind_proxy else None,
+        ssl_certfile=str(tls_cert) if tls_cert else None,
+        ssl_keyfile=str(tls_key) if tls_key else None,
+        timeout_graceful_shutdown=5,
+    )
+    console.print(f"serving the API on {url} (docs: {url}/docs)", markup=False, highlight=False)
+    log.info("serving on %s", url, extra={"action": Action.API_STARTED, "url": url})
+    uvicorn.Server(config).run(sockets=[listening])
+    log.info("API stopped", extra={"action": Action.API_STOPPED})
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (uvicorn listens on it): a busy port is one line."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        listening = socket.socket(family, kind, proto)
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind(address)
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    listening.set_inheritable(True)
+    return listening
+
+
+def _load_tools(settings: Settings) -> None:
+    """Load the tools when OUTBOX_CONFIG or OUTBOX_TOOLS names them: then they alone are known
+    (and resolve knows their in-flight horizons); else ``outbox.tool_policies`` says."""
+    if settings.config is None and not settings.tools:
+        return
+    with needs_extra("worker", "api"):
+        from outbox.tools import load_tools  # noqa: PLC0415 -- the tools layer, as ops resolve
+
+    load_tools(settings)

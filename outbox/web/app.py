@@ -1,0 +1,89 @@
+"""The FastAPI app of ``outbox api``: the HTTP API under ``/v1``, health, metrics, docs.
+
+:func:`create_app` builds it from the settings and an async engine; the CLI runs it on
+uvicorn. The operator console (a later change) mounts its pages on this same app at ``/``
+with routers of its own; everything the API answers lives under ``/v1``, ``/healthz``,
+``/readyz``, ``/metrics``, ``/openapi.json`` and ``/docs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox import __version__, aio, migrate
+from outbox.config import Settings, get_settings
+from outbox.db import create_async_engine, create_engine, database_url
+from outbox.web import health, operations, problems
+from outbox.web.auth import TokenCache
+from outbox.web.context import ApiContext
+from outbox.web.observe import Observe, RequestMetrics
+
+DESCRIPTION = """\
+Enqueue consequential actions from any language, read and long-poll them, and decide the ones
+that wait for a person: the same rules as the Python API (`outbox.enqueue`, `outbox.approve`,
+`outbox.resolve`…). Every `/v1` request carries `Authorization: Bearer <token>` (`outbox tokens
+create NAME --scope agent|operator`); every error is an RFC 9457 problem document
+(`application/problem+json`). See docs/api.md.
+"""
+
+
+def create_app(settings: Settings | None = None, *, engine: AsyncEngine | None = None) -> FastAPI:
+    """The API app on ``engine`` (default: an engine on the configured database, disposed
+    when the app shuts down), with ``settings`` (default: from the environment)."""
+    settings = settings if settings is not None else get_settings()
+    owned = engine is None
+    engine = engine or create_async_engine(
+        database_url(settings), pool_size=10, max_overflow=20, pool_pre_ping=False
+    )
+    # The same database as ``engine``, for the enqueue (outbox.web.operations): its URL.
+    sync_engine = create_engine(
+        engine.url.render_as_string(hide_password=False),
+        pool_size=10,
+        max_overflow=20,
+        pool_pre_ping=False,
+    )
+    ctx = ApiContext(engine=engine, sync_engine=sync_engine, settings=settings, head=migrate.head())
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await aio.close()  # the long-polls' shared LISTEN, and its two connections
+        ctx.sync_engine.dispose()
+        if owned:
+            await ctx.engine.dispose()
+
+    app = FastAPI(
+        title="agent-outbox",
+        version=__version__,
+        description=DESCRIPTION,
+        openapi_url="/openapi.json",
+        docs_url="/docs",
+        redoc_url=None,
+        lifespan=lifespan,
+    )
+    app.state.outbox = ctx
+    app.state.tokens = TokenCache(settings.api_token_cache)
+    problems.install(app)
+    app.include_router(operations.router)
+    app.include_router(health.router)
+    metrics = RequestMetrics()
+
+    @app.get("/metrics", include_in_schema=False)
+    async def serve_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = problems.problem_openapi(FastAPI.openapi(app))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.add_middleware(Observe, metrics=metrics, max_body_bytes=settings.api_max_body_bytes)
+    return app

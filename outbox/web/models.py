@@ -1,0 +1,202 @@
+"""The API's request and response bodies, as pydantic models: what /openapi.json documents.
+
+Requests are strict (no coercion, no unknown member): an agent in any language learns of a
+typo at once. The checks the Python API makes (tool names, lengths, canonical JSON, sizes) are
+not repeated here: :mod:`outbox.api` makes them, with the same words, answered as 422s.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+from uuid import UUID
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from outbox.models import Event, Operation
+from outbox.states import State
+from outbox.storable import unstorable_text
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+def _storable(value: Any) -> Any:
+    """Refuse what PostgreSQL cannot store (a NUL, a lone surrogate), naming it: a 422, not
+    an error from the database."""
+    found = unstorable_text(value)
+    if found is not None:
+        shown = found.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+        raise ValueError(
+            f"holds a character PostgreSQL cannot store (NUL or a lone surrogate): {shown[:80]!r}"
+        )
+    return value
+
+
+#: Text the API stores or compares in SQL: no NUL, no lone surrogate.
+Text = Annotated[str, AfterValidator(_storable)]
+#: A JSON object the API stores: its keys and strings, likewise.
+JsonObject = Annotated[dict[str, Any], AfterValidator(_storable)]
+
+
+class EnqueueRequest(BaseModel):
+    """``POST /v1/operations``: the intent; its key is the ``Idempotency-Key`` header."""
+
+    model_config = _STRICT
+
+    tool: Text = Field(description="A tool the deployment knows (docs/api.md, unknown tools).")
+    target: Text = Field(description="What the tool acts on, e.g. a project or an account.")
+    payload: JsonObject = Field(description="The tool's input: a JSON object, never changed.")
+    metadata: JsonObject | None = Field(
+        default=None, description="Free JSON kept with the operation (not sent)."
+    )
+    require_approval: bool = Field(
+        default=False,
+        description="Wait for an operator's approval before any send, whatever the tool says.",
+    )
+
+
+class CancelRequest(BaseModel):
+    """``POST /v1/operations/{id}/cancel``."""
+
+    model_config = _STRICT
+
+    reason: Text | None = Field(default=None, description="Why, for the audit trail.")
+
+
+class ApproveRequest(BaseModel):
+    """``POST /v1/operations/{id}/approve``: bound to the payload the approver read."""
+
+    model_config = _STRICT
+
+    payload_hash: Text = Field(description="The operation's payload_hash, as the approver saw it.")
+    note: Text | None = Field(default=None, description="Why, for the audit trail.")
+
+
+class RejectRequest(BaseModel):
+    """``POST /v1/operations/{id}/reject``."""
+
+    model_config = _STRICT
+
+    reason: Text = Field(description="Why, for the audit trail (required).")
+
+
+class ResolveRequest(BaseModel):
+    """``POST /v1/operations/{id}/resolve``: an operator's verdict (``outbox.resolve``)."""
+
+    model_config = _STRICT
+
+    applied: bool = Field(
+        description="true: the effect exists at the remote (confirm it, with remote_ref); "
+        "false: it does not (fail it, or replay it)."
+    )
+    remote_ref: Text | None = Field(
+        default=None, description="With applied=true: the remote's id of the effect."
+    )
+    replay: bool = Field(
+        default=False,
+        description="With applied=false: send it again (same key, same payload) instead.",
+    )
+    note: Text = Field(description="What you checked and found, for the audit trail.")
+    payload_hash: Text | None = Field(
+        default=None, description="The payload hash you looked at; refused if different."
+    )
+    force: bool = Field(
+        default=False,
+        description="Allow applied=false before the tool's in-flight horizon has passed.",
+    )
+
+
+class OperationOut(BaseModel):
+    """One operation, as recorded when it was read (``outbox ops show --json``)."""
+
+    id: UUID
+    intent_key: str
+    tool: str
+    target: str
+    payload: dict[str, Any]
+    payload_hash: str
+    state: State
+    attempts: int
+    checks: int
+    maybe_applied: bool
+    remote_ref: str | None
+    result: Any
+    last_error: str | None
+    metadata: dict[str, Any]
+    requested_by: str | None
+    created_at: datetime
+    updated_at: datetime
+    available_at: datetime
+    published_at: datetime | None
+    first_sent_at: datetime | None
+    sent_at: datetime | None
+    next_check_at: datetime | None
+    replay_deadline: datetime | None
+    resolved_at: datetime | None
+    attempt_budget_base: int
+    intent_hash: str
+    approval_required: bool
+    approval_expires_at: datetime | None
+    decided_by: str | None
+    decided_at: datetime | None
+    approved_payload_hash: str | None
+
+    @classmethod
+    def of(cls, operation: Operation) -> dict[str, Any]:
+        """The JSON-ready mapping of ``operation`` (validated against this model by FastAPI)."""
+        return operation.to_dict()
+
+
+class OperationPage(BaseModel):
+    """``GET /v1/operations``: newest first; ``next_cursor`` fetches the next page."""
+
+    items: list[OperationOut]
+    next_cursor: str | None = Field(
+        description="Pass as ?cursor= for the next (older) page; null on the last page."
+    )
+
+
+class EventOut(BaseModel):
+    """One line of an operation's audit trail."""
+
+    id: int
+    from_state: State | None
+    to_state: State
+    attempt: int
+    actor: str
+    reason: str
+    detail: dict[str, Any] | None
+    at: datetime
+
+    @classmethod
+    def of(cls, event: Event) -> dict[str, Any]:
+        """The JSON-ready mapping of ``event``."""
+        return event.to_dict()
+
+
+class EventList(BaseModel):
+    """``GET /v1/operations/{id}/events``: oldest first."""
+
+    items: list[EventOut]
+
+
+class ProblemOut(BaseModel):
+    """An RFC 9457 problem document (``application/problem+json``)."""
+
+    model_config = ConfigDict(extra="allow", title="Problem")
+
+    type: str = Field(description="about:blank, or urn:agent-outbox:problem:<slug>.")
+    title: str
+    status: int
+    detail: str
+    instance: str | None = None
+    field: str | None = Field(default=None, description="The request member at fault.")
+
+
+class Health(BaseModel):
+    """``/healthz`` and ``/readyz``."""
+
+    status: str
+    database: str | None = None
+    schema_revision: str | None = None
+    head: str | None = None

@@ -1,0 +1,571 @@
+"""The HTTP API (`outbox api`) as a real subprocess on a real PostgreSQL, over real HTTP:
+every status it promises, agent isolation, conditional decisions, long-polling."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from uuid import uuid4
+
+import httpx
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+from outbox import migrate, resolve, tokens
+from outbox.approval import publish_policies_committed
+from outbox.contracts import ToolContract
+from outbox.db import create_engine
+from outbox.models import TokenScope
+from outbox.states import State
+from tests.acceptance.conftest import clean_environment, run_outbox
+from tests.api_server import ApiServer, api_environment, running_api
+from tests.conftest import Databases
+from tests.factories import events_of, make_operation, operation_count, reload
+from tests.processes import wait_until
+
+pytestmark = pytest.mark.slow
+
+TOOL = "deploy.create_release"
+PROBLEM = "application/problem+json"
+
+
+@pytest.fixture(scope="module")
+def server(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+    """One `outbox api` for the module, with small limits to reach them cheaply, checking
+    tokens on every request (a revocation takes effect at once)."""
+    home = tmp_path_factory.mktemp("api")
+    env = api_environment(
+        database_url,
+        home,
+        OUTBOX_API_MAX_WAIT="5",
+        OUTBOX_API_MAX_BODY_BYTES="8192",
+        OUTBOX_MAX_PAYLOAD_BYTES="2048",
+        OUTBOX_API_TOKEN_CACHE="0",  # noqa: S106 -- seconds, not a secret
+    )
+    with running_api(env, home / "api.log") as running:
+        yield running
+
+
+@pytest.fixture
+def known_tool(engine: Engine) -> str:
+    """A tool the deployment knows, as a worker that loads it would have written it."""
+    publish_policies_committed(engine, [ToolContract(name=TOOL)])
+    return TOOL
+
+
+def make_token(engine: Engine, name: str, scope: TokenScope) -> str:
+    """A new API token, committed."""
+    with Session(engine) as session, session.begin():
+        return tokens.create_token(session, name=name, scope=scope).token
+
+
+@pytest.fixture
+def agent(server: ApiServer, engine: Engine, known_tool: str) -> Iterator[httpx.Client]:
+    """A client holding the agent token `agent-a`."""
+    token = make_token(engine, "agent-a", TokenScope.AGENT)
+    with httpx.Client(base_url=server.url, headers=_bearer(token), timeout=30) as client:
+        yield client
+
+
+@pytest.fixture
+def other_agent(server: ApiServer, engine: Engine) -> Iterator[httpx.Client]:
+    """A client holding the agent token `agent-b`."""
+    token = make_token(engine, "agent-b", TokenScope.AGENT)
+    with httpx.Client(base_url=server.url, headers=_bearer(token), timeout=30) as client:
+        yield client
+
+
+@pytest.fixture
+def operator(server: ApiServer, engine: Engine) -> Iterator[httpx.Client]:
+    """A client holding the operator token `ops-alice`."""
+    token = make_token(engine, "ops-alice", TokenScope.OPERATOR)
+    with httpx.Client(base_url=server.url, headers=_bearer(token), timeout=30) as client:
+        yield client
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def enqueue(
+    client: httpx.Client, key: str | None, *, target: str = "project-a", **body: Any
+) -> httpx.Response:
+    """POST /v1/operations with ``key`` as Idempotency-Key."""
+    headers = {"Idempotency-Key": key} if key is not None else {}
+    intent = {"tool": TOOL, "target": target, "payload": {"version": "1.2.3"}} | body
+    return client.post("/v1/operations", json=intent, headers=headers)
+
+
+def assert_problem(response: httpx.Response, status: int, *fragments: str) -> dict[str, Any]:
+    """``response`` is an RFC 9457 problem of ``status`` whose detail holds ``fragments``."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == PROBLEM
+    problem: dict[str, Any] = response.json()
+    assert problem["status"] == status
+    assert {"type", "title", "detail"} <= problem.keys()
+    assert "Traceback" not in response.text
+    for fragment in fragments:
+        assert fragment in problem["detail"], problem["detail"]
+    return problem
+
+
+# --- enqueue ----------------------------------------------------------------------------------
+
+
+def test_a_new_intent_is_201_with_its_location_and_etag(agent: httpx.Client) -> None:
+    """POST with a new key answers 201, Location, ETag "planned.0", requested_by the token."""
+    done = enqueue(agent, "release-1")
+    assert done.status_code == 201, done.text
+    op = done.json()
+    assert done.headers["location"] == f"/v1/operations/{op['id']}"
+    assert done.headers["etag"] == '"planned.0"'
+    assert (op["intent_key"], op["state"], op["requested_by"]) == (
+        "release-1",
+        "planned",
+        "agent-a",
+    )
+
+
+def test_the_same_intent_again_is_200_with_the_same_operation(
+    agent: httpx.Client, engine: Engine
+) -> None:
+    """The same key, tool, target and payload again answers 200 with the first operation."""
+    first = enqueue(agent, '"release-2"')  # the draft's quoted form is the same key
+    again = enqueue(agent, "release-2")
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert again.json()["id"] == first.json()["id"]
+    assert operation_count(engine) == 1
+
+
+def test_the_same_key_with_another_target_is_422_naming_it(
+    agent: httpx.Client, engine: Engine
+) -> None:
+    """The same key with another target is 422 naming `target`; nothing is written."""
+    enqueue(agent, "release-3")
+    problem = assert_problem(enqueue(agent, "release-3", target="project-b"), 422, "target")
+    assert (problem["field"], problem["differences"]) == ("target", ["target"])
+    assert operation_count(engine) == 1
+
+
+def test_no_idempotency_key_is_400(agent: httpx.Client, engine: Engine) -> None:
+    """Without an Idempotency-Key the answer is 400 naming the header; nothing is written."""
+    problem = assert_problem(enqueue(agent, None), 400, "Idempotency-Key")
+    assert problem["field"] == "Idempotency-Key"
+    assert operation_count(engine) == 0
+
+
+def test_malformed_json_is_400(agent: httpx.Client) -> None:
+    """A body that is not JSON is a 400 problem."""
+    sent = agent.post(
+        "/v1/operations",
+        content=b'{"tool": "deploy.create_release",',
+        headers={"Idempotency-Key": "k", "Content-Type": "application/json"},
+    )
+    assert_problem(sent, 400, "not valid JSON")
+
+
+def test_an_unknown_tool_is_422_naming_the_tool(agent: httpx.Client, engine: Engine) -> None:
+    """A tool no worker registered is 422 with field `tool`; nothing is written."""
+    problem = assert_problem(enqueue(agent, "k", tool="mail.send"), 422, "unknown tool 'mail.send'")
+    assert problem["field"] == "tool"
+    assert operation_count(engine) == 0
+
+
+def test_a_wrongly_typed_member_is_422_naming_it(agent: httpx.Client) -> None:
+    """A payload that is not an object is a 422 problem naming `payload`."""
+    problem = assert_problem(enqueue(agent, "k", payload=[1, 2]), 422, "payload")
+    assert problem["field"] == "payload"
+
+
+def test_a_body_over_the_limit_is_413(agent: httpx.Client, engine: Engine) -> None:
+    """A body over OUTBOX_API_MAX_BODY_BYTES is 413 before anything is read or written."""
+    big = enqueue(agent, "k", payload={"blob": "x" * 10_000})
+    assert_problem(big, 413, "OUTBOX_API_MAX_BODY_BYTES")
+    assert operation_count(engine) == 0
+
+
+def test_a_payload_over_its_limit_is_413_naming_it(agent: httpx.Client, engine: Engine) -> None:
+    """A payload over OUTBOX_MAX_PAYLOAD_BYTES (in a body under the limit) is 413 `payload`."""
+    problem = assert_problem(
+        enqueue(agent, "k", payload={"blob": "x" * 4000}), 413, "OUTBOX_MAX_PAYLOAD_BYTES"
+    )
+    assert (problem["field"], problem["limit"]) == ("payload", 2048)
+    assert operation_count(engine) == 0
+
+
+# --- auth -------------------------------------------------------------------------------------
+
+
+def test_no_token_is_401_with_a_challenge(server: ApiServer, engine: Engine) -> None:
+    """Without a bearer token every /v1 route answers 401 with WWW-Authenticate."""
+    for response in (
+        httpx.get(f"{server.url}/v1/operations"),
+        httpx.post(f"{server.url}/v1/operations", json={}),
+        httpx.get(f"{server.url}/v1/operations/{uuid4()}"),
+    ):
+        assert_problem(response, 401, "bearer token")
+        assert response.headers["www-authenticate"].startswith("Bearer")
+
+
+def test_an_unknown_or_revoked_token_is_401(server: ApiServer, engine: Engine) -> None:
+    """A token nobody made, and one revoked, are both refused with 401."""
+    made = make_token(engine, "short-lived", TokenScope.AGENT)
+    url = f"{server.url}/v1/operations"
+    assert httpx.get(url, headers=_bearer(made)).status_code == 200
+    with Session(engine) as session, session.begin():
+        tokens.revoke_token(session, "short-lived")
+    assert_problem(httpx.get(url, headers=_bearer(made)), 401, "unknown or revoked")
+    assert_problem(httpx.get(url, headers=_bearer("obx_" + "a" * 43)), 401, "unknown or revoked")
+
+
+def test_an_agent_token_cannot_decide(agent: httpx.Client, engine: Engine) -> None:
+    """An agent's approve, reject, resolve and cancel are 403; nothing changes."""
+    op = make_operation(engine, State.AWAITING_APPROVAL)
+    bodies = {
+        "approve": {"payload_hash": op.payload_hash},
+        "reject": {"reason": "no"},
+        "resolve": {"applied": True, "remote_ref": "r", "note": "n"},
+        "cancel": {},
+    }
+    for action, body in bodies.items():
+        assert_problem(agent.post(f"/v1/operations/{op.id}/{action}", json=body), 403, "agent")
+    assert reload(engine, op.id).state is State.AWAITING_APPROVAL
+
+
+def test_an_agent_reads_only_its_own_operations(
+    agent: httpx.Client, other_agent: httpx.Client, operator: httpx.Client
+) -> None:
+    """Another agent's operation is 404 to read, absent from lists; an operator sees both."""
+    mine = enqueue(agent, "mine").json()
+    theirs = enqueue(other_agent, "theirs", target="project-b").json()
+    assert agent.get(f"/v1/operations/{mine['id']}").status_code == 200
+    assert_problem(agent.get(f"/v1/operations/{theirs['id']}"), 404, str(theirs["id"]))
+    assert_problem(agent.get(f"/v1/operations/{theirs['id']}/events"), 404)
+    assert [op["id"] for op in agent.get("/v1/operations").json()["items"]] == [mine["id"]]
+    listed = agent.get("/v1/operations", params={"intent_key": "theirs"}).json()
+    assert listed["items"] == []
+    seen = {op["id"] for op in operator.get("/v1/operations").json()["items"]}
+    assert seen == {mine["id"], theirs["id"]}
+
+
+def test_another_agents_key_is_not_shared(
+    agent: httpx.Client, other_agent: httpx.Client, engine: Engine
+) -> None:
+    """The same intent under another agent's key is 409, not that agent's operation."""
+    enqueue(agent, "shared-key")
+    problem = assert_problem(enqueue(other_agent, "shared-key"), 409, "another token")
+    assert "id" not in problem
+    assert operation_count(engine) == 1
+
+
+# --- read, list, events -----------------------------------------------------------------------
+
+
+def test_an_unknown_id_is_404_and_an_unknown_route_a_404_problem(operator: httpx.Client) -> None:
+    """A well-formed id nobody has is 404; so is a route that does not exist, as a problem."""
+    assert_problem(operator.get(f"/v1/operations/{uuid4()}"), 404, "no operation")
+    assert_problem(operator.get("/v2/nothing"), 404, "/v2/nothing")
+    assert_problem(operator.get("/v1/operations/not-a-uuid"), 422, "operation_id")
+
+
+def test_pages_follow_the_cursor_newest_first(agent: httpx.Client) -> None:
+    """limit=2 over five operations gives pages of 2, 2 and 1, newest first, none twice."""
+    made = [enqueue(agent, f"page-{n}").json()["id"] for n in range(5)]
+    seen: list[str] = []
+    cursor = None
+    for _ in range(5):
+        params = {"limit": 2} | ({"cursor": cursor} if cursor else {})
+        page = agent.get("/v1/operations", params=params).json()
+        seen += [op["id"] for op in page["items"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == list(reversed(made))
+
+
+def test_a_foreign_cursor_is_400(agent: httpx.Client) -> None:
+    """A cursor this API did not give is 400 naming `cursor`."""
+    problem = assert_problem(agent.get("/v1/operations", params={"cursor": "!!"}), 400, "cursor")
+    assert problem["field"] == "cursor"
+
+
+def test_filters_select_by_state_tool_target_and_key(
+    operator: httpx.Client, engine: Engine
+) -> None:
+    """state, tool, target and intent_key each narrow the list to what matches."""
+    planned = make_operation(engine, target="t-1")
+    failed = make_operation(engine, State.FAILED, target="t-2", intent_key="k-2")
+
+    def ids(**params: str) -> list[str]:
+        return [op["id"] for op in operator.get("/v1/operations", params=params).json()["items"]]
+
+    assert ids(state="failed") == [str(failed.id)]
+    assert ids(target="t-1") == [str(planned.id)]
+    assert ids(intent_key="k-2", tool=TOOL) == [str(failed.id)]
+    assert ids(tool="other.tool") == []
+
+
+def test_events_are_the_audit_trail(agent: httpx.Client) -> None:
+    """GET …/events lists the operation's moves, oldest first."""
+    op = enqueue(agent, "trail").json()
+    trail = agent.get(f"/v1/operations/{op['id']}/events").json()["items"]
+    assert [(e["from_state"], e["to_state"], e["actor"]) for e in trail] == [
+        (None, "planned", "agent")
+    ]
+
+
+# --- long-poll --------------------------------------------------------------------------------
+
+
+def test_a_long_poll_returns_when_the_operation_settles(
+    operator: httpx.Client, engine: Engine
+) -> None:
+    """GET ?wait=S on an unknown operation answers with it confirmed once it is resolved."""
+    op = make_operation(engine, State.UNKNOWN)
+    answers: list[httpx.Response] = []
+    poll = threading.Thread(
+        target=lambda: answers.append(operator.get(f"/v1/operations/{op.id}", params={"wait": 5}))
+    )
+    poll.start()
+    wait_until(lambda: _waiting_on(engine, op.id), timeout=10, what="the long-poll's waiter")
+    with Session(engine) as session, session.begin():
+        resolve(session, op.id, applied=True, remote_ref="rel-7", by="test", note="found it")
+    poll.join(timeout=30)
+    assert answers[0].status_code == 200
+    assert answers[0].json()["state"] == "confirmed"
+    assert answers[0].headers["etag"] == f'"confirmed.{op.attempts}"'
+
+
+def _waiting_on(engine: Engine, operation_id: object) -> bool:
+    with engine.connect() as conn:
+        found = conn.execute(
+            text("SELECT count(*) FROM outbox.waiters WHERE operation_id = :id"),
+            {"id": operation_id},
+        )
+        return bool(found.scalar_one())
+
+
+def test_a_long_poll_that_runs_out_answers_the_operation_as_it_is(
+    agent: httpx.Client,
+) -> None:
+    """?wait on an operation nobody moves answers it still planned once S has passed."""
+    op = enqueue(agent, "never-moves").json()
+    late = agent.get(f"/v1/operations/{op['id']}", params={"wait": 0.3})
+    assert (late.status_code, late.json()["state"]) == (200, "planned")
+
+
+# --- decisions --------------------------------------------------------------------------------
+
+
+def test_approve_plans_it_and_records_the_token_as_decider(
+    operator: httpx.Client, engine: Engine
+) -> None:
+    """approve with the payload hash plans it; decided_by is the token's name."""
+    op = make_operation(engine, State.AWAITING_APPROVAL)
+    done = operator.post(
+        f"/v1/operations/{op.id}/approve",
+        json={"payload_hash": op.payload_hash, "note": "read it"},
+        headers={"If-Match": '"awaiting_approval.0"'},
+    )
+    assert done.status_code == 200, done.text
+    assert (done.json()["state"], done.json()["decided_by"]) == ("planned", "ops-alice")
+    assert done.headers["etag"] == '"planned.0"'
+
+
+def test_approve_with_another_hash_is_409(operator: httpx.Client, engine: Engine) -> None:
+    """A hash that is not the stored payload's is 409 and changes nothing."""
+    op = make_operation(engine, State.AWAITING_APPROVAL)
+    wrong = operator.post(f"/v1/operations/{op.id}/approve", json={"payload_hash": "a" * 64})
+    assert_problem(wrong, 409, "payload hash mismatch")
+    assert reload(engine, op.id).state is State.AWAITING_APPROVAL
+
+
+def test_reject_cancels_it(operator: httpx.Client, engine: Engine) -> None:
+    """reject with a reason cancels it, decided by the token's name."""
+    op = make_operation(engine, State.AWAITING_APPROVAL)
+    done = operator.post(f"/v1/operations/{op.id}/reject", json={"reason": "wrong project"})
+    assert (done.status_code, done.json()["state"]) == (200, "cancelled")
+    assert reload(engine, op.id).decided_by == "ops-alice"
+
+
+def test_a_missing_member_of_a_decision_is_422(operator: httpx.Client, engine: Engine) -> None:
+    """reject without a reason is a 422 problem naming `reason`."""
+    op = make_operation(engine, State.AWAITING_APPROVAL)
+    problem = assert_problem(operator.post(f"/v1/operations/{op.id}/reject", json={}), 422)
+    assert problem["field"] == "reason"
+
+
+def test_resolve_applied_confirms_it_under_if_match(operator: httpx.Client, engine: Engine) -> None:
+    """resolve applied with the ETag confirms it; the event names the token as resolver."""
+    op = make_operation(engine, State.NEEDS_HUMAN)
+    etag = operator.get(f"/v1/operations/{op.id}").headers["etag"]
+    assert etag == f'"needs_human.{op.attempts}"'
+    done = operator.post(
+        f"/v1/operations/{op.id}/resolve",
+        json={"applied": True, "remote_ref": "rel-42", "note": "in the remote's console"},
+        headers={"If-Match": etag},
+    )
+    assert done.status_code == 200, done.text
+    assert (done.json()["state"], done.json()["remote_ref"]) == ("confirmed", "rel-42")
+    last = events_of(engine, op.id)[-1]
+    assert last.detail is not None
+    assert last.detail["by"] == "ops-alice"
+
+
+def test_a_stale_if_match_is_412_with_the_current_etag(
+    operator: httpx.Client, engine: Engine
+) -> None:
+    """If-Match naming another attempt is 412, says the current ETag, changes nothing."""
+    op = make_operation(engine, State.NEEDS_HUMAN)
+    stale = operator.post(
+        f"/v1/operations/{op.id}/resolve",
+        json={"applied": True, "remote_ref": "r", "note": "n"},
+        headers={"If-Match": f'"needs_human.{op.attempts + 1}"'},
+    )
+    problem = assert_problem(stale, 412, "nothing was changed")
+    assert stale.headers["etag"] == f'"needs_human.{op.attempts}"'
+    assert problem["attempts"] == op.attempts
+    assert reload(engine, op.id).state is State.NEEDS_HUMAN
+
+
+def test_two_operators_racing_one_wins_the_other_gets_412(
+    server: ApiServer, engine: Engine
+) -> None:
+    """Two approvals sent at once with the same If-Match: one 200, the other 412."""
+    op = make_operation(engine, State.AWAITING_APPROVAL)
+    names = ("ops-one", "ops-two")
+    clients = [
+        httpx.Client(
+            base_url=server.url, headers=_bearer(make_token(engine, n, TokenScope.OPERATOR))
+        )
+        for n in names
+    ]
+    start = threading.Barrier(2)
+    statuses: dict[str, int] = {}
+
+    def approve(name: str, client: httpx.Client) -> None:
+        start.wait(timeout=10)
+        statuses[name] = client.post(
+            f"/v1/operations/{op.id}/approve",
+            json={"payload_hash": op.payload_hash},
+            headers={"If-Match": '"awaiting_approval.0"'},
+        ).status_code
+
+    threads = [
+        threading.Thread(target=approve, args=pair) for pair in zip(names, clients, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    for client in clients:
+        client.close()
+    assert sorted(statuses.values()) == [200, 412]
+    winner = next(name for name, status in statuses.items() if status == 200)
+    assert reload(engine, op.id).decided_by == winner
+
+
+def test_cancel_of_a_planned_operation_cancels_it(operator: httpx.Client, engine: Engine) -> None:
+    """cancel of a planned operation cancels it, naming the token in the reason."""
+    op = make_operation(engine)
+    done = operator.post(f"/v1/operations/{op.id}/cancel", json={"reason": "not needed"})
+    assert (done.status_code, done.json()["state"]) == (200, "cancelled")
+    assert events_of(engine, op.id)[-1].reason == "cancelled by ops-alice: not needed"
+
+
+def test_cancel_of_a_sent_operation_is_409(operator: httpx.Client, engine: Engine) -> None:
+    """cancel of an operation already sent is 409 and changes nothing."""
+    op = make_operation(engine, State.SENT)
+    assert_problem(operator.post(f"/v1/operations/{op.id}/cancel"), 409, "cancel")
+    assert reload(engine, op.id).state is State.SENT
+
+
+# --- the process ------------------------------------------------------------------------------
+
+
+def test_health_readiness_metrics_and_docs(server: ApiServer, engine: Engine) -> None:
+    """/healthz and /readyz are 200, /metrics counts requests, /openapi.json is 3.1, /docs up."""
+    assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
+    ready = httpx.get(f"{server.url}/readyz").json()
+    assert (ready["status"], ready["schema_revision"]) == ("ok", ready["head"])
+    assert "outbox_api_requests_total" in httpx.get(f"{server.url}/metrics").text
+    assert httpx.get(f"{server.url}/openapi.json").json()["openapi"].startswith("3.1")
+    assert httpx.get(f"{server.url}/docs").status_code == 200
+
+
+def test_the_access_log_holds_neither_tokens_nor_payloads(
+    server: ApiServer, engine: Engine, known_tool: str
+) -> None:
+    """After requests carrying a token and a payload, neither appears in the server's log."""
+    token = make_token(engine, "log-check", TokenScope.AGENT)
+    secret = f"secret-{uuid4().hex}"
+    with httpx.Client(base_url=server.url, headers=_bearer(token)) as client:
+        assert enqueue(client, "logged", payload={"password": secret}).status_code == 201
+    wait_until(lambda: "caller=log-check" in server.logs(), timeout=10, what="the access log")
+    assert secret not in server.logs()
+    assert token not in server.logs()
+
+
+def test_a_public_address_without_tls_is_refused(database_url: str) -> None:
+    """`outbox api --host 0.0.0.0` without TLS or --behind-proxy exits 2 with one line."""
+    env = clean_environment(OUTBOX_DATABASE_URL=database_url)
+    done = run_outbox("api", "--host", "0.0.0.0", env=env)  # noqa: S104 -- refused, the point
+    assert done.code == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert "--behind-proxy" in lines[0]
+
+
+def test_a_nul_character_is_422_naming_the_member(agent: httpx.Client, engine: Engine) -> None:
+    """A target holding NUL (which PostgreSQL cannot store) is 422 naming `target`."""
+    problem = assert_problem(enqueue(agent, "k", target="a\x00b"), 422, "NUL")
+    assert problem["field"] == "target"
+    assert operation_count(engine) == 0
+
+
+def test_a_public_address_behind_a_proxy_is_served(database_url: str, tmp_path: Path) -> None:
+    """`--host 0.0.0.0 --behind-proxy` starts, and answers over plain HTTP."""
+    env = api_environment(database_url, tmp_path)
+    args = ("--host", "0.0.0.0", "--behind-proxy")  # noqa: S104 -- the point of the test
+    with running_api(env, tmp_path / "api.log", *args) as running:
+        assert running.url.startswith("http://0.0.0.0:")
+        assert httpx.get(f"{running.url}/readyz").status_code == 200
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificate")
+def test_a_public_address_with_tls_serves_https(database_url: str, tmp_path: Path) -> None:
+    """`--host 0.0.0.0 --tls-cert --tls-key` starts and answers over HTTPS."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    env = api_environment(database_url, tmp_path)
+    args = ("--host", "0.0.0.0", "--tls-cert", str(cert), "--tls-key", str(key))  # noqa: S104 -- idem
+    with running_api(env, tmp_path / "api.log", *args, verify=False) as running:
+        assert running.url.startswith("https://")
+        assert httpx.get(f"{running.url}/healthz", verify=False).status_code == 200  # noqa: S501
+
+
+def test_readyz_is_503_when_the_schema_is_not_at_head(databases: Databases, tmp_path: Path) -> None:
+    """Once the schema is no longer at head, /readyz answers 503 naming both revisions."""
+    url = databases.create()
+    own = create_engine(url)
+    try:
+        migrate.upgrade(own)
+        env = api_environment(url, tmp_path)
+        with running_api(env, tmp_path / "api.log") as running:
+            assert httpx.get(f"{running.url}/readyz").status_code == 200
+            with own.begin() as conn:
+                conn.execute(text("UPDATE outbox.alembic_version SET version_num = '0012'"))
+            problem = assert_problem(httpx.get(f"{running.url}/readyz"), 503, "0012", "upgrade")
+            assert (problem["schema_revision"], problem["head"]) == ("0012", migrate.head())
+            assert httpx.get(f"{running.url}/healthz").status_code == 200
+    finally:
+        own.dispose()
