@@ -33,7 +33,8 @@ read, ``synchronous_commit``), :mod:`~outbox.sql.reconcile` (the sweep and looku
 :mod:`~outbox.sql.resolve` (operator verdicts), :mod:`~outbox.sql.webhooks` (delivery rows),
 :mod:`~outbox.sql.metrics`, :mod:`~outbox.sql.retention` (prune, forget),
 :mod:`~outbox.sql.deployment` (the database's identity, its standbys),
-:mod:`~outbox.sql.tokens` (the HTTP API's bearer tokens), :mod:`~outbox.sql.web` (the HTTP
+:mod:`~outbox.sql.tokens` (the HTTP API's bearer tokens), :mod:`~outbox.sql.operators` (the
+console's operator accounts), :mod:`~outbox.sql.web` (the HTTP
 API's pages of operations and conditional requests),
 :mod:`~outbox.sql.broker` (the database broker's tables), :mod:`~outbox.sql.moves` (the
 state moves' statements, run only by :mod:`outbox.transitions`) and :mod:`~outbox.sql.dev`
@@ -50,6 +51,7 @@ from outbox.sql import (
     metrics,
     moves,
     notify,
+    operators,
     reconcile,
     relay,
     resolve,
@@ -69,6 +71,7 @@ __all__ = [
     "metrics",
     "moves",
     "notify",
+    "operators",
     "reconcile",
     "relay",
     "resolve",
