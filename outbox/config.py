@@ -204,6 +204,22 @@ class Settings(BaseSettings):
         description="Longest long-poll `GET /v1/operations/{id}?wait=S` holds (S is capped to it).",
     )
 
+    console_secret: SecretStr | None = Field(
+        default=None,
+        description=(
+            "Key that signs the console's session cookies (32+ random characters); unset, each "
+            "`outbox api` process makes one, so sessions end when it restarts and are not "
+            "shared between replicas."
+        ),
+    )
+    console_flower_url: HttpUrl | None = Field(
+        default=None, description="Flower's address, linked from the console's overview."
+    )
+    console_metrics_url: HttpUrl | None = Field(
+        default=None,
+        description="A metrics dashboard's (or the exporter's) address, linked from the overview.",
+    )
+
     _split_tools = field_validator("tools", "webhook_events", mode="before")(_split_commas)
 
     @field_validator("log_format", mode="before")
