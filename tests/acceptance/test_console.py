@@ -305,3 +305,43 @@ def test_the_session_cookie_is_httponly_and_samesite_strict(
     expect(page.get_by_role("heading", name="Overview")).to_be_visible()
     [cookie] = [c for c in page.context.cookies() if c["name"] == "outbox_console"]
     assert (cookie["httpOnly"], cookie["sameSite"]) == (True, "Strict")
+
+
+def test_an_operation_is_rejected_with_the_keyboard_alone(
+    page: Page, server: ApiServer, engine: Engine, alice: str
+) -> None:
+    """Tab from the reason field reaches the Reject button, and Enter rejects the operation."""
+    op = make_operation(engine, State.AWAITING_APPROVAL)
+    sign_in(page, server, alice)
+    page.goto(f"{server.url}/operations/{op.id}")
+    page.keyboard.press("Tab")
+    expect(page.get_by_role("link", name="Skip to the content")).to_be_focused()
+    page.get_by_label("Why reject it").focus()
+    page.keyboard.type("wrong project")
+    page.keyboard.press("Tab")
+    expect(page.get_by_role("button", name="Reject")).to_be_focused()
+    page.keyboard.press("Enter")
+    expect(page.get_by_role("status")).to_contain_text("rejected by alice")
+    assert reload(engine, op.id).state is State.CANCELLED
+
+
+def test_every_control_of_every_page_has_a_label(
+    browser: Browser, server: ApiServer, engine: Engine, alice: str
+) -> None:
+    """On each page, every visible input, textarea and button has an accessible name."""
+    approve = make_operation(engine, State.AWAITING_APPROVAL)
+    stuck = make_operation(engine, State.NEEDS_HUMAN)
+    with _context(browser, bypass_csp=True) as context:
+        page = context.new_page()
+        page.goto(f"{server.url}/signin")
+        pages = ["/signin"]
+        sign_in(page, server, alice)
+        pages += ["/", "/queue", f"/operations/{approve.id}", f"/operations/{stuck.id}"]
+        for path in pages:
+            page.goto(f"{server.url}{path}")
+            unlabelled = page.locator("input:not([type=hidden]), textarea, select").evaluate_all(
+                "controls => controls.filter(c => c.labels.length === 0).map(c => c.name)"
+            )
+            assert unlabelled == [], path
+            for button in page.get_by_role("button").all():
+                assert button.inner_text().strip(), path
