@@ -345,3 +345,28 @@ def test_every_control_of_every_page_has_a_label(
             assert unlabelled == [], path
             for button in page.get_by_role("button").all():
                 assert button.inner_text().strip(), path
+
+
+def test_not_applied_inside_the_inflight_horizon_is_refused_saying_how_long(
+    page: Page, server: ApiServer, engine: Engine, alice: str
+) -> None:
+    """'Not applied' right after the last send is refused (422) with the wait; nothing written."""
+    op = make_operation(engine, State.NEEDS_HUMAN)
+    sign_in(page, server, alice)
+    page.goto(f"{server.url}/operations/{op.id}")
+    page.get_by_label("Not applied: fail it").check()
+    page.get_by_label("What you checked and found").fill("not in the remote's list")
+    with page.expect_response(re.compile(r"/resolve$")) as answer:
+        page.get_by_role("button", name="Resolve").click()
+    assert answer.value.status == 422
+    expect(page.get_by_role("alert")).to_contain_text("try again in")
+    assert reload(engine, op.id).state is State.NEEDS_HUMAN
+
+
+def test_signing_out_ends_the_session(page: Page, server: ApiServer, alice: str) -> None:
+    """After Sign out, pages lead to the sign-in form again."""
+    sign_in(page, server, alice)
+    page.get_by_role("button", name="Sign out").click()
+    expect(page).to_have_url(re.compile(r"/signin$"))
+    page.goto(f"{server.url}/queue")
+    expect(page).to_have_url(re.compile(r"/signin$"))

@@ -126,7 +126,7 @@ def _to_signin() -> RedirectResponse:
 
 
 async def _read(request: Request, read: Callable[[Executor], Any]) -> Any:
-    """Run ``read`` in one read-only transaction on the request's own connection."""
+    """Run ``read`` in one transaction (committed: a sign-in may refresh a hash)."""
     async with context(request).engine.begin() as conn:
         return await conn.run_sync(read)
 
