@@ -9,7 +9,7 @@ cannot sign in; its name stays taken, since audit trails name it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -24,12 +24,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MIN_PASSWORD_LENGTH",
+    "Credentials",
     "Operator",
+    "PasswordCheck",
     "add_operator",
     "authenticate",
+    "check_password",
+    "credentials",
     "get_live_operator",
     "list_operators",
     "remove_operator",
+    "store_new_hash",
 ]
 
 #: The shortest password an account may have: the console is a door to every decision.
@@ -112,28 +117,73 @@ def remove_operator(session: Executor, name: str) -> Operator:
     return _public(removed)
 
 
-def authenticate(session: Executor, name: str, password: str) -> Operator | None:
-    """The live account ``name`` if ``password`` is its password, else ``None`` (unknown,
-    removed, or a wrong password: the caller cannot tell which, nor can a guesser).
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """A live account and its stored hash, read to check a password against
+    (:func:`check_password`); never shown or logged."""
 
-    Joins the caller's transaction: when argon2's parameters have been raised since the hash
-    was made, the hash is replaced by a new one, committed with the caller's transaction.
+    operator: Operator
+    password_hash: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class PasswordCheck:
+    """What :func:`check_password` found: the account if the password is right, and a new
+    hash to store when argon2's parameters have been raised since the old one was made."""
+
+    operator: Operator | None
+    new_hash: str | None = field(default=None, repr=False)
+
+
+def credentials(session: Executor, name: str) -> Credentials | None:
+    """The live account ``name`` with its hash, or ``None`` (unknown, removed, malformed)."""
+    row = sql.operators.get_operator(session, name) if NAME_PATTERN.fullmatch(name) else None
+    if row is None or row.removed_at is not None:
+        return None
+    return Credentials(operator=_public(row), password_hash=row.password_hash)
+
+
+def check_password(found: Credentials | None, password: str) -> PasswordCheck:
+    """Check ``password`` against ``found`` (from :func:`credentials`): argon2id, about a
+    tenth of a second of CPU and no database, so async code runs it in a thread.
+
+    Without an account it hashes anyway, so an unknown name takes as long as a wrong
+    password and a guesser cannot tell them apart.
     """
     from argon2.exceptions import InvalidHashError, VerificationError  # noqa: PLC0415
 
     hasher = _hasher()
-    row = sql.operators.get_operator(session, name) if NAME_PATTERN.fullmatch(name) else None
-    if row is None or row.removed_at is not None or len(password) > MAX_PASSWORD_LENGTH:
-        # Hash anyway, so an unknown name takes as long as a wrong password.
+    if found is None or len(password) > MAX_PASSWORD_LENGTH:
         hasher.hash(password[:MAX_PASSWORD_LENGTH])
-        return None
+        return PasswordCheck(operator=None)
     try:
-        hasher.verify(row.password_hash, password)
+        hasher.verify(found.password_hash, password)
     except (VerificationError, InvalidHashError):
-        return None
-    if hasher.check_needs_rehash(row.password_hash):
-        sql.operators.rehash_operator(session, name=name, password_hash=hasher.hash(password))
-    return _public(row)
+        return PasswordCheck(operator=None)
+    renewed = hasher.hash(password) if hasher.check_needs_rehash(found.password_hash) else None
+    return PasswordCheck(operator=found.operator, new_hash=renewed)
+
+
+def store_new_hash(session: Executor, check: PasswordCheck) -> None:
+    """Store the new hash a right password was re-hashed with, if any, in the caller's
+    transaction (no commit)."""
+    if check.operator is not None and check.new_hash is not None:
+        sql.operators.rehash_operator(
+            session, name=check.operator.name, password_hash=check.new_hash
+        )
+
+
+def authenticate(session: Executor, name: str, password: str) -> Operator | None:
+    """The live account ``name`` if ``password`` is its password, else ``None`` (unknown,
+    removed, or a wrong password: the caller cannot tell which, nor can a guesser).
+
+    Joins the caller's transaction (a renewed hash is stored with its commit). Hashing
+    holds the CPU: async code reads :func:`credentials`, runs :func:`check_password` in a
+    thread, and :func:`store_new_hash`, as the console does.
+    """
+    check = check_password(credentials(session, name), password)
+    store_new_hash(session, check)
+    return check.operator
 
 
 def get_live_operator(session: Executor, name: str) -> Operator | None:
