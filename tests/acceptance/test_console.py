@@ -45,7 +45,13 @@ def browser() -> Iterator[Browser]:
 
 
 def _environment(database_url: str, home: Path) -> dict[str, str]:
-    return api_environment(database_url, home, OUTBOX_CONSOLE_SECRET="test-" + "k" * 40)
+    return api_environment(
+        database_url,
+        home,
+        OUTBOX_CONSOLE_SECRET="test-" + "k" * 40,
+        OUTBOX_CONSOLE_FLOWER_URL="http://flower.example:5555/",
+        OUTBOX_CONSOLE_METRICS_URL="http://grafana.example/d/outbox",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +113,11 @@ def test_signing_in_shows_the_overview_and_the_queue_with_reasons(
     expect(page.get_by_text("Signed in as alice")).to_be_visible()
     row = page.get_by_role("row").filter(has_text="needs_human")
     expect(row.get_by_role("cell").first).to_have_text("1")
+    flower = page.get_by_role("link", name="Flower (the Celery workers)")
+    expect(flower).to_have_attribute("href", "http://flower.example:5555/")
+    expect(page.get_by_role("link", name="Metrics", exact=True)).to_have_attribute(
+        "href", "http://grafana.example/d/outbox"
+    )
     page.screenshot(path=tmp_path / "overview.png", full_page=True)
     page.get_by_role("link", name="Queue", exact=True).click()
     rows = page.get_by_role("row")
@@ -323,6 +334,9 @@ def test_an_operation_is_rejected_with_the_keyboard_alone(
     page.keyboard.press("Enter")
     expect(page.get_by_role("status")).to_contain_text("rejected by alice")
     assert reload(engine, op.id).state is State.CANCELLED
+    page.get_by_role("link", name="Overview").focus()
+    page.keyboard.press("Enter")
+    expect(page.get_by_text("1 operation reached confirmed, failed or cancelled")).to_be_visible()
 
 
 def test_every_control_of_every_page_has_a_label(
