@@ -212,6 +212,13 @@ class Settings(BaseSettings):
             "shared between replicas."
         ),
     )
+    console_url: HttpUrl | None = Field(
+        default=None,
+        description=(
+            "The console's public address (e.g. https://outbox.example.com): escalation "
+            "webhooks then link to the operation's page (data.console_url)."
+        ),
+    )
     console_flower_url: HttpUrl | None = Field(
         default=None, description="Flower's address, linked from the console's overview."
     )
