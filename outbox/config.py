@@ -207,9 +207,9 @@ class Settings(BaseSettings):
     console_secret: SecretStr | None = Field(
         default=None,
         description=(
-            "Key that signs the console's session cookies (32+ random characters); unset, each "
-            "`outbox api` process makes one, so sessions end when it restarts and are not "
-            "shared between replicas."
+            "Key that signs the console's session cookies (at least 32 random characters); "
+            "unset, each `outbox api` process makes one, so sessions end when it restarts and "
+            "are not shared between replicas."
         ),
     )
     console_url: HttpUrl | None = Field(
@@ -243,6 +243,14 @@ class Settings(BaseSettings):
                 f"unknown event(s) {', '.join(unknown)}; "
                 f"choose from {', '.join(sorted(WEBHOOK_EVENT_NAMES))}"
             )
+        return value
+
+    @field_validator("console_secret")
+    @classmethod
+    def _long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        # A short key can be guessed offline from one signed cookie, and then any session forged.
+        if value is not None and len(value.get_secret_value()) < 32:
+            raise ValueError("must have at least 32 characters (secrets.token_urlsafe(32))")
         return value
 
     @field_validator("deployment")
