@@ -12,12 +12,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from outbox import operators
+from outbox.logs import Action
 from outbox.states import Actor, State
 from tests.api_server import ApiServer, api_environment, running_api
 from tests.factories import events_of, make_operation, reload
@@ -384,3 +386,19 @@ def test_signing_out_ends_the_session(page: Page, server: ApiServer, alice: str)
     expect(page).to_have_url(re.compile(r"/signin$"))
     page.goto(f"{server.url}/queue")
     expect(page).to_have_url(re.compile(r"/signin$"))
+
+
+def test_without_a_configured_secret_the_process_makes_one_and_says_so(
+    database_url: str, engine: Engine, tmp_path: Path
+) -> None:
+    """No OUTBOX_CONSOLE_SECRET: the server logs that it made a session key; never the key."""
+    env = api_environment(database_url, tmp_path)
+    with running_api(env, tmp_path / "api.log") as server:
+        signin = httpx.get(f"{server.url}/signin", timeout=30)
+        assert signin.status_code == 200
+        assert "outbox_console=" in signin.headers["set-cookie"]
+        assert "httponly" in signin.headers["set-cookie"].lower()
+        assert "samesite=strict" in signin.headers["set-cookie"].lower()
+        logs = server.logs()
+    assert f"action={Action.CONSOLE_SESSION_KEY_MADE}" in logs
+    assert "OUTBOX_CONSOLE_SECRET is unset" in logs
