@@ -212,6 +212,29 @@ class Settings(BaseSettings):
         description="Longest long-poll `GET /v1/operations/{id}?wait=S` holds (S is capped to it).",
     )
 
+    console_secret: SecretStr | None = Field(
+        default=None,
+        description=(
+            "Key that signs the console's session cookies (at least 32 random characters); "
+            "unset, each `outbox api` process makes one, so sessions end when it restarts and "
+            "are not shared between replicas."
+        ),
+    )
+    console_url: HttpUrl | None = Field(
+        default=None,
+        description=(
+            "The console's public address (e.g. https://outbox.example.com): escalation "
+            "webhooks then link to the operation's page (data.console_url)."
+        ),
+    )
+    console_flower_url: HttpUrl | None = Field(
+        default=None, description="Flower's address, linked from the console's overview."
+    )
+    console_metrics_url: HttpUrl | None = Field(
+        default=None,
+        description="A metrics dashboard's (or the exporter's) address, linked from the overview.",
+    )
+
     _split_tools = field_validator("tools", "webhook_events", mode="before")(_split_commas)
 
     @field_validator("log_format", mode="before")
@@ -228,6 +251,14 @@ class Settings(BaseSettings):
                 f"unknown event(s) {', '.join(unknown)}; "
                 f"choose from {', '.join(sorted(WEBHOOK_EVENT_NAMES))}"
             )
+        return value
+
+    @field_validator("console_secret")
+    @classmethod
+    def _long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        # A short key can be guessed offline from one signed cookie, and then any session forged.
+        if value is not None and len(value.get_secret_value()) < 32:
+            raise ValueError("must have at least 32 characters (secrets.token_urlsafe(32))")
         return value
 
     @field_validator("deployment")

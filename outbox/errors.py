@@ -238,3 +238,16 @@ class TokenNotFound(OutboxError):
     """No API token has this name."""
 
     name: str
+
+
+class OperatorRefused(OutboxError):
+    """The operator account cannot be made as asked (``field`` names the argument: ``name``,
+    ``password``). Nothing was written."""
+
+    field: str
+
+
+class OperatorNotFound(OutboxError):
+    """No operator account has this name."""
+
+    name: str

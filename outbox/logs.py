@@ -98,6 +98,15 @@ class Action(enum.StrEnum):
     API_REQUEST = "api_request"  #: the access log: method, path, status, ms, caller (a name)
     API_ERROR = "api_error"  #: an unexpected error, answered 500 (its type only)
 
+    # Operator console (outbox.web.console, at / of outbox api)
+    CONSOLE_SESSION_KEY_MADE = "console_session_key_made"  #: no OUTBOX_CONSOLE_SECRET: made one
+    CONSOLE_SIGNED_IN = "console_signed_in"
+    CONSOLE_SIGNED_OUT = "console_signed_out"
+    CONSOLE_SIGNIN_FAILED = "console_signin_failed"  #: the name and address, never the password
+    CONSOLE_SIGNIN_THROTTLED = "console_signin_throttled"
+    CONSOLE_CSRF_REFUSED = "console_csrf_refused"  #: a POST without this session's CSRF token
+    CONSOLE_DECIDED = "console_decided"  #: an approve, reject or resolve by a signed-in operator
+
     # Elsewhere
     CONFIG_UNKNOWN_VARIABLE = "config_unknown_variable"  #: a misspelt OUTBOX_* variable?
     ASYNC_REPLICAS_ALLOWED = "async_replicas_allowed"

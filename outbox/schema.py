@@ -284,3 +284,20 @@ api_tokens = Table(
         name="token_hash_sha256",
     ),
 )
+
+#: Operator accounts of the console (migration 0014; ``outbox operators add|list|remove``). A
+#: name is the identity recorded as the decider of what its operator decides in the console,
+#: so it is unique for good, even once removed. The password is kept as its argon2id hash: a
+#: person's password is guessable, so a slow, salted hash, unlike an API token's sha256.
+operators = Table(
+    "operators",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=text("outbox.uuid_v7()")),
+    Column("name", Text, nullable=False),
+    Column("password_hash", Text, nullable=False),
+    _timestamp("created_at", nullable=False, now=True),
+    _timestamp("removed_at"),
+    UniqueConstraint("name"),
+    CheckConstraint("char_length(name) BETWEEN 1 AND 128", name="name_length"),
+    CheckConstraint("password_hash LIKE '$argon2id$%'", name="password_hash_argon2id"),
+)

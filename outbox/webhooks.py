@@ -79,7 +79,8 @@ def message(
     ``timestamp`` is the move's own instant (``updated_at``, the database clock). The
     operation's payload is left out on purpose: only its hash identifies it. Except in
     ``approval_requested``: the approver must see exactly what they approve (its hash is what
-    the approve command binds to), with the approve and reject commands.
+    the approve command binds to), with the approve and reject commands. With
+    ``OUTBOX_CONSOLE_URL`` set, ``console_url`` links to the operation's console page.
     """
     body: dict[str, Any] = {
         "type": f"operation.{event.value}",
@@ -101,6 +102,9 @@ def message(
             ),
         },
     }
+    console = get_settings().console_url
+    if console is not None:  # a link for the person reading the escalation (docs/console.md)
+        body["data"]["console_url"] = f"{str(console).rstrip('/')}/operations/{operation.id}"
     if event in (WebhookEvent.APPROVAL_REQUESTED, WebhookEvent.APPROVAL_EXPIRED):
         expires = operation.approval_expires_at
         body["data"] |= {

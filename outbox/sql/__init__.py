@@ -33,8 +33,9 @@ read, ``synchronous_commit``), :mod:`~outbox.sql.reconcile` (the sweep and looku
 :mod:`~outbox.sql.resolve` (operator verdicts), :mod:`~outbox.sql.webhooks` (delivery rows),
 :mod:`~outbox.sql.metrics`, :mod:`~outbox.sql.retention` (prune, forget),
 :mod:`~outbox.sql.deployment` (the database's identity, its standbys),
-:mod:`~outbox.sql.tokens` (the HTTP API's bearer tokens), :mod:`~outbox.sql.web` (the HTTP
-API's pages of operations and conditional requests),
+:mod:`~outbox.sql.tokens` (the HTTP API's bearer tokens), :mod:`~outbox.sql.operators` (the
+console's operator accounts), :mod:`~outbox.sql.console` (the console's queue and rates),
+:mod:`~outbox.sql.web` (the HTTP API's pages of operations and conditional requests),
 :mod:`~outbox.sql.broker` (the database broker's tables), :mod:`~outbox.sql.moves` (the
 state moves' statements, run only by :mod:`outbox.transitions`) and :mod:`~outbox.sql.dev`
 (statements only the dev tooling runs: the demo's and chaos's reports, the scenario's reset).
@@ -43,6 +44,7 @@ state moves' statements, run only by :mod:`outbox.transitions`) and :mod:`~outbo
 from outbox.sql import (
     approval,
     broker,
+    console,
     deployment,
     dev,
     intents,
@@ -50,6 +52,7 @@ from outbox.sql import (
     metrics,
     moves,
     notify,
+    operators,
     reconcile,
     relay,
     resolve,
@@ -62,6 +65,7 @@ from outbox.sql import (
 __all__ = [
     "approval",
     "broker",
+    "console",
     "deployment",
     "dev",
     "intents",
@@ -69,6 +73,7 @@ __all__ = [
     "metrics",
     "moves",
     "notify",
+    "operators",
     "reconcile",
     "relay",
     "resolve",

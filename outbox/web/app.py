@@ -1,8 +1,8 @@
 """The FastAPI app of ``outbox api``: the HTTP API under ``/v1``, health, metrics, docs.
 
 :func:`create_app` builds it from the settings and an async engine; the CLI runs it on
-uvicorn. The operator console (a later change) mounts its pages on this same app at ``/``
-with routers of its own; everything the API answers lives under ``/v1``, ``/healthz``,
+uvicorn. The operator console (:mod:`outbox.web.console`) mounts its pages on this same app
+at ``/``; everything the API answers lives under ``/v1``, ``/healthz``,
 ``/readyz``, ``/metrics``, ``/openapi.json`` and ``/docs``.
 """
 
@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import __version__, aio, migrate
 from outbox.config import Settings, get_settings
 from outbox.db import create_async_engine, create_engine, database_url
-from outbox.web import health, operations, problems
+from outbox.web import console, health, operations, problems
 from outbox.web.auth import TokenCache
 from outbox.web.context import ApiContext
 from outbox.web.observe import Observe, RequestMetrics
@@ -85,5 +85,6 @@ def create_app(settings: Settings | None = None, *, engine: AsyncEngine | None =
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    console.install(app, settings)  # the operator console's pages at / (docs/console.md)
     app.add_middleware(Observe, metrics=metrics, max_body_bytes=settings.api_max_body_bytes)
     return app

@@ -141,6 +141,8 @@ def test_the_wheel_installs_only_the_outbox_package_with_its_type_marker(
         "outbox/cli/celery_app.py",
         "outbox/migrations/env.py",
         "outbox/migrations/script.py.mako",
+        "outbox/web/templates/operation.html",
+        "outbox/web/static/console.css",
     ):
         assert needed in names, needed
     assert any(name.startswith("outbox/migrations/versions/0001") for name in names)
@@ -241,6 +243,14 @@ def test_the_base_install_cli_helps_and_names_the_extra_a_command_needs(
             f"({_missing(extra, command[0])} is not installed): "
             f"pip install 'agent-outbox[{extra}]'"
         ), command
+    added = base_install.run(
+        "outbox", "operators", "add", "alice", "--password-stdin", env=env, stdin="x" * 16
+    )
+    assert added.code == 1, added.stderr
+    assert added.stderr.strip() == (
+        "error: outbox operators add needs the [api] extra (argon2 is not installed): "
+        "pip install 'agent-outbox[api]'"
+    )
 
 
 def _missing(extra: str, command: str) -> str:

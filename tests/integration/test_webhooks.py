@@ -302,6 +302,17 @@ def test_the_message_names_the_operation_and_the_resolve_command(
     assert SECRET not in text_body
 
 
+def test_the_message_links_to_the_console_page_when_its_address_is_set(
+    engine: Engine, webhook: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With OUTBOX_CONSOLE_URL set, data.console_url is the operation's console page."""
+    monkeypatch.setenv("OUTBOX_CONSOLE_URL", "https://outbox.example.com/")
+    get_settings.cache_clear()
+    op = make_operation(engine, State.NEEDS_HUMAN)
+    data = only_delivery(engine).payload["data"]
+    assert data["console_url"] == f"https://outbox.example.com/operations/{op.id}"
+
+
 def test_resolving_an_escalation_writes_a_resolved_delivery(
     engine: Engine, webhook: Receiver
 ) -> None:

@@ -106,6 +106,16 @@ def test_the_sweep_defaults_to_the_settings_defaults() -> None:
     assert SweepConfig.from_settings(load_settings()) == SweepConfig()
 
 
+def test_a_short_console_secret_is_refused_without_echoing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OUTBOX_CONSOLE_SECRET under 32 characters is refused, naming the variable, not the value."""
+    monkeypatch.setenv("OUTBOX_CONSOLE_SECRET", "short-key-1")
+    with pytest.raises(ConfigError, match=r"OUTBOX_CONSOLE_SECRET: .*32 characters") as caught:
+        load_settings()
+    assert "short-key-1" not in str(caught.value)
+
+
 def test_unknown_webhook_event_is_named() -> None:
     """An unknown webhook event is named, with the events that may be chosen."""
     with pytest.raises(ConfigError, match="bogus") as caught:

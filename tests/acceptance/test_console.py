@@ -1,0 +1,404 @@
+"""The operator console in a real headless Chromium (Debian's, driven by Playwright) against a
+real `outbox api` subprocess on a real PostgreSQL: sign in, find, approve, resolve, CSRF,
+two operators racing, and the sign-in throttle. Screenshots are kept in each test's tmp dir.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from outbox import operators
+from outbox.logs import Action
+from outbox.states import Actor, State
+from tests.api_server import ApiServer, api_environment, running_api
+from tests.factories import events_of, make_operation, reload
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = Path("/usr/bin/chromium")
+PASSWORD = "correct horse battery"  # noqa: S105 -- the test accounts'
+#: Set to write the README's screenshot (docs/img/console.png) from the operation page test.
+DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "console.png"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Debian's headless Chromium through Playwright (never a downloaded browser)."""
+    if not CHROMIUM.exists():
+        reason = f"{CHROMIUM} is missing: apt-get install chromium (.ci/run does)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason + ", and CI requires it")
+        pytest.skip(reason)
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+        yield launched
+        launched.close()
+
+
+def _environment(database_url: str, home: Path) -> dict[str, str]:
+    return api_environment(
+        database_url,
+        home,
+        OUTBOX_CONSOLE_SECRET="test-" + "k" * 40,
+        OUTBOX_CONSOLE_FLOWER_URL="http://flower.example:5555/",
+        OUTBOX_CONSOLE_METRICS_URL="http://grafana.example/d/outbox",
+    )
+
+
+@pytest.fixture(scope="module")
+def server(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+    """One `outbox api` (API and console) for the module."""
+    home = tmp_path_factory.mktemp("console")
+    with running_api(_environment(database_url, home), home / "api.log") as running:
+        yield running
+
+
+def add_operator(engine: Engine, name: str) -> str:
+    """An operator account, committed; its name."""
+    with Session(engine) as session, session.begin():
+        operators.add_operator(session, name=name, password=PASSWORD)
+    return name
+
+
+@pytest.fixture
+def alice(engine: Engine) -> str:
+    """The operator account `alice`."""
+    return add_operator(engine, "alice")
+
+
+@contextmanager
+def _context(browser: Browser, **options: Any) -> Iterator[BrowserContext]:
+    """A fresh browser context (its own cookies), closed at the end."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, **options)
+    try:
+        yield context
+    finally:
+        context.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    """A page in a fresh browser context."""
+    with _context(browser) as context:
+        yield context.new_page()
+
+
+def sign_in(page: Page, server: ApiServer, name: str, password: str = PASSWORD) -> None:
+    """Fill the sign-in form by its labels and submit it with the keyboard."""
+    page.goto(f"{server.url}/signin")
+    page.get_by_label("Operator name").fill(name)
+    page.get_by_label("Password").fill(password)
+    page.get_by_label("Password").press("Enter")
+
+
+def test_signing_in_shows_the_overview_and_the_queue_with_reasons(
+    page: Page, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+) -> None:
+    """A signed-in operator sees counts by state, and the queue oldest first with why each waits."""
+    page.goto(f"{server.url}/")
+    expect(page).to_have_url(re.compile(r"/signin$"))
+    waiting = make_operation(engine, State.AWAITING_APPROVAL, target="first")
+    stuck = make_operation(engine, State.NEEDS_HUMAN, target="second")
+    sign_in(page, server, alice)
+    expect(page.get_by_role("heading", name="Overview")).to_be_visible()
+    expect(page.get_by_text("Signed in as alice")).to_be_visible()
+    row = page.get_by_role("row").filter(has_text="needs_human")
+    expect(row.get_by_role("cell").first).to_have_text("1")
+    flower = page.get_by_role("link", name="Flower (the Celery workers)")
+    expect(flower).to_have_attribute("href", "http://flower.example:5555/")
+    expect(page.get_by_role("link", name="Metrics", exact=True)).to_have_attribute(
+        "href", "http://grafana.example/d/outbox"
+    )
+    page.screenshot(path=tmp_path / "overview.png", full_page=True)
+    page.get_by_role("link", name="Queue", exact=True).click()
+    rows = page.get_by_role("row")
+    expect(rows).to_have_count(3)
+    expect(rows.nth(1)).to_contain_text(str(waiting.id))
+    expect(rows.nth(2)).to_contain_text(str(stuck.id))
+    expect(rows.nth(2)).to_contain_text(events_of(engine, stuck.id)[-1].reason)
+    page.screenshot(path=tmp_path / "queue.png", full_page=True)
+
+
+def test_search_finds_an_operation_by_intent_key_and_by_id(
+    page: Page, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+) -> None:
+    """The search box goes to the operation named by its intent key or its id; else says none."""
+    op = make_operation(engine, State.NEEDS_HUMAN, intent_key="refund-order-77")
+    sign_in(page, server, alice)
+    search = page.get_by_label("Search by id or intent key")
+    search.fill("refund-order-77")
+    search.press("Enter")
+    expect(page).to_have_url(f"{server.url}/operations/{op.id}")
+    expect(page.get_by_text(op.payload_hash)).to_be_visible()
+    page.get_by_label("Search by id or intent key").fill(str(op.id))
+    page.get_by_role("button", name="Find").click()
+    expect(page).to_have_url(f"{server.url}/operations/{op.id}")
+    page.get_by_label("Search by id or intent key").fill("no-such-key")
+    page.get_by_role("button", name="Find").click()
+    expect(page.get_by_role("alert")).to_contain_text("no-such-key")
+    page.screenshot(path=tmp_path / "not-found.png", full_page=True)
+
+
+def test_approve_from_the_operation_page_records_the_operator(
+    page: Page, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+) -> None:
+    """Approve on the operation page plans it, bound to the hash shown, decided by alice."""
+    op = make_operation(
+        engine,
+        State.AWAITING_APPROVAL,
+        tool="payments.refund",
+        target="order-8812",
+        payload={"amount": {"currency": "EUR", "value": "120.00"}, "reason": "damaged"},
+    )
+    sign_in(page, server, alice)
+    page.goto(f"{server.url}/operations/{op.id}")
+    expect(page.locator("#payload-hash")).to_have_text(op.payload_hash)
+    expect(page.get_by_label("The payload, as JSON")).to_contain_text('"currency": "EUR"')
+    page.screenshot(path=tmp_path / "awaiting.png", full_page=True)
+    if os.environ.get("OUTBOX_WRITE_DOCS_SCREENSHOT") == "1":
+        DOCS_SCREENSHOT.parent.mkdir(exist_ok=True)
+        page.screenshot(path=DOCS_SCREENSHOT, full_page=True)
+    page.get_by_label("Note (optional)").fill("amount matches the ticket")
+    page.get_by_role("button", name="Approve this payload").click()
+    expect(page.get_by_role("status")).to_contain_text("approved by alice")
+    page.screenshot(path=tmp_path / "approved.png", full_page=True)
+    now = reload(engine, op.id)
+    assert (now.state, now.decided_by, now.approved_payload_hash) == (
+        State.PLANNED,
+        "alice",
+        op.payload_hash,
+    )
+
+
+def test_resolve_applied_from_the_operation_page_confirms_it(
+    page: Page, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+) -> None:
+    """Resolve 'applied' with a remote reference confirms it; the event names alice."""
+    op = make_operation(engine, State.NEEDS_HUMAN)
+    sign_in(page, server, alice)
+    page.goto(f"{server.url}/operations/{op.id}")
+    page.get_by_label("Applied: the effect exists (confirm it)").check()
+    page.get_by_label("Remote reference (when applied)").fill("rel-42")
+    page.get_by_label("What you checked and found").fill("release rel-42 is live")
+    page.screenshot(path=tmp_path / "resolving.png", full_page=True)
+    page.get_by_role("button", name="Resolve").click()
+    expect(page.get_by_role("status")).to_contain_text("now confirmed")
+    now = reload(engine, op.id)
+    assert (now.state, now.remote_ref) == (State.CONFIRMED, "rel-42")
+    last = events_of(engine, op.id)[-1]
+    assert last.detail is not None
+    assert (last.actor, last.detail["by"]) == (Actor.OPERATOR.value, "alice")
+
+
+def test_a_form_posted_without_its_csrf_token_is_refused(
+    browser: Browser, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+) -> None:
+    """An approve form whose CSRF field was removed gets the 403 page; nothing is written."""
+    context = browser.new_context(bypass_csp=True)
+    page = context.new_page()
+    try:
+        op = make_operation(engine, State.AWAITING_APPROVAL)
+        sign_in(page, server, alice)
+        page.goto(f"{server.url}/operations/{op.id}")
+        page.locator('form[action$="/approve"] input[name="csrf"]').evaluate("e => e.remove()")
+        with page.expect_response(re.compile(r"/approve$")) as answer:
+            page.get_by_role("button", name="Approve this payload").click()
+        assert answer.value.status == 403
+        expect(page.get_by_role("heading", level=1)).to_contain_text("Refused")
+        page.screenshot(path=tmp_path / "csrf-refused.png", full_page=True)
+    finally:
+        context.close()
+    assert reload(engine, op.id).state is State.AWAITING_APPROVAL
+
+
+def test_two_operators_deciding_one_operation_the_second_is_told_who_won(
+    browser: Browser, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+) -> None:
+    """Of two browsers on the same page, alice's approval wins; bob's reject says so, unwritten."""
+    bob = add_operator(engine, "bob")
+    op = make_operation(engine, State.AWAITING_APPROVAL)
+    first, second = browser.new_context(), browser.new_context()
+    try:
+        alice_page, bob_page = first.new_page(), second.new_page()
+        for page, name in ((alice_page, alice), (bob_page, bob)):
+            sign_in(page, server, name)
+            page.goto(f"{server.url}/operations/{op.id}")
+        alice_page.get_by_role("button", name="Approve this payload").click()
+        expect(alice_page.get_by_role("status")).to_contain_text("approved by alice")
+        bob_page.get_by_label("Why reject it").fill("wrong project")
+        with bob_page.expect_response(re.compile(r"/reject$")) as answer:
+            bob_page.get_by_role("button", name="Reject").click()
+        assert answer.value.status == 409
+        told = bob_page.get_by_role("alert")
+        expect(told).to_contain_text("Nothing was written")
+        expect(told).to_contain_text("approved by alice")
+        expect(told).to_contain_text("now planned")
+        bob_page.screenshot(path=tmp_path / "stale.png", full_page=True)
+    finally:
+        first.close()
+        second.close()
+    now = reload(engine, op.id)
+    assert (now.state, now.decided_by) == (State.PLANNED, "alice")
+
+
+def test_a_stale_resolve_names_the_resolution_made_meanwhile(
+    browser: Browser, server: ApiServer, engine: Engine, alice: str
+) -> None:
+    """Two browsers resolving one needs_human operation: the second is told what the first did."""
+    bob = add_operator(engine, "bob")
+    op = make_operation(engine, State.NEEDS_HUMAN)
+    first, second = browser.new_context(), browser.new_context()
+    try:
+        pages = [first.new_page(), second.new_page()]
+        for page, name in zip(pages, (alice, bob), strict=True):
+            sign_in(page, server, name)
+            page.goto(f"{server.url}/operations/{op.id}")
+            page.get_by_label("Applied: the effect exists (confirm it)").check()
+            page.get_by_label("Remote reference (when applied)").fill(f"ref-{name}")
+            page.get_by_label("What you checked and found").fill(f"checked by {name}")
+        pages[0].get_by_role("button", name="Resolve").click()
+        expect(pages[0].get_by_role("status")).to_contain_text("now confirmed")
+        pages[1].get_by_role("button", name="Resolve").click()
+        expect(pages[1].get_by_role("alert")).to_contain_text("resolved by alice")
+    finally:
+        first.close()
+        second.close()
+    assert reload(engine, op.id).remote_ref == "ref-alice"
+
+
+def test_wrong_passwords_are_throttled(
+    browser: Browser, database_url: str, engine: Engine, tmp_path: Path
+) -> None:
+    """After 5 wrong passwords for a name, even the right one is refused with a wait."""
+    # A server of its own: the lockout of this client address must not reach other tests.
+    env = _environment(database_url, tmp_path)
+    with running_api(env, tmp_path / "api.log") as server, _context(browser) as context:
+        name = add_operator(engine, "carol")
+        page = context.new_page()
+        for _ in range(5):
+            sign_in(page, server, name, "not the password")
+            expect(page.get_by_role("alert")).to_have_text("Wrong name or password.")
+        sign_in(page, server, name)
+        expect(page.get_by_role("alert")).to_contain_text("Too many failed sign-ins")
+        expect(page.get_by_role("alert")).to_contain_text("wait")
+        page.screenshot(path=tmp_path / "throttled.png", full_page=True)
+        page.goto(f"{server.url}/")
+        expect(page).to_have_url(re.compile(r"/signin$"))
+        assert "not the password" not in server.logs()
+
+
+def test_a_removed_operator_is_signed_out_at_the_next_request(
+    page: Page, server: ApiServer, engine: Engine, alice: str
+) -> None:
+    """Removing an account ends its open session: the next page is the sign-in form."""
+    sign_in(page, server, alice)
+    expect(page.get_by_role("heading", name="Overview")).to_be_visible()
+    with Session(engine) as session, session.begin():
+        operators.remove_operator(session, alice)
+    page.goto(f"{server.url}/queue")
+    expect(page).to_have_url(re.compile(r"/signin$"))
+
+
+def test_the_session_cookie_is_httponly_and_samesite_strict(
+    page: Page, server: ApiServer, alice: str
+) -> None:
+    """The session cookie is HttpOnly and SameSite=Strict."""
+    sign_in(page, server, alice)
+    expect(page.get_by_role("heading", name="Overview")).to_be_visible()
+    [cookie] = [c for c in page.context.cookies() if c["name"] == "outbox_console"]
+    assert (cookie["httpOnly"], cookie["sameSite"]) == (True, "Strict")
+
+
+def test_an_operation_is_rejected_with_the_keyboard_alone(
+    page: Page, server: ApiServer, engine: Engine, alice: str
+) -> None:
+    """Tab from the reason field reaches the Reject button, and Enter rejects the operation."""
+    op = make_operation(engine, State.AWAITING_APPROVAL)
+    sign_in(page, server, alice)
+    page.goto(f"{server.url}/operations/{op.id}")
+    page.keyboard.press("Tab")
+    expect(page.get_by_role("link", name="Skip to the content")).to_be_focused()
+    page.get_by_label("Why reject it").focus()
+    page.keyboard.type("wrong project")
+    page.keyboard.press("Tab")
+    expect(page.get_by_role("button", name="Reject")).to_be_focused()
+    page.keyboard.press("Enter")
+    expect(page.get_by_role("status")).to_contain_text("rejected by alice")
+    assert reload(engine, op.id).state is State.CANCELLED
+    page.get_by_role("link", name="Overview").focus()
+    page.keyboard.press("Enter")
+    expect(page.get_by_text("1 operation reached confirmed, failed or cancelled")).to_be_visible()
+
+
+def test_every_control_of_every_page_has_a_label(
+    browser: Browser, server: ApiServer, engine: Engine, alice: str
+) -> None:
+    """On each page, every visible input, textarea and button has an accessible name."""
+    approve = make_operation(engine, State.AWAITING_APPROVAL)
+    stuck = make_operation(engine, State.NEEDS_HUMAN)
+    with _context(browser, bypass_csp=True) as context:
+        page = context.new_page()
+        page.goto(f"{server.url}/signin")
+        pages = ["/signin"]
+        sign_in(page, server, alice)
+        pages += ["/", "/queue", f"/operations/{approve.id}", f"/operations/{stuck.id}"]
+        for path in pages:
+            page.goto(f"{server.url}{path}")
+            unlabelled = page.locator("input:not([type=hidden]), textarea, select").evaluate_all(
+                "controls => controls.filter(c => c.labels.length === 0).map(c => c.name)"
+            )
+            assert unlabelled == [], path
+            for button in page.get_by_role("button").all():
+                assert button.inner_text().strip(), path
+
+
+def test_not_applied_inside_the_inflight_horizon_is_refused_saying_how_long(
+    page: Page, server: ApiServer, engine: Engine, alice: str
+) -> None:
+    """'Not applied' right after the last send is refused (422) with the wait; nothing written."""
+    op = make_operation(engine, State.NEEDS_HUMAN)
+    sign_in(page, server, alice)
+    page.goto(f"{server.url}/operations/{op.id}")
+    page.get_by_label("Not applied: fail it").check()
+    page.get_by_label("What you checked and found").fill("not in the remote's list")
+    with page.expect_response(re.compile(r"/resolve$")) as answer:
+        page.get_by_role("button", name="Resolve").click()
+    assert answer.value.status == 422
+    expect(page.get_by_role("alert")).to_contain_text("try again in")
+    assert reload(engine, op.id).state is State.NEEDS_HUMAN
+
+
+def test_signing_out_ends_the_session(page: Page, server: ApiServer, alice: str) -> None:
+    """After Sign out, pages lead to the sign-in form again."""
+    sign_in(page, server, alice)
+    page.get_by_role("button", name="Sign out").click()
+    expect(page).to_have_url(re.compile(r"/signin$"))
+    page.goto(f"{server.url}/queue")
+    expect(page).to_have_url(re.compile(r"/signin$"))
+
+
+def test_without_a_configured_secret_the_process_makes_one_and_says_so(
+    database_url: str, engine: Engine, tmp_path: Path
+) -> None:
+    """No OUTBOX_CONSOLE_SECRET: the server logs that it made a session key; never the key."""
+    env = api_environment(database_url, tmp_path)
+    with running_api(env, tmp_path / "api.log") as server:
+        signin = httpx.get(f"{server.url}/signin", timeout=30)
+        assert signin.status_code == 200
+        assert "outbox_console=" in signin.headers["set-cookie"]
+        assert "httponly" in signin.headers["set-cookie"].lower()
+        assert "samesite=strict" in signin.headers["set-cookie"].lower()
+        logs = server.logs()
+    assert f"action={Action.CONSOLE_SESSION_KEY_MADE}" in logs
+    assert "OUTBOX_CONSOLE_SECRET is unset" in logs
