@@ -69,10 +69,12 @@ def api_command(
     ] = None,
     log_level: LogLevelOption = LogLevel.INFO,
 ) -> None:
-    """Serve the HTTP API: `/v1/operations` for agents in any language and for operators,
-    `/docs` and `/openapi.json`, `/healthz`, `/readyz`, and request metrics on `/metrics`.
+    """Serve the HTTP API and the operator console: `/v1/operations` for agents in any
+    language and for operators, the console's pages at `/`, `/docs` and `/openapi.json`,
+    `/healthz`, `/readyz`, and request metrics on `/metrics`.
 
-    Every `/v1` request needs a bearer token (`outbox tokens create NAME --scope S`). Binds
+    Every `/v1` request needs a bearer token (`outbox tokens create NAME --scope S`); the
+    console, an operator account (`outbox operators add NAME`). Binds
     127.0.0.1 by default; any other address is refused unless TLS is configured or
     `--behind-proxy` says a proxy terminates it. SIGTERM or Ctrl-C exits 0.
     """
@@ -113,7 +115,11 @@ def api_command(
         ssl_keyfile=str(tls_key) if tls_key else None,
         timeout_graceful_shutdown=5,
     )
-    console.print(f"serving the API on {url} (docs: {url}/docs)", markup=False, highlight=False)
+    console.print(
+        f"serving the API on {url} (the console at {url}/, docs at {url}/docs)",
+        markup=False,
+        highlight=False,
+    )
     log.info("serving on %s", url, extra={"action": Action.API_STARTED, "url": url})
     uvicorn.Server(config).run(sockets=[listening])
     log.info("API stopped", extra={"action": Action.API_STOPPED})
