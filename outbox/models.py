@@ -178,6 +178,20 @@ def iso_utc(moment: datetime) -> str:
     return moment.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
+def json_fields(record: Any) -> dict[str, Any]:
+    """A dataclass's fields as a JSON-ready mapping: instants as :func:`iso_utc`, ids and
+    enums as strings, the rest as they are (the ``--json`` output of the CLI's lists)."""
+    data: dict[str, Any] = {}
+    for f in fields(record):
+        value = getattr(record, f.name)
+        if isinstance(value, datetime):
+            value = iso_utc(value)
+        elif isinstance(value, UUID | enum.Enum):
+            value = str(value)
+        data[f.name] = value
+    return data
+
+
 class WebhookEvent(enum.StrEnum):
     """What a webhook reports; its ``type`` is ``operation.<event>``."""
 
@@ -232,15 +246,7 @@ class Delivery:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready mapping, as ``outbox webhooks list --json`` prints it."""
-        data: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, datetime):
-                value = iso_utc(value)
-            elif isinstance(value, UUID | enum.Enum):
-                value = str(value)
-            data[f.name] = value
-        return data
+        return json_fields(self)
 
 
 class TokenScope(enum.StrEnum):
@@ -273,12 +279,4 @@ class ApiToken:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready mapping, as ``outbox tokens list --json`` prints it."""
-        data: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, datetime):
-                value = iso_utc(value)
-            elif isinstance(value, UUID | enum.Enum):
-                value = str(value)
-            data[f.name] = value
-        return data
+        return json_fields(self)

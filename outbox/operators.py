@@ -16,7 +16,7 @@ from uuid import UUID
 
 from outbox import sql
 from outbox.errors import OperatorNotFound, OperatorRefused
-from outbox.models import Executor, iso_utc
+from outbox.models import Executor, iso_utc, json_fields
 from outbox.tokens import NAME_PATTERN
 
 if TYPE_CHECKING:
@@ -55,12 +55,7 @@ class Operator:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready mapping, as ``outbox operators list --json`` prints it."""
-        return {
-            "id": str(self.id),
-            "name": self.name,
-            "created_at": iso_utc(self.created_at),
-            "removed_at": iso_utc(self.removed_at) if self.removed_at is not None else None,
-        }
+        return json_fields(self)
 
 
 def _public(row: sql.operators.OperatorRow) -> Operator:
