@@ -137,12 +137,18 @@ def call_committed(
     intent_key: str,
     metadata: Mapping[str, Any],
     wait_s: float,
+    require_approval: bool = False,
 ) -> OperationReport:
     """Commit the intent in its own transaction, wait up to ``wait_s`` for its outcome and
     report it. Raises :class:`~outbox.InvalidIntent` (nothing written) and lets
     :class:`~outbox.IntentConflict` / :class:`~outbox.IntentAlreadyDone` through."""
     op = enqueue_committed(
-        engine, tool=tool, arguments=arguments, intent_key=intent_key, metadata=metadata
+        engine,
+        tool=tool,
+        arguments=arguments,
+        intent_key=intent_key,
+        metadata=metadata,
+        require_approval=require_approval,
     )
     return settle(engine, op, wait_s)
 
@@ -154,6 +160,7 @@ def enqueue_committed(
     arguments: Arguments,
     intent_key: str,
     metadata: Mapping[str, Any],
+    require_approval: bool = False,
 ) -> Operation:
     """:func:`outbox.enqueue` in a transaction of its own, committed when this returns."""
     with Session(engine) as session, session.begin():
@@ -164,6 +171,7 @@ def enqueue_committed(
             payload=arguments.payload,
             intent_key=intent_key,
             metadata=metadata,
+            require_approval=require_approval,
         )
 
 
@@ -186,6 +194,7 @@ async def call_committed_async(
     intent_key: str,
     metadata: Mapping[str, Any],
     wait_s: float,
+    require_approval: bool = False,
 ) -> OperationReport:
     """:func:`call_committed` on an ``AsyncEngine``, without blocking the event loop."""
     async with AsyncSession(engine) as session, session.begin():
@@ -196,6 +205,7 @@ async def call_committed_async(
             payload=arguments.payload,
             intent_key=intent_key,
             metadata=metadata,
+            require_approval=require_approval,
         )
     if op.is_settled or wait_s <= 0:
         return describe(op)

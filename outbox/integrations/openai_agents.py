@@ -130,14 +130,15 @@ def outbox_function_tool(
     knows not to exist.
     """
     _calls.check_tool(tool)
-    call = _Call(tool, engine, wait_s, identity, intent_key)
+    approval_required = _calls.approval_of(tool, approval)
+    call = _Call(tool, engine, wait_s, identity, intent_key, approval_required=approval_required)
     return FunctionTool(
         name=name or _calls.framework_name(tool),
         description=_calls.description_of(tool, description),
         params_json_schema=_calls.parameters_schema(_calls.input_schema_of(tool, input_schema)),
         on_invoke_tool=call.invoke,
         strict_json_schema=False,
-        needs_approval=call.needs_approval if _calls.approval_of(tool, approval) else False,
+        needs_approval=call.needs_approval if approval_required else False,
     )
 
 
@@ -149,12 +150,15 @@ class _Call:
         wait_s: float,
         identity: IdentityFunction,
         intent_key: KeyFunction,
+        *,
+        approval_required: bool,
     ) -> None:
         self.tool = tool
         self.engine = engine
         self.wait_s = wait_s
         self.identity = identity
         self.intent_key = intent_key
+        self.approval_required = approval_required
 
     async def invoke(self, ctx: ToolContext[Any], raw_arguments: str) -> str:
         """The SDK's ``on_invoke_tool``: the report as JSON text, or why the input is wrong."""
@@ -203,6 +207,7 @@ class _Call:
                 intent_key=key,
                 metadata=metadata,
                 wait_s=wait,
+                require_approval=self.approval_required,
             )
         return await asyncio.to_thread(
             _calls.call_committed,
@@ -212,6 +217,7 @@ class _Call:
             intent_key=key,
             metadata=metadata,
             wait_s=wait,
+            require_approval=self.approval_required,
         )
 
 
