@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -378,3 +380,31 @@ def test_openai_agents_approval_is_an_outbox_approval_and_then_one_effect(stack:
     assert effect.key == str(approved.id)
     with Session(stack.engine) as session:
         assert outbox.get(session, approved.id).state is outbox.State.CONFIRMED  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("example", "options"),
+    [
+        ("pydantic_ai_agent.py", []),
+        ("openai_agents_agent.py", ["--tool", APPROVED_TOOL, "--approve-as", "alice"]),
+    ],
+)
+def test_each_example_runs_its_agent_to_one_release(
+    stack: Stack, example: str, options: list[str]
+) -> None:
+    """Each example in examples/ runs its agent against the reference service to a confirmed
+    release (the OpenAI one through its approval)."""
+    stack.start_relay()
+    target = f"project-{uuid.uuid4().hex[:8]}"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "examples" / example), "--target", target, *options],
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("confirmed: Done:"), done.stdout
+    assert len(stack.effects(target)) == 1
