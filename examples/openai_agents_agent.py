@@ -79,7 +79,7 @@ async def run(args: argparse.Namespace) -> str:
         state = result.to_state()
         with Session(engine) as session, session.begin():
             for item in result.interruptions:
-                openai_agents.approve(session, state, item, run=identity, by=args.approve_as)
+                openai_agents.approve(session, state, item, by=args.approve_as)
         result = await Runner.run(agent, state)
     return str(result.final_output)
 

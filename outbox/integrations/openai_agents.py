@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agents import FunctionTool, RunContextWrapper, RunState, ToolApprovalItem
@@ -73,6 +73,21 @@ class OutboxRun:
     calls: dict[str, str] = field(default_factory=dict)
     #: (step, tool) -> how many calls have been given an ordinal.
     counts: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready mapping: ``state.to_json(context_serializer=OutboxRun.to_dict)``."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OutboxRun:
+        """Rebuild from :meth:`to_dict`:
+        ``RunState.from_json(agent, saved, context_deserializer=OutboxRun.from_dict)``."""
+        return cls(
+            run_id=str(data["run_id"]),
+            turn=data.get("turn", 0),
+            calls={str(k): str(v) for k, v in dict(data.get("calls") or {}).items()},
+            counts={str(k): int(v) for k, v in dict(data.get("counts") or {}).items()},
+        )
 
     @property
     def step(self) -> str:
@@ -240,9 +255,9 @@ def approve(
     state: RunState[Any, Any],
     item: ToolApprovalItem,
     *,
-    run: OutboxRun,
     by: str,
     note: str | None = None,
+    run: OutboxRun | None = None,
 ) -> Operation:
     """Approve the interrupted call ``item`` in the outbox and in the SDK's ``state``.
 
@@ -250,9 +265,11 @@ def approve(
     payload in ``item``'s arguments, which are the ones the SDK runs when the run resumes: a
     different stored payload raises ``ApprovalMismatch``. It joins the transaction of
     ``session`` (commit it, then resume the run with ``state``); ``state.approve(item)`` is
-    called after the outbox accepted. ``run`` is the run's :class:`OutboxRun`.
+    called after the outbox accepted. ``run`` is the run's :class:`OutboxRun` (default: the
+    one in ``state``'s context, restored from JSON too when serialised with
+    :meth:`OutboxRun.to_dict`).
     """
-    op, digest = _operation_of(session, item, run)
+    op, digest = _operation_of(session, item, run or _state_run(state))
     approved = approval.approve(session, op.id, by=by, payload_hash=digest, note=note)
     state.approve(item)
     return approved
@@ -263,17 +280,25 @@ def reject(
     state: RunState[Any, Any],
     item: ToolApprovalItem,
     *,
-    run: OutboxRun,
     by: str,
     reason: str,
+    run: OutboxRun | None = None,
 ) -> Operation:
     """Refuse the interrupted call ``item`` in the outbox (``outbox.reject``: cancelled,
     never sent) and in the SDK's ``state`` (the model is told ``reason``). Joins the
     transaction of ``session``."""
-    op, _ = _operation_of(session, item, run)
+    op, _ = _operation_of(session, item, run or _state_run(state))
     rejected = approval.reject(session, op.id, by=by, reason=reason)
     state.reject(item, rejection_message=reason)
     return rejected
+
+
+def _state_run(state: RunState[Any, Any]) -> OutboxRun:
+    # The SDK (0.24) has no public accessor for a RunState's context wrapper.
+    wrapper = getattr(state, "_context", None)
+    if not isinstance(wrapper, RunContextWrapper):
+        raise TypeError("this RunState has no context: pass run= (the run's OutboxRun)")
+    return context_run(wrapper)
 
 
 def _operation_of(

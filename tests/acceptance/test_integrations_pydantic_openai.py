@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from agents import Agent as SdkAgent
-from agents import Runner, set_tracing_disabled
+from agents import Runner, RunState, set_tracing_disabled
 from agents.testing.model import (
     ModelCall,
     ModelStep,
@@ -334,8 +334,8 @@ def test_pydantic_ai_payload_refused_by_the_schema_asks_the_model_to_fix_that_fi
 
 def test_openai_agents_approval_is_an_outbox_approval_and_then_one_effect(stack: Stack) -> None:
     """A tool that requires approval interrupts the SDK run with nothing sent; approving the
-    interruption records the approver in the outbox, bound to the payload, and the resumed run
-    ends with one effect."""
+    interruption of the state restored from JSON records the approver in the outbox, bound to
+    the payload, and the resumed run ends with one effect."""
     stack.start_relay()
     run = OutboxRun(f"conv-{uuid.uuid4().hex[:8]}", turn=1)
     target = f"project-{uuid.uuid4().hex[:8]}"
@@ -361,13 +361,16 @@ def test_openai_agents_approval_is_an_outbox_approval_and_then_one_effect(stack:
 
     async def scenario() -> tuple[Any, Any]:
         interrupted = await Runner.run(agent, "deploy", context=run)
-        [item] = interrupted.interruptions
+        assert len(interrupted.interruptions) == 1
         [waiting] = stack.operations(run.run_id)
         assert waiting["state"] == "awaiting_approval"
         assert stack.effects(target) == []
-        state = interrupted.to_state()
+        # Kept as JSON, as an application that asks a person later does, and restored.
+        saved = interrupted.to_state().to_json(context_serializer=OutboxRun.to_dict)
+        state = await RunState.from_json(agent, saved, context_deserializer=OutboxRun.from_dict)
+        [item] = state.get_interruptions()
         with Session(stack.engine) as session, session.begin():
-            approved = openai_agents.approve(session, state, item, run=run, by="alice")
+            approved = openai_agents.approve(session, state, item, by="alice")
         return approved, await Runner.run(agent, state)
 
     approved, resumed = asyncio.run(scenario())
