@@ -208,8 +208,12 @@ def _crash_and_resume(stack: Stack, framework: str) -> None:
     run_id, target = f"conv-{uuid.uuid4().hex[:8]}", f"project-{uuid.uuid4().hex[:8]}"
     stack.stop_relay()
     first = stack.agent(framework, run_id=run_id, call_id="call-first", target=target)
-    wait_until(lambda: bool(stack.operations(run_id)), timeout=60, what="the committed intent")
-    assert first.alive(), first.output()[-3000:]
+    wait_until(
+        lambda: bool(stack.operations(run_id)) or not first.alive(),
+        timeout=60,
+        what="the committed intent",
+    )
+    assert first.alive(), first.output()[-3000:]  # still waiting for the outcome: no result yet
     first.kill()
     [planned] = stack.operations(run_id)
     assert planned["state"] == "planned"
@@ -242,6 +246,14 @@ def test_openai_agents_run_killed_after_its_intent_commits_resumes_to_one_effect
     process whose model uses another tool-call id, ends with one effect and names the same
     operation."""
     _crash_and_resume(stack, "openai")
+
+
+def _echo(call: ModelCall) -> Any:
+    """The SDK model's last step: answer with the tool's output."""
+    outputs = [
+        i for i in call.input if isinstance(i, dict) and i.get("type") == "function_call_output"
+    ]
+    return [assistant_message(str(outputs[-1]["output"]))]
 
 
 def _pydantic_model(target: str, call_id: str, payloads: list[dict[str, Any]]) -> FunctionModel:
@@ -341,12 +353,6 @@ def test_openai_agents_approval_is_an_outbox_approval_and_then_one_effect(stack:
     target = f"project-{uuid.uuid4().hex[:8]}"
     tool = outbox_function_tool(APPROVED_TOOL, engine=stack.engine, wait_s=60, approval=True)
 
-    def answer(call: ModelCall) -> Any:
-        outputs = [
-            i for i in call.input if isinstance(i, dict) and i.get("type") == "function_call_output"
-        ]
-        return [assistant_message(str(outputs[-1]["output"]))]
-
     model = ScriptedModel(
         [
             [
@@ -354,7 +360,7 @@ def test_openai_agents_approval_is_an_outbox_approval_and_then_one_effect(stack:
                     tool.name, {"target": target, "payload": {"version": "4.0.0"}}, call_id="c-1"
                 )
             ],
-            ModelStep.respond(answer),
+            ModelStep.respond(_echo),
         ]
     )
     agent = SdkAgent(name="deployer", model=model, tools=[tool])
@@ -411,3 +417,33 @@ def test_each_example_runs_its_agent_to_one_release(
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("confirmed: Done:"), done.stdout
     assert len(stack.effects(target)) == 1
+
+
+def test_an_operation_awaiting_approval_is_a_pending_result_in_both_frameworks(
+    stack: Stack,
+) -> None:
+    """Where the framework is not asked to interrupt, a tool whose operations need approval
+    answers "awaiting approval, do not call again with a new key" as a normal result, and
+    nothing is sent."""
+    run_id, target = f"conv-{uuid.uuid4().hex[:8]}", f"project-{uuid.uuid4().hex[:8]}"
+    model = _pydantic_model(target, "call-1", [{"version": "5.0.0"}])
+    tool = outbox_tool(APPROVED_TOOL, engine=stack.engine, wait_s=60)
+    result = asyncio.run(Agent(model, tools=[tool]).run("deploy", conversation_id=run_id))
+    from_pydantic = json.loads(result.output)
+
+    sdk_tool = outbox_function_tool(APPROVED_TOOL, engine=stack.engine, approval=False)
+    arguments = {"target": target, "payload": {"version": "5.0.1"}}
+    sdk_model = ScriptedModel(
+        [[function_call(sdk_tool.name, arguments, call_id="c-1")], ModelStep.respond(_echo)]
+    )
+    sdk_agent = SdkAgent(name="deployer", model=sdk_model, tools=[sdk_tool])
+    sdk_run = OutboxRun(f"{run_id}-sdk")
+    from_sdk = json.loads(
+        str(asyncio.run(Runner.run(sdk_agent, "deploy", context=sdk_run)).final_output)
+    )
+
+    for answer in (from_pydantic, from_sdk):
+        assert answer["outcome"] == "awaiting_approval"
+        assert answer["settled"] is True
+        assert PENDING_WORDS in answer["message"]
+    assert stack.effects(target) == []
