@@ -19,7 +19,13 @@ from sqlalchemy.orm import Session
 
 from outbox import aio, api
 from outbox.contracts import CONTRACTS
-from outbox.errors import IntentAlreadyDone, IntentConflict, InvalidIntent, WaitTimeout
+from outbox.errors import (
+    IntentAlreadyDone,
+    IntentConflict,
+    InvalidIntent,
+    OperationNotFound,
+    WaitTimeout,
+)
 from outbox.models import Operation
 from outbox.reports import OperationReport, describe
 
@@ -232,3 +238,60 @@ def model_can_fix(exc: InvalidIntent | BadArguments) -> bool:
     it to correct the call is right; otherwise the refusal is the answer."""
     field = exc.field or ""
     return field in ("target", "payload") or field.startswith("payload.")
+
+
+#: The status tool's name: the one the reports' words tell a model to call.
+STATUS_TOOL = "outbox_status"
+STATUS_DESCRIPTION = (
+    "Check on an action requested earlier, by the operation_id its answer gave: the same "
+    "answer, as it stands now. Use this instead of requesting the action again."
+)
+STATUS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "operation_id": {"type": "string", "description": "The operation_id of the action."}
+    },
+    "required": ["operation_id"],
+    "additionalProperties": False,
+}
+
+
+def status_committed(engine: Engine, operation_id: object, wait_s: float) -> dict[str, Any]:
+    """The report of the operation ``operation_id`` once settled or after ``wait_s``; an
+    unknown id answers ``not_found``. Reads only."""
+    try:
+        with Session(engine) as session:
+            op = api.get(session, _operation_id(operation_id))
+    except OperationNotFound as exc:
+        return _not_found(str(exc))
+    if op is None:
+        return _not_found(f"no operation {operation_id}")
+    return settle(engine, op, wait_s).to_dict()
+
+
+async def status_async(engine: AsyncEngine, operation_id: object, wait_s: float) -> dict[str, Any]:
+    """:func:`status_committed` on an ``AsyncEngine``."""
+    try:
+        async with AsyncSession(engine) as session:
+            op = await aio.get(session, _operation_id(operation_id))
+    except OperationNotFound as exc:
+        return _not_found(str(exc))
+    if op is None:
+        return _not_found(f"no operation {operation_id}")
+    if op.is_settled or wait_s <= 0:
+        return describe(op).to_dict()
+    try:
+        return describe(await aio.wait(op.id, wait_s, engine=engine)).to_dict()
+    except WaitTimeout as exc:
+        last = exc.operation
+        return describe(last if isinstance(last, Operation) else op).to_dict()
+
+
+def _operation_id(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise OperationNotFound("operation_id is required: the id an earlier answer gave")
+    return value
+
+
+def _not_found(message: str) -> dict[str, Any]:
+    return {"outcome": "not_found", "settled": True, "message": message}

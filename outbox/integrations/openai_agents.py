@@ -54,7 +54,7 @@ from outbox.models import Executor, Operation
 from outbox.reports import OperationReport
 from outbox.states import State
 
-__all__ = ["OutboxRun", "approve", "outbox_function_tool", "reject"]
+__all__ = ["OutboxRun", "approve", "outbox_function_tool", "outbox_status_tool", "reject"]
 
 
 @dataclass
@@ -154,6 +154,33 @@ def outbox_function_tool(
         on_invoke_tool=call.invoke,
         strict_json_schema=False,
         needs_approval=call.needs_approval if approval_required else False,
+    )
+
+
+def outbox_status_tool(
+    *, engine: Engine | AsyncEngine, name: str = _calls.STATUS_TOOL, wait_s: float = DEFAULT_WAIT_S
+) -> FunctionTool:
+    """``outbox_status(operation_id)``: the report of an operation asked for earlier, once
+    settled or after ``wait_s`` (what the reports tell a model to call instead of asking for
+    the action again). Reads only."""
+
+    async def invoke(ctx: ToolContext[Any], raw_arguments: str) -> str:
+        try:
+            parsed = json.loads(raw_arguments or "{}")
+        except json.JSONDecodeError:
+            parsed = {}
+        operation_id = parsed.get("operation_id") if isinstance(parsed, dict) else None
+        if isinstance(engine, AsyncEngine):
+            return _answer(await _calls.status_async(engine, operation_id, wait_s))
+        report = await asyncio.to_thread(_calls.status_committed, engine, operation_id, wait_s)
+        return _answer(report)
+
+    return FunctionTool(
+        name=name,
+        description=_calls.STATUS_DESCRIPTION,
+        params_json_schema=_calls.STATUS_SCHEMA,
+        on_invoke_tool=invoke,
+        strict_json_schema=False,
     )
 
 

@@ -46,7 +46,13 @@ from outbox.integrations import _calls
 from outbox.integrations._calls import DEFAULT_WAIT_S, BadArguments, KeyFunction
 from outbox.integrations.keys import durable_intent_key
 
-__all__ = ["call_step", "conversation_run_id", "outbox_tool", "outbox_toolset"]
+__all__ = [
+    "call_step",
+    "conversation_run_id",
+    "outbox_status_tool",
+    "outbox_tool",
+    "outbox_toolset",
+]
 
 #: ``RunContext -> str``: a part of the run's durable identity.
 IdentityFunction = Callable[[RunContext[Any]], str]
@@ -135,11 +141,43 @@ def outbox_tool(
     return made
 
 
+def outbox_status_tool(
+    *, engine: Engine | AsyncEngine, name: str = _calls.STATUS_TOOL, wait_s: float = DEFAULT_WAIT_S
+) -> Tool[Any]:
+    """``outbox_status(operation_id)``: the report of an operation asked for earlier, once
+    settled or after ``wait_s`` (what the reports tell a model to call instead of asking for
+    the action again). Reads only."""
+    if isinstance(engine, AsyncEngine):
+        async_engine = engine
+
+        async def status_async(operation_id: str) -> dict[str, Any]:
+            return await _calls.status_async(async_engine, operation_id, wait_s)
+
+        function: Callable[..., Any] = status_async
+    else:
+        sync_engine = engine
+
+        def status(operation_id: str) -> dict[str, Any]:
+            return _calls.status_committed(sync_engine, operation_id, wait_s)
+
+        function = status
+    return Tool.from_schema(
+        function,
+        name=name,
+        description=_calls.STATUS_DESCRIPTION,
+        json_schema=_calls.STATUS_SCHEMA,
+    )
+
+
 def outbox_toolset(
-    *tools: str, engine: Engine | AsyncEngine, **options: Any
+    *tools: str, engine: Engine | AsyncEngine, status: bool = True, **options: Any
 ) -> FunctionToolset[Any]:
-    """A PydanticAI toolset of outbox tools (each as :func:`outbox_tool` with ``options``)."""
-    return FunctionToolset([outbox_tool(tool, engine=engine, **options) for tool in tools])
+    """A PydanticAI toolset of outbox tools (each as :func:`outbox_tool` with ``options``),
+    with :func:`outbox_status_tool` unless ``status=False``."""
+    made = [outbox_tool(tool, engine=engine, **options) for tool in tools]
+    if status:
+        made.append(outbox_status_tool(engine=engine))
+    return FunctionToolset(made)
 
 
 class _Call:

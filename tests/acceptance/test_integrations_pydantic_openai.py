@@ -52,8 +52,12 @@ from outbox.db import create_async_engine
 from outbox.dev.service import DeployService
 from outbox.dev.tool_config import http_tool_toml
 from outbox.integrations import openai_agents
-from outbox.integrations.openai_agents import OutboxRun, outbox_function_tool
-from outbox.integrations.pydantic_ai import outbox_tool
+from outbox.integrations.openai_agents import (
+    OutboxRun,
+    outbox_function_tool,
+    outbox_status_tool,
+)
+from outbox.integrations.pydantic_ai import outbox_tool, outbox_toolset
 from tests.acceptance.agent_runner import MARKER
 from tests.acceptance.conftest import REPO, clean_environment
 from tests.processes import Service, Services, wait_until
@@ -447,3 +451,49 @@ def test_an_operation_awaiting_approval_is_a_pending_result_in_both_frameworks(
         assert answer["settled"] is True
         assert PENDING_WORDS in answer["message"]
     assert stack.effects(target) == []
+
+
+def test_a_pending_answer_is_followed_up_with_the_status_tool_not_a_second_request(
+    stack: Stack,
+) -> None:
+    """A PydanticAI model told "in progress" checks with outbox_status (in the toolset) and gets
+    the confirmed outcome of the same operation; an unknown id is not_found, in the SDK too."""
+    stack.start_relay()
+    run_id, target = f"conv-{uuid.uuid4().hex[:8]}", f"project-{uuid.uuid4().hex[:8]}"
+    calls: list[str] = []
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        returned = [p for p in messages[-1].parts if isinstance(p, ToolReturnPart)]
+        if not returned:
+            calls.append("deploy_create_release")
+            arguments = {"target": target, "payload": {"version": "6.0.0"}}
+            return ModelResponse(parts=[ToolCallPart(calls[-1], arguments, tool_call_id="c1")])
+        content: dict[str, Any] = json.loads(json.dumps(returned[0].content))
+        if returned[0].tool_name == "outbox_status":
+            return ModelResponse(parts=[TextPart(json.dumps(content))])
+        assert content["outcome"] == "in_progress"
+        calls.append("outbox_status")
+        arguments = {"operation_id": content["operation_id"]}
+        return ModelResponse(parts=[ToolCallPart(calls[-1], arguments, tool_call_id="c2")])
+
+    toolset = outbox_toolset(TOOL, engine=stack.engine, wait_s=0)
+    agent = Agent(FunctionModel(respond), toolsets=[toolset])
+    result = asyncio.run(agent.run("deploy", conversation_id=run_id))
+    status = json.loads(result.output)
+    assert calls == ["deploy_create_release", "outbox_status"]
+    assert status["outcome"] == "confirmed"
+    [op] = stack.operations(run_id)
+    assert status["operation_id"] == str(op["id"])
+    assert len(stack.effects(target)) == 1
+
+    sdk_status = outbox_status_tool(engine=stack.engine)
+    missing = str(uuid.uuid4())
+    sdk_model = ScriptedModel(
+        [
+            [function_call(sdk_status.name, {"operation_id": missing}, call_id="s-1")],
+            ModelStep.respond(_echo),
+        ]
+    )
+    sdk_agent = SdkAgent(name="checker", model=sdk_model, tools=[sdk_status])
+    answer = asyncio.run(Runner.run(sdk_agent, "check", context=OutboxRun(run_id)))
+    assert json.loads(str(answer.final_output))["outcome"] == "not_found"
