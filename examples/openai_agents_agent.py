@@ -38,7 +38,11 @@ from sqlalchemy.orm import Session
 
 from outbox.db import get_engine
 from outbox.integrations import openai_agents
-from outbox.integrations.openai_agents import OutboxRun, outbox_function_tool
+from outbox.integrations.openai_agents import (
+    OutboxRun,
+    outbox_function_tool,
+    outbox_status_tool,
+)
 from outbox.tools import load_tools
 
 
@@ -67,7 +71,8 @@ async def run(args: argparse.Namespace) -> str:
     agent = Agent(
         name="deployer",
         model=scripted_model(tool.name, args.target, args.version),
-        tools=[tool],
+        # outbox_status: what a model told "pending" should call instead of asking again.
+        tools=[tool, outbox_status_tool(engine=engine)],
     )
     identity = OutboxRun(args.conversation, turn=args.turn)
     result = await Runner.run(agent, f"Release {args.version}", context=identity)

@@ -27,7 +27,7 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCall
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from outbox.db import create_async_engine, database_url, get_engine
-from outbox.integrations.pydantic_ai import outbox_tool
+from outbox.integrations.pydantic_ai import outbox_status_tool, outbox_tool
 from outbox.tools import load_tools
 
 
@@ -67,8 +67,10 @@ def main() -> None:
     if args.asynchronous:
         answer = asyncio.run(_run_async(args, model))
     else:
-        tool = outbox_tool(args.tool, engine=get_engine(), wait_s=args.wait_s)
-        agent = Agent(model, tools=[tool])
+        engine = get_engine()
+        tool = outbox_tool(args.tool, engine=engine, wait_s=args.wait_s)
+        # outbox_status: what a model told "pending" should call instead of asking again.
+        agent = Agent(model, tools=[tool, outbox_status_tool(engine=engine)])
         answer = agent.run_sync(_prompt(args), conversation_id=args.conversation).output
     report: dict[str, Any] = json.loads(answer)
     print(f"{report['outcome']}: {report['message']}")  # noqa: T201
@@ -84,7 +86,8 @@ async def _run_async(args: argparse.Namespace, model: FunctionModel) -> str:
     engine = create_async_engine(database_url())
     try:
         tool = outbox_tool(args.tool, engine=engine, wait_s=args.wait_s)
-        result = await Agent(model, tools=[tool]).run(
+        status = outbox_status_tool(engine=engine)
+        result = await Agent(model, tools=[tool, status]).run(
             _prompt(args), conversation_id=args.conversation
         )
         return result.output

@@ -399,6 +399,7 @@ def test_openai_agents_approval_is_an_outbox_approval_and_then_one_effect(stack:
     ("example", "options"),
     [
         ("pydantic_ai_agent.py", []),
+        ("pydantic_ai_agent.py", ["--async"]),
         ("openai_agents_agent.py", ["--tool", APPROVED_TOOL, "--approve-as", "alice"]),
     ],
 )
@@ -410,7 +411,12 @@ def test_each_example_runs_its_agent_to_one_release(
     stack.start_relay()
     target = f"project-{uuid.uuid4().hex[:8]}"
     done = subprocess.run(
-        [sys.executable, str(REPO / "examples" / example), "--target", target, *options],
+        [
+            sys.executable,
+            str(REPO / "examples" / example),
+            *("--target", target, "--conversation", f"ticket-{uuid.uuid4().hex[:8]}"),
+            *options,
+        ],
         env=stack.env,
         capture_output=True,
         text=True,
