@@ -26,6 +26,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 import outbox
+from outbox.contracts import CONTRACTS, ToolContract
 from outbox.dev.service import DeployService
 from outbox.integrations.langgraph import OutboxTool, outbox_tool
 from outbox.states import State
@@ -188,3 +189,58 @@ def test_awaiting_approval_interrupts_the_graph_and_the_resumed_node_finds_the_s
     report = resumed["messages"][-1].artifact
     assert (report["operation_id"], report["state"]) == (str(op.id), State.PLANNED.value)
     assert len(_operations(engine)) == 1
+
+
+def test_the_tools_input_schema_is_the_payloads_schema_and_a_mismatch_is_an_error_answer(
+    engine: Engine, saver: PostgresSaver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model is shown the tool's declared input_schema as the payload's schema; a payload
+    that fails it is answered as a tool error naming the field, and nothing is written."""
+    schema = {
+        "type": "object",
+        "properties": {"version": {"type": "string"}},
+        "required": ["version"],
+    }
+    monkeypatch.setitem(CONTRACTS._contracts, TOOL, ToolContract(name=TOOL, input_schema=schema))
+    tool = outbox_tool(TOOL, engine=engine, wait_s=0.2, target="web")
+    assert tool.tool_call_schema["properties"] == {"payload": schema}  # type: ignore[index]
+    call = {"id": "call_1", "name": tool.name, "args": {"payload": {"version": 2}}}
+    result = _tools_graph(tool, saver).invoke(
+        {"messages": [AIMessage("", tool_calls=[call])]},
+        {"configurable": {"thread_id": f"thread-{uuid.uuid4()}"}},
+    )
+    answer = result["messages"][-1]
+    assert answer.status == "error"
+    assert "payload.version" in answer.content
+    assert _operations(engine) == []
+
+
+def test_a_rerun_asking_for_other_input_at_the_same_place_is_told_what_exists(
+    engine: Engine,
+) -> None:
+    """A re-run of a node whose model now asks for another payload at the same place gets an
+    error answer naming the difference and the operation already recorded, and no second
+    operation."""
+    tool = outbox_tool(TOOL, engine=engine, wait_s=0)
+    # The config LangGraph gives a node's task (its metadata and per-execution scratchpad).
+    config: Any = {
+        "configurable": {"thread_id": "thread-x", "__pregel_scratchpad": object()},
+        "metadata": {"langgraph_step": 3, "langgraph_node": "agent"},
+    }
+    first = tool.invoke(_call(tool, "1.0.0"), config)
+    config["configurable"]["__pregel_scratchpad"] = object()  # the node runs again
+    second = tool.invoke(_call(tool, "1.0.1"), config)
+
+    assert (first.status, second.status) == ("success", "error")
+    assert "different payload" in second.content
+    assert first.artifact["operation_id"] in second.content
+    assert len(_operations(engine)) == 1
+
+
+def _call(tool: OutboxTool, version: str) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:8]}",
+        "name": tool.name,
+        "args": {"target": "web", "payload": {"version": version}},
+        "type": "tool_call",
+    }

@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: What the extras bring ([worker], [flower], [embedded], [api]): none of it in a base install.
+#: What the extras bring ([worker], [flower], [embedded], [api], [langgraph]): none of it in a
+#: base install.
 EXTRA_MODULES = (
     "celery",
     "kombu",
@@ -37,6 +38,8 @@ EXTRA_MODULES = (
     "fastapi",
     "starlette",
     "uvicorn",
+    "langgraph",
+    "langchain_core",
 )
 
 #: Not the package's source: build outputs, caches and the development venv.
