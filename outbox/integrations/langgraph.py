@@ -12,8 +12,8 @@ new key, never an exception a graph's retry policy would turn into a second call
 The intent key comes from the checkpointed run, never from the model's tool-call id (which
 is new each time a model is asked again, as it is when a node re-runs after a crash):
 the ``thread_id`` of ``config["configurable"]``, the node and its step (the superstep a
-resumed run gives the same task again; with the names of the enclosing graphs' nodes for a
-subgraph), the outbox tool, and the call's ordinal among this tool's calls in that node's
+resumed run gives the same task again; inside a subgraph, after the enclosing graphs' tasks),
+the outbox tool, and the call's ordinal among this tool's calls in that node's
 execution. So a node that re-runs after a crash asks for the same operation and gets the
 first one back, whatever ids the model gave its tool calls this time.
 
@@ -73,7 +73,7 @@ _STEP, _NODE, _PATH, _NAMESPACE = (
 )
 _SCRATCHPAD = "__pregel_scratchpad"
 _PUSH = "__pregel_push"
-_NS_SEP, _NS_END = "|", ":"
+_NS_SEP = "|"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,7 +82,7 @@ class CallIdentity:
 
     #: The checkpointer's ``thread_id`` (``config["configurable"]``); ``None`` without one.
     thread_id: str | None
-    #: The enclosing graphs' node names (``outer|inner``) for a subgraph's node, else ``""``.
+    #: The enclosing graphs' tasks (``outer:<task id>``) for a subgraph's node, else ``""``.
     namespace: str
     #: The superstep (``langgraph_step``) and node (``langgraph_node``) of the task.
     step: int
@@ -319,10 +319,15 @@ def _identity(
 
 
 def _namespace(checkpoint_ns: str) -> str:
-    """``outer:<task id>|inner:<task id>`` → ``outer``: the enclosing nodes, without the
-    task ids (a re-run from an earlier checkpoint gives the same task a new id)."""
-    names = [part.split(_NS_END, 1)[0] for part in checkpoint_ns.split(_NS_SEP) if part]
-    return _NS_SEP.join(names[:-1])
+    """``outer:<task id>|tools:<task id>`` → ``outer:<task id>``: the enclosing graphs' tasks.
+
+    The current node's task id is left out (its step and name say which task it is, and
+    stay the same when an earlier step is run again, which gives the task a new id); the
+    enclosing tasks' ids are kept, because a subgraph's own steps start again at every
+    invocation: without them, a subgraph run in two steps of its parent would share keys.
+    LangGraph gives a task the same id when a run resumes from its checkpoint.
+    """
+    return checkpoint_ns.rpartition(_NS_SEP)[0]
 
 
 def _push_path(path: object) -> str:

@@ -28,14 +28,15 @@ def test_the_key_is_the_thread_the_node_at_its_step_the_tool_and_the_ordinal() -
 
 def test_a_subgraph_and_a_send_task_are_named_in_the_step() -> None:
     """The enclosing nodes prefix the step and a Send task's index follows it."""
-    key = default_intent_key(_identity(namespace="outer", path="[2]"))
-    assert key == "t-1:outer/tools@4[2]:deploy.create_release:1"
+    key = default_intent_key(_identity(namespace="outer:1f0e", path="[2]"))
+    assert key == "t-1:outer:1f0e/tools@4[2]:deploy.create_release:1"
 
 
-def test_the_namespace_drops_task_ids_and_the_node_itself() -> None:
-    """Task ids change when an earlier step is re-run, so only node names are kept."""
+def test_the_namespace_is_the_enclosing_tasks_without_the_node_itself() -> None:
+    """A root node has none; a subgraph's node is named after its enclosing tasks, ids and
+    all (a subgraph's steps start again at each invocation), not after its own task."""
     assert _namespace("tools:1f0e-aa") == ""
-    assert _namespace("outer:1f0e-aa|inner:77b2|tools:9c") == "outer|inner"
+    assert _namespace("outer:1f0e-aa|inner:77b2|tools:9c") == "outer:1f0e-aa|inner:77b2"
 
 
 def test_only_push_tasks_have_a_path() -> None:
