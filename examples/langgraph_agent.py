@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.checkpoint.postgres import PostgresSaver
@@ -126,7 +126,7 @@ def _libpq_url(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-def _script(tool_name: str, target: str, version: str, json_lines: bool) -> Iterator[BaseMessage]:
+def _script(tool_name: str, target: str, version: str, json_lines: bool) -> Iterator[AIMessage]:
     """The model's answers: one tool call (a fresh id, as a provider mints one), then prose."""
     call_id = f"call_{uuid.uuid4().hex[:12]}"
     if json_lines:
@@ -136,7 +136,7 @@ def _script(tool_name: str, target: str, version: str, json_lines: bool) -> Iter
     yield AIMessage(f"Asked for release {version} of {target}; the outbox's answer is above.")
 
 
-def _graph(tool: BaseTool, script: Iterator[BaseMessage]) -> StateGraph[MessagesState]:
+def _graph(tool: BaseTool, script: Iterator[AIMessage]) -> StateGraph[MessagesState]:
     model = GenericFakeChatModel(messages=script)
 
     def agent(state: MessagesState, config: RunnableConfig) -> dict[str, Any]:
