@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from langchain_core.callbacks import CallbackManagerForToolRun
 from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import StructuredTool, ToolException
@@ -118,7 +119,11 @@ def default_intent_key(identity: CallIdentity) -> str:
 
 
 class OutboxTool(StructuredTool):
-    """A LangChain tool whose call is an outbox operation (built by :func:`outbox_tool`)."""
+    """A LangChain tool whose call is an outbox operation (built by :func:`outbox_tool`).
+
+    Its fields are :func:`outbox_tool`'s arguments; a copy with other values
+    (``model_copy(update=...)``) behaves by its own.
+    """
 
     outbox_tool: str
     target: str | None = None
@@ -129,6 +134,23 @@ class OutboxTool(StructuredTool):
     intent_key: Callable[[CallIdentity], str] = default_intent_key
     metadata_for_operation: Mapping[str, Any] | None = None
     requested_by: str | None = None
+
+    def _run(
+        self,
+        *args: Any,
+        config: RunnableConfig,
+        run_manager: CallbackManagerForToolRun | None = None,
+        **kwargs: Any,
+    ) -> tuple[str, dict[str, Any]]:
+        del args, run_manager  # the arguments are keywords; nothing is reported to callbacks
+        runtime = kwargs.pop("runtime", None)
+        return _call(self, config, runtime if isinstance(runtime, ToolRuntime) else None, kwargs)
+
+
+def _injected(config: RunnableConfig, runtime: ToolRuntime | None = None, **args: Any) -> Any:
+    """Never called: ``ToolNode`` reads a tool's ``func`` signature to know what to inject
+    (here its ``ToolRuntime``: the model message and the call's id, for the ordinal)."""
+    raise NotImplementedError
 
 
 def outbox_tool(
@@ -160,12 +182,11 @@ def outbox_tool(
         raise ValueError(f"wait_s must not be negative, not {wait_s}")
     contract = CONTRACTS.get(tool)
     schema = input_schema or (contract.input_schema if contract else None) or FREE_FORM_PAYLOAD
-    call = _Call()
-    made = OutboxTool(
+    return OutboxTool(
         name=name or tool.replace(".", "_"),
         description=description or _description(tool, target),
         args_schema=_args_schema(schema, fixed_target=target is not None),
-        func=call.run,
+        func=_injected,
         response_format="content_and_artifact",
         handle_tool_error=True,
         outbox_tool=tool,
@@ -178,8 +199,6 @@ def outbox_tool(
         metadata_for_operation=metadata,
         requested_by=requested_by,
     )
-    call.tool = made
-    return made
 
 
 def _description(tool: str, target: str | None) -> str:
@@ -208,28 +227,17 @@ def _args_schema(payload: Mapping[str, Any], *, fixed_target: bool) -> dict[str,
     }
 
 
-class _Call:
-    """The tool's function: its signature is what LangChain and ``ToolNode`` inject into."""
-
-    tool: OutboxTool
-
-    def run(
-        self,
-        config: RunnableConfig,
-        runtime: ToolRuntime | None = None,
-        **args: Any,
-    ) -> tuple[str, dict[str, Any]]:
-        tool = self.tool
-        target, payload = _arguments(tool, args)
-        identity = _identity(tool, config, runtime)
-        key = tool.intent_key(identity)
-        op = _enqueue_committed(tool, key, target, payload)
+def _call(
+    tool: OutboxTool, config: RunnableConfig, runtime: ToolRuntime | None, args: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    target, payload = _arguments(tool, args)
+    key = tool.intent_key(_identity(tool, config, runtime))
+    op = _wait(tool, _enqueue_committed(tool, key, target, payload))
+    if op.state is State.AWAITING_APPROVAL and tool.interrupt_on_approval:
+        interrupt(describe(op).to_dict())  # raises until the thread is resumed; then returns
         op = _wait(tool, op)
-        if op.state is State.AWAITING_APPROVAL and tool.interrupt_on_approval:
-            interrupt(describe(op).to_dict())  # raises until resumed; then it returns
-            op = _wait(tool, op)
-        report = describe(op).to_dict()
-        return json.dumps(report), report
+    report = describe(op).to_dict()
+    return json.dumps(report), report
 
 
 def _arguments(tool: OutboxTool, args: Mapping[str, Any]) -> tuple[str, Any]:
