@@ -10,13 +10,18 @@ Kill it while it waits for the release (Ctrl-C, or ``kill -9``) and run it again
 model is asked again and gives its tool call another id, and the outbox answers with the
 operation the first run recorded. The reference service sees one release.
 
-Run it against the reference service and a stack::
+Run it against the reference service and a stack:
 
     outbox dev deploy-service --port 8900 &
-    printf '[tools."deploy.create_release"]\\nkind = "http"\\nmethod = "POST"\\n'\\
-    'url = "http://127.0.0.1:8900/projects/{target}/releases"\\n'\\
-    'idempotency_header = "Idempotency-Key"\\nremote_ref = "id"\\n' > tools.toml
-    export OUTBOX_CONFIG=$PWD/tools.toml          # and OUTBOX_DATABASE_URL, if not embedded
+    cat > tools.toml <<'EOF'
+    [tools."deploy.create_release"]
+    kind = "http"
+    method = "POST"
+    url = "http://127.0.0.1:8900/projects/{target}/releases"
+    idempotency_header = "Idempotency-Key"
+    remote_ref = "id"
+    EOF
+    export OUTBOX_CONFIG=$PWD/tools.toml   # and OUTBOX_DATABASE_URL, unless embedded
     outbox up &
     python examples/langgraph_agent.py --thread demo-1 --target web --version 1.4.0
 
@@ -84,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog="Run it again with the same --thread after a crash: one release, the same "
-        "operation. Environment: OUTBOX_DATABASE_URL (unset: the embedded PostgreSQL), "
-        "OUTBOX_CONFIG (the tool's TOML, to know its payload schema).",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Environment: OUTBOX_DATABASE_URL (unset: the embedded PostgreSQL), the\n"
+        "database of the outbox and of the checkpoints; OUTBOX_CONFIG or OUTBOX_TOOLS, the\n"
+        "deployment's tools (to know the payload's schema).",
     )
     parser.add_argument(
         "--thread",
