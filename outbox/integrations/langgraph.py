@@ -374,16 +374,24 @@ def _ordinal(
 
 
 def _position_in_message(name: str, call_id: str | None, state: Any) -> int | None:
-    """This call's index among ``name``'s calls in the model message that asked for it."""
-    messages = state.get("messages") if isinstance(state, Mapping) else state
-    if call_id is None or not isinstance(messages, Sequence):
+    """This call's index among ``name``'s calls in the model message that asked for it,
+    looked for in the state's lists of messages (whatever ``ToolNode``'s ``messages_key``)."""
+    if call_id is None:
         return None
-    for message in reversed(messages):
-        if isinstance(message, AIMessage):
-            same_tool = [call.get("id") for call in message.tool_calls if call["name"] == name]
-            if call_id in same_tool:
-                return same_tool.index(call_id)
+    for messages in _message_lists(state):
+        for message in reversed(messages):
+            if isinstance(message, AIMessage):
+                same_tool = [c.get("id") for c in message.tool_calls if c["name"] == name]
+                if call_id in same_tool:
+                    return same_tool.index(call_id)
     return None
+
+
+def _message_lists(state: Any) -> list[Sequence[Any]]:
+    if isinstance(state, Sequence) and not isinstance(state, str):
+        return [state]
+    fields = state if isinstance(state, Mapping) else getattr(state, "__dict__", {})
+    return [v for v in fields.values() if isinstance(v, Sequence) and not isinstance(v, str)]
 
 
 class _Ordinals:
