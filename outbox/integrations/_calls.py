@@ -42,6 +42,15 @@ _TARGET_DESCRIPTION = (
 _PAYLOAD_DESCRIPTION = "The action's input, a JSON object."
 
 
+#: How a model checks on a pending operation here: the status tool both adapters offer.
+HOW_TO_CHECK = "To check on it later, call outbox_status with operation_id {id}."
+
+
+def report_of(op: Operation) -> OperationReport:
+    """The report of ``op`` for a model that does not name the key: the adapter derives it."""
+    return describe(op, keyed_by_model=False, how_to_check=HOW_TO_CHECK)
+
+
 class BadArguments(ValueError):
     """The model's arguments are malformed; ``field`` names the argument (``target``,
     ``payload``). The model can fix them: adapters ask it to."""
@@ -114,7 +123,8 @@ def description_of(tool: str, given: str | None) -> str:
         "once, even if this call is repeated. The answer says what happened: 'confirmed' "
         "(done), 'failed' (refused), or, when it is not finished (in_progress, unknown, "
         "needs_human, awaiting_approval), that it is pending: then do not call this tool "
-        "again for the same action; tell the user it is pending."
+        "again for the same action; check on it with outbox_status, or tell the user it is "
+        "pending."
     )
 
 
@@ -184,12 +194,12 @@ def enqueue_committed(
 def settle(engine: Engine, op: Operation, wait_s: float) -> OperationReport:
     """The report of ``op`` once settled, or as it stands after ``wait_s``."""
     if op.is_settled or wait_s <= 0:
-        return describe(op)
+        return report_of(op)
     try:
-        return describe(api.wait(op.id, wait_s, engine=engine))
+        return report_of(api.wait(op.id, wait_s, engine=engine))
     except WaitTimeout as exc:
         last = exc.operation
-        return describe(last if isinstance(last, Operation) else op)
+        return report_of(last if isinstance(last, Operation) else op)
 
 
 async def call_committed_async(
@@ -214,12 +224,12 @@ async def call_committed_async(
             require_approval=require_approval,
         )
     if op.is_settled or wait_s <= 0:
-        return describe(op)
+        return report_of(op)
     try:
-        return describe(await aio.wait(op.id, wait_s, engine=engine))
+        return report_of(await aio.wait(op.id, wait_s, engine=engine))
     except WaitTimeout as exc:
         last = exc.operation
-        return describe(last if isinstance(last, Operation) else op)
+        return report_of(last if isinstance(last, Operation) else op)
 
 
 def refusal(exc: IntentConflict | IntentAlreadyDone) -> dict[str, Any]:
@@ -279,12 +289,12 @@ async def status_async(engine: AsyncEngine, operation_id: object, wait_s: float)
     if op is None:
         return _not_found(f"no operation {operation_id}")
     if op.is_settled or wait_s <= 0:
-        return describe(op).to_dict()
+        return report_of(op).to_dict()
     try:
-        return describe(await aio.wait(op.id, wait_s, engine=engine)).to_dict()
+        return report_of(await aio.wait(op.id, wait_s, engine=engine)).to_dict()
     except WaitTimeout as exc:
         last = exc.operation
-        return describe(last if isinstance(last, Operation) else op).to_dict()
+        return report_of(last if isinstance(last, Operation) else op).to_dict()
 
 
 def _operation_id(value: object) -> str:

@@ -16,8 +16,8 @@ same turn by a fresh :class:`OutboxRun`.
 
 Each call commits its intent in a transaction of its own, waits up to ``wait_s`` and returns
 the operation's report (``outbox.reports``) as JSON text: pending (``in_progress``,
-``unknown``, ``needs_human``, ``awaiting_approval``) is a normal result that says "pending, do
-not call again with a new key".
+``unknown``, ``needs_human``, ``awaiting_approval``) is a normal result that says "do not call
+again for the same purpose; check with outbox_status".
 
 **Approval.** A tool that requires approval (its contract's ``approval = "required"``, or
 ``approval=True``) gets the SDK's ``needs_approval``, as a function: it commits the intent

@@ -21,9 +21,9 @@ Never the provider's tool-call id, which differs when a crashed run is replayed.
 Each call commits its intent in a transaction of its own (it must, to see the outcome),
 waits up to ``wait_s`` and returns the operation's report (``outbox.reports``) as the tool's
 result. Pending (``in_progress``, ``unknown``, ``needs_human``, ``awaiting_approval``) is a
-normal result that says "pending, do not call again with a new key", never an exception
-that would make the framework retry. A payload that does not match the schema, or a missing
-target, raises ``ModelRetry`` naming the field: the model can fix that.
+normal result that says "do not call again for the same purpose; check with outbox_status",
+never an exception that would make the framework retry. A payload that does not match the
+schema, or a missing target, raises ``ModelRetry`` naming the field: the model can fix that.
 
 Given an ``Engine`` the tool is a sync function (PydanticAI runs it in a worker thread, under
 ``run_sync`` and ``run`` alike); given an ``AsyncEngine`` it is a coroutine on

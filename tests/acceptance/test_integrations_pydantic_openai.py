@@ -58,6 +58,7 @@ from outbox.integrations.openai_agents import (
     outbox_status_tool,
 )
 from outbox.integrations.pydantic_ai import outbox_tool, outbox_toolset
+from outbox.reports import DO_NOT_RETRY_DERIVED_KEY
 from tests.acceptance.agent_runner import MARKER
 from tests.acceptance.conftest import REPO, clean_environment
 from tests.processes import Service, Services, wait_until
@@ -76,7 +77,7 @@ INPUT_SCHEMA = {
     "additionalProperties": False,
     "properties": {"version": {"type": "string"}},
 }
-PENDING_WORDS = "Do not call this tool again with a new intent_key"
+PENDING_WORDS = DO_NOT_RETRY_DERIVED_KEY
 
 
 @dataclass
@@ -291,8 +292,8 @@ def _pydantic_model(target: str, call_id: str, payloads: list[dict[str, Any]]) -
 def test_pydantic_ai_async_run_answers_pending_as_a_result_then_the_same_operation(
     stack: Stack,
 ) -> None:
-    """An async PydanticAI run that cannot wait gets "in progress, do not call again with a new
-    key" as the tool's result, and a resumed run with another tool-call id gets that same
+    """An async PydanticAI run that cannot wait gets "in progress, do not call again for the same
+    purpose" as the tool's result, and a resumed run with another tool-call id gets that same
     operation, confirmed, with one effect."""
     stack.start_relay()
     run_id, target = f"conv-{uuid.uuid4().hex[:8]}", f"project-{uuid.uuid4().hex[:8]}"
@@ -433,7 +434,7 @@ def test_an_operation_awaiting_approval_is_a_pending_result_in_both_frameworks(
     stack: Stack,
 ) -> None:
     """Where the framework is not asked to interrupt, a tool whose operations need approval
-    answers "awaiting approval, do not call again with a new key" as a normal result, and
+    answers "awaiting approval, do not call again for the same purpose" as a normal result, and
     nothing is sent."""
     run_id, target = f"conv-{uuid.uuid4().hex[:8]}", f"project-{uuid.uuid4().hex[:8]}"
     model = _pydantic_model(target, "call-1", [{"version": "5.0.0"}])

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: What the extras bring ([worker], [flower], [embedded], [api], [pydantic-ai],
+#: What the extras bring ([worker], [flower], [embedded], [api], [langgraph], [pydantic-ai],
 #: [openai-agents]): none of it in a base install.
 EXTRA_MODULES = (
     "celery",
@@ -38,6 +38,8 @@ EXTRA_MODULES = (
     "fastapi",
     "starlette",
     "uvicorn",
+    "langgraph",
+    "langchain_core",
     "pydantic_ai",
     "agents",
 )
