@@ -504,3 +504,48 @@ def test_a_pending_answer_is_followed_up_with_the_status_tool_not_a_second_reque
     sdk_agent = SdkAgent(name="checker", model=sdk_model, tools=[sdk_status])
     answer = asyncio.run(Runner.run(sdk_agent, "check", context=OutboxRun(run_id)))
     assert json.loads(str(answer.final_output))["outcome"] == "not_found"
+
+
+@pytest.fixture
+def approval_contract() -> Iterator[None]:
+    """This process knows that APPROVED_TOOL requires approval (its loaded contract says so)."""
+    CONTRACTS.register(ToolContract(name=APPROVED_TOOL, approval_required=True))
+    yield
+    CONTRACTS.clear()
+
+
+@pytest.mark.usefixtures("approval_contract")
+def test_openai_agents_rejection_cancels_the_operation_and_tells_the_model_why(
+    stack: Stack,
+) -> None:
+    """A tool whose loaded contract requires approval interrupts the SDK run; rejecting the
+    interruption cancels the operation in the outbox with the rejecter recorded, the model is
+    given the reason, and nothing is sent."""
+    stack.start_relay()
+    run = OutboxRun(f"conv-{uuid.uuid4().hex[:8]}", turn=1)
+    target = f"project-{uuid.uuid4().hex[:8]}"
+    tool = outbox_function_tool(APPROVED_TOOL, engine=stack.engine, wait_s=60)
+    assert tool.needs_approval is not False
+    arguments = {"target": target, "payload": {"version": "7.0.0"}}
+    model = ScriptedModel(
+        [[function_call(tool.name, arguments, call_id="c-1")], ModelStep.respond(_echo)]
+    )
+    agent = SdkAgent(name="deployer", model=model, tools=[tool])
+
+    async def scenario() -> tuple[Any, Any]:
+        interrupted = await Runner.run(agent, "deploy", context=run)
+        [item] = interrupted.interruptions
+        state = interrupted.to_state()
+        with Session(stack.engine) as session, session.begin():
+            rejected = openai_agents.reject(
+                session, state, item, by="bob", reason="not on a Friday"
+            )
+        return rejected, await Runner.run(agent, state)
+
+    rejected, resumed = asyncio.run(scenario())
+    assert rejected.state is outbox.State.CANCELLED
+    assert rejected.decided_by == "bob"
+    assert "not on a Friday" in str(resumed.final_output)
+    [op] = stack.operations(run.run_id)
+    assert op["state"] == "cancelled"
+    assert stack.effects(target) == []
