@@ -47,6 +47,7 @@ from outbox.integrations._calls import DEFAULT_WAIT_S, BadArguments, KeyFunction
 from outbox.integrations.keys import durable_intent_key
 
 __all__ = [
+    "call_ordinal",
     "call_step",
     "conversation_run_id",
     "outbox_status_tool",
@@ -56,6 +57,8 @@ __all__ = [
 
 #: ``RunContext -> str``: a part of the run's durable identity.
 IdentityFunction = Callable[[RunContext[Any]], str]
+#: ``RunContext -> int``: the call's position among its tool's calls in the step.
+OrdinalFunction = Callable[[RunContext[Any]], int]
 
 
 def conversation_run_id(ctx: RunContext[Any]) -> str:
@@ -69,34 +72,35 @@ def call_step(ctx: RunContext[Any]) -> str:
     """``response-N``: the position, among the conversation's model responses, of the
     response that asked for this call (the default step). A replayed response has the same
     position; the next turn's responses come later."""
-    index = _response_index(ctx)
-    return f"response-{index}" if index is not None else f"run-step-{ctx.run_step}"
-
-
-def _response_index(ctx: RunContext[Any]) -> int | None:
-    responses = [m for m in ctx.messages if isinstance(m, ModelResponse)]
-    # From the end: a provider (or a test model) may reuse ids across a conversation.
-    for index in range(len(responses) - 1, -1, -1):
-        if any(_is_this_call(part, ctx) for part in responses[index].parts):
-            return index
-    return None
+    return f"response-{_response_index(ctx)}"
 
 
 def call_ordinal(ctx: RunContext[Any]) -> int:
     """This call's position among the calls of the same tool in its model response."""
-    index = _response_index(ctx)
-    if index is None:
-        return 0
-    response = [m for m in ctx.messages if isinstance(m, ModelResponse)][index]
+    response = [m for m in ctx.messages if isinstance(m, ModelResponse)][_response_index(ctx)]
     same_tool = [
         part
         for part in response.parts
         if isinstance(part, ToolCallPart) and part.tool_name == ctx.tool_name
     ]
-    for ordinal, part in enumerate(same_tool):
-        if part.tool_call_id == ctx.tool_call_id:
-            return ordinal
-    return 0
+    found = [n for n, part in enumerate(same_tool) if part.tool_call_id == ctx.tool_call_id]
+    if not found:
+        raise LookupError(f"the tool call {ctx.tool_call_id!r} is not a call of {ctx.tool_name!r}")
+    return found[0]
+
+
+def _response_index(ctx: RunContext[Any]) -> int:
+    """Where the response that made this call is; a context without it cannot say which call
+    this is, and a guess could merge two calls into one operation, so it refuses."""
+    responses = [m for m in ctx.messages if isinstance(m, ModelResponse)]
+    # From the end: a provider (or a test model) may reuse ids across a conversation.
+    for index in range(len(responses) - 1, -1, -1):
+        if any(_is_this_call(part, ctx) for part in responses[index].parts):
+            return index
+    raise LookupError(
+        f"the tool call {ctx.tool_call_id!r} is not among this run's messages (a context "
+        "without them?): pass step= and ordinal= to outbox_tool"
+    )
 
 
 def _is_this_call(part: object, ctx: RunContext[Any]) -> bool:
@@ -113,20 +117,24 @@ def outbox_tool(
     wait_s: float = DEFAULT_WAIT_S,
     run_id: IdentityFunction = conversation_run_id,
     step: IdentityFunction = call_step,
+    ordinal: OrdinalFunction = call_ordinal,
     intent_key: KeyFunction = durable_intent_key,
     max_retries: int | None = None,
 ) -> Tool[Any]:
     """The outbox tool ``tool`` as a PydanticAI :class:`~pydantic_ai.Tool`.
 
     ``name`` defaults to the tool's name with dots as underscores; ``input_schema`` to the
-    loaded contract's (a free-form object when none); ``run_id`` and ``step`` are functions of
-    the ``RunContext`` (defaults: :func:`conversation_run_id`, :func:`call_step`);
+    loaded contract's (a free-form object when none); ``run_id``, ``step`` and ``ordinal`` are
+    functions of the ``RunContext`` (defaults: :func:`conversation_run_id`, :func:`call_step`,
+    :func:`call_ordinal`);
     ``intent_key`` builds the key from ``run_id=, step=, tool=, ordinal=``. Raises
     ``ValueError`` for a tool this process knows not to exist.
     """
     _calls.check_tool(tool)
     schema = _calls.parameters_schema(_calls.input_schema_of(tool, input_schema))
-    call = _Call(tool, engine, wait_s, run_id=run_id, step=step, intent_key=intent_key)
+    call = _Call(
+        tool, engine, wait_s, run_id=run_id, step=step, ordinal=ordinal, intent_key=intent_key
+    )
     function: Callable[..., Any] = (
         call.run_async if isinstance(engine, AsyncEngine) else call.run_sync
     )
@@ -191,6 +199,7 @@ class _Call:
         *,
         run_id: IdentityFunction,
         step: IdentityFunction,
+        ordinal: OrdinalFunction,
         intent_key: KeyFunction,
     ) -> None:
         self.tool = tool
@@ -198,6 +207,7 @@ class _Call:
         self.wait_s = wait_s
         self.run_id = run_id
         self.step = step
+        self.ordinal = ordinal
         self.intent_key = intent_key
 
     def _prepare(
@@ -209,7 +219,7 @@ class _Call:
             raise ModelRetry(str(exc)) from None
         run_id = self.run_id(ctx)
         key = self.intent_key(
-            run_id=run_id, step=self.step(ctx), tool=self.tool, ordinal=call_ordinal(ctx)
+            run_id=run_id, step=self.step(ctx), tool=self.tool, ordinal=self.ordinal(ctx)
         )
         return arguments, key, {"framework": "pydantic_ai", "run_id": run_id}
 

@@ -99,3 +99,11 @@ def test_malformed_arguments_name_the_argument(raw: dict[str, object], field: st
     with pytest.raises(BadArguments) as refused:
         arguments_of(raw)
     assert refused.value.field == field
+
+
+def test_a_pydantic_ai_call_missing_from_the_messages_is_refused_not_guessed() -> None:
+    """A context that does not hold the call's response cannot name the call: no guessed key."""
+    with pytest.raises(LookupError, match="pass step= and ordinal="):
+        call_step(_context([ModelRequest(parts=[UserPromptPart("deploy")])], "c9"))
+    with pytest.raises(LookupError):
+        call_ordinal(_context([], "c9"))
