@@ -14,7 +14,8 @@ from the run's durable identity (:func:`~outbox.integrations.keys.durable_intent
 - ``step``: which model response asked for the call, counted over the conversation's
   messages (``response-3``), so a replay of that response is the same step and the next turn
   is another; or your function;
-- the tool, and ``ordinal``: the call's position among this tool's calls in that response.
+- the tool, and ``ordinal``: the call's position among this tool's calls in that response
+  (or your function).
 
 Never the provider's tool-call id, which differs when a crashed run is replayed.
 
@@ -126,9 +127,8 @@ def outbox_tool(
     ``name`` defaults to the tool's name with dots as underscores; ``input_schema`` to the
     loaded contract's (a free-form object when none); ``run_id``, ``step`` and ``ordinal`` are
     functions of the ``RunContext`` (defaults: :func:`conversation_run_id`, :func:`call_step`,
-    :func:`call_ordinal`);
-    ``intent_key`` builds the key from ``run_id=, step=, tool=, ordinal=``. Raises
-    ``ValueError`` for a tool this process knows not to exist.
+    :func:`call_ordinal`); ``intent_key`` builds the key from ``run_id=, step=, tool=,
+    ordinal=``. Raises ``ValueError`` for a tool this process knows not to exist.
     """
     _calls.check_tool(tool)
     schema = _calls.parameters_schema(_calls.input_schema_of(tool, input_schema))
