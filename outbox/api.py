@@ -32,6 +32,7 @@ from outbox.errors import (
     WaitTimeout,
 )
 from outbox.models import Executor, Operation, PrunedIntent
+from outbox.payloads import check_payload
 from outbox.states import State
 
 #: Dotted names of letters, digits, ``_`` and ``-``: ``deploy.create_release``.
@@ -189,7 +190,8 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
         try:
             checked.append(_check(intent))
         except InvalidIntent as exc:
-            raise InvalidIntent(f"intent #{position}: {exc}", field=exc.field) from None
+            # The same class and identifiers (field, size, limit...), the position added.
+            raise type(exc)(f"intent #{position}: {exc}", **vars(exc)) from None
     if not checked:
         return []
     unique = _unique_keys(checked)
@@ -249,6 +251,8 @@ def _check(intent: Intent) -> _Checked:
     if not isinstance(intent.require_approval, bool):
         raise InvalidIntent("require_approval must be True or False", field="require_approval")
     contract = CONTRACTS.get(intent.tool)
+    if contract is not None and contract.input_schema is not None:
+        check_payload(intent.tool, contract.input_schema, json.loads(canonical))
     return _Checked(
         intent_key=intent.intent_key,
         tool=intent.tool,

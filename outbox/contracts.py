@@ -9,10 +9,12 @@ contradictory values are refused with a :class:`ConfigError` naming the tool and
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from outbox.errors import ConfigError
+from outbox.payloads import schema_problem
 
 #: Slack between "the last byte a dispatcher may send" and "a request can no longer land":
 #: covers scheduling delays and the remote's own queueing.
@@ -68,6 +70,10 @@ class ToolContract:
     approval_required: bool = False
     #: How long such an operation may wait for it; then the sweep cancels it.
     approval_ttl_s: float = DEFAULT_APPROVAL_TTL_S
+    #: The JSON Schema every payload must match (checked at enqueue by a process that knows
+    #: this contract), or ``None`` for any JSON object. Also what the MCP server and the
+    #: framework adapters show a model as the payload's parameters.
+    input_schema: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for problem in self._problems():
@@ -93,6 +99,10 @@ class ToolContract:
                 "before that a request may still be on its way"
             )
         yield from self._dedup_problems()
+        if self.input_schema is not None:
+            problem = schema_problem(self.input_schema)
+            if problem is not None:
+                yield problem
 
     def _dedup_problems(self) -> Iterator[str]:
         dedup = self.dedup

@@ -66,6 +66,17 @@ class PayloadTooLarge(InvalidIntent):
     limit: int
 
 
+class PayloadInvalid(InvalidIntent):
+    """The payload does not match its tool's declared ``input_schema``; nothing was written.
+
+    ``field`` is the offending path (``payload.amount``, ``payload.items[2].sku``), ``keyword``
+    the JSON Schema keyword it fails (``type``, ``required``, ``maximum``...). The message
+    never quotes the payload's values.
+    """
+
+    keyword: str
+
+
 class IntentConflict(OutboxError):
     """The intent key is already used by an operation with another tool, target or payload.
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Awaitable, Callable
-from typing import TypeVar, overload
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar, overload
 
 from outbox.contracts import DedupContract, ToolContract, approval_required
 from outbox.errors import ConfigError
@@ -129,6 +129,7 @@ def tool(
     dedup: DedupContract | None = None,
     approval: str = "none",
     approval_ttl_s: float = ToolContract.approval_ttl_s,
+    input_schema: Mapping[str, Any] | None = None,
     registry: ToolRegistry | None = None,
 ) -> Callable[[DispatchFn], PythonTool]:
     """Register the decorated function as the dispatch of tool ``name``.
@@ -140,7 +141,9 @@ def tool(
     or a human, ``max_attempts`` the sends before a human. ``dedup`` states the remote's
     deduplication contract, if any. ``approval="required"`` makes every operation of the tool
     wait in ``awaiting_approval`` for a person (``outbox ops approve``) before any send, for
-    at most ``approval_ttl_s`` seconds (then it is cancelled). The function receives a
+    at most ``approval_ttl_s`` seconds (then it is cancelled). ``input_schema`` is the JSON
+    Schema every payload must match (checked at enqueue where the tool is known; shown to
+    models as the payload's parameters). The function receives a
     :class:`ToolCall`, sends one request with ``call.operation_id`` as idempotency key, and
     returns a :data:`DispatchResult`; it may be ``async def``.
 
@@ -157,6 +160,7 @@ def tool(
         dedup=dedup,
         approval_required=approval_required(approval, name),
         approval_ttl_s=approval_ttl_s,
+        input_schema=input_schema,
     )
     target = registry if registry is not None else REGISTRY
 

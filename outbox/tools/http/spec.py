@@ -59,6 +59,8 @@ class HttpToolSpec(BaseModel):
     allowed_hosts: list[str] | None = None
     approval: Literal["none", "required"] = "none"
     approval_ttl_s: float | None = None
+    #: The JSON Schema of the payload (a TOML table), checked at enqueue where the tool is known.
+    input_schema: dict[str, Any] | None = None
 
     @field_validator("method")
     @classmethod
@@ -233,6 +235,7 @@ class HttpToolSpec(BaseModel):
             has_lookup=self.lookup_url is not None,
             dedup=self._dedup(),
             approval_required=self.approval == "required",
+            input_schema=self.input_schema,
             **knobs,
         )
 
