@@ -91,8 +91,9 @@ def registered_tool(contract: ToolContract) -> types.Tool:
         "required": ["intent_key", "target", "payload"],
         "additionalProperties": False,
     }
-    # A payload schema's own definitions move to the root, where its "#/$defs/..." point.
-    for key in ("$defs", "definitions"):
+    # The payload schema's dialect and definitions move to the root, where its "#/$defs/..."
+    # point (the keywords around it mean the same in every draft since 4).
+    for key in ("$schema", "$defs", "definitions"):
         if key in payload:
             schema[key] = payload.pop(key)
     approval = (
@@ -116,11 +117,9 @@ def registered_tool(contract: ToolContract) -> types.Tool:
 
 
 def _payload_schema(contract: ToolContract) -> dict[str, Any]:
-    declared: Mapping[str, Any] | None = getattr(contract, "input_schema", None)
-    if declared is None:
+    if contract.input_schema is None:
         return dict(_FREE_PAYLOAD)
-    payload = copy.deepcopy(dict(declared))
-    payload.pop("$schema", None)  # one dialect for the whole input schema: the tool's
+    payload = copy.deepcopy(dict(contract.input_schema))
     payload.setdefault("description", f"The {contract.name} action's input.")
     return payload
 

@@ -41,6 +41,13 @@ TOOL = "deploy.create_release"
 #: No lookup and no dedup contract: an ambiguous outcome can only go to a person.
 BLIND = "deploy.blind"
 _SERVING = re.compile(r"serving MCP on (\S+)")
+#: The release tool's payload schema (`_fault`: the reference service's fault for a payload).
+SCHEMA = """[tools."deploy.create_release".input_schema]
+type = "object"
+required = ["version"]
+additionalProperties = false
+properties = { version = { type = "string" }, _fault = { type = "string" } }
+"""
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ def stack(databases: Databases, tmp_path_factory: pytest.TempPathFactory) -> Ite
         tools = home / "tools.toml"
         tools.write_text(
             http_tool_toml(service.url, timeout_s=6.0, inflight_horizon_s=30)
+            + SCHEMA
             + http_tool_toml(
                 service.url, BLIND, lookup=False, timeout_s=1.0, inflight_horizon_s=30
             ),
@@ -155,7 +163,7 @@ def test_a_stdio_server_killed_after_sent_then_the_same_key_is_one_effect(stack:
     key = "conversation-7/step-1"
     asked = _intent(key, "1.0.0", fault="slow")
 
-    async def scenario() -> tuple[CallToolResult, CallToolResult, CallToolResult]:
+    async def scenario() -> tuple[CallToolResult, ...]:
         killed: list[int] = []
         with contextlib.suppress(Exception):  # the client sees its server vanish: any error
             async with Client(_stdio(stack.env)) as client:
@@ -170,9 +178,12 @@ def test_a_stdio_server_killed_after_sent_then_the_same_key_is_one_effect(stack:
             first = await client.call_tool(TOOL, asked)
             again = await client.call_tool(TOOL, asked)
             other = await client.call_tool(TOOL, _intent(key, "2.0.0", fault="slow"))
-        return first, again, other
+            malformed = await client.call_tool(
+                TOOL, {"intent_key": "conversation-7/step-2", "target": "web", "payload": {}}
+            )
+        return first, again, other, malformed
 
-    first, again, other = asyncio.run(scenario())
+    first, again, other, malformed = asyncio.run(scenario())
     one, two = _report(first), _report(again)
     assert (one["outcome"], first.is_error) == ("confirmed", False), _text(first)
     assert (two["operation_id"], two["remote_ref"]) == (one["operation_id"], one["remote_ref"])
@@ -182,6 +193,9 @@ def test_a_stdio_server_killed_after_sent_then_the_same_key_is_one_effect(stack:
     assert other.is_error
     assert _report(other)["field"] == "payload.version"
     assert "payload.version" in _text(other)
+    assert malformed.is_error
+    assert _report(malformed)["field"] == "payload.version"
+    assert _state(stack.engine, "conversation-7/step-2") is None
 
 
 def test_a_blind_tool_under_faults_ends_needing_a_person_and_says_so(stack: Stack) -> None:
