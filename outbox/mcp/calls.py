@@ -16,6 +16,7 @@ from typing import Any
 from uuid import UUID
 
 import mcp_types as types
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import aio, sql
@@ -63,6 +64,9 @@ class Calls:
             return refused(str(exc), field=exc.field)
         except IntentAlreadyDone as exc:
             return _already_done(exc)
+        except (OperationalError, InterfaceError):
+            # The commit's outcome may be unknown: the same key again is the safe retry.
+            return unreachable()
         return report_result(describe(await self._settled(op, self.wait_s)))
 
     async def status(
@@ -165,6 +169,8 @@ class Calls:
         except WaitTimeout as exc:
             last = exc.operation
             return last if isinstance(last, Operation) else op
+        except (OperationalError, InterfaceError):
+            return op  # recorded already: its report says how to check on it later
 
 
 def _taken(key: str) -> ArgumentRefused:
@@ -225,6 +231,20 @@ def report_result(report: OperationReport) -> types.CallToolResult:
         content=[types.TextContent(type="text", text=report.message)],
         structured_content=report.to_dict(),
         is_error=report.outcome in _ERROR_OUTCOMES,
+    )
+
+
+def unreachable() -> types.CallToolResult:
+    """The database could not be reached: whether the intent was recorded is not known."""
+    message = (
+        "The outbox's database could not be reached, so whether this action was recorded is "
+        "not known. Call again with the same intent_key in a moment: that is safe (it can "
+        "never do the action twice). Do not use a new intent_key."
+    )
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=message)],
+        structured_content={"error": "unavailable", "message": message},
+        is_error=True,
     )
 
 

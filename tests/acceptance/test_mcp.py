@@ -31,7 +31,7 @@ from outbox.db import create_engine
 from outbox.dev.service import DeployService
 from outbox.dev.tool_config import http_tool_toml
 from outbox.models import TokenScope
-from tests.acceptance.conftest import REPO, clean_environment
+from tests.acceptance.conftest import REPO, clean_environment, run_outbox
 from tests.conftest import Databases
 from tests.processes import Service, Services, wait_until
 
@@ -312,3 +312,21 @@ def test_over_http_no_token_is_401_and_an_operator_token_403(stack: Stack) -> No
     assert wrong.status_code == 401
     as_operator = httpx.post(url, json=hello, headers={"Authorization": f"Bearer {operator}"})
     assert as_operator.status_code == 403
+
+
+def test_a_public_address_without_tls_or_a_config_without_tools_is_one_line(
+    stack: Stack,
+) -> None:
+    """`outbox mcp --http --host 0.0.0.0` without TLS exits 2, `outbox mcp` with no tools
+    named exits 1, and `outbox up --mcp` without tools exits 2, each with one line."""
+    public = run_outbox("mcp", "--http", "--host", "0.0.0.0", env=stack.env)  # noqa: S104
+    assert public.code == 2
+    assert "refusing to serve MCP on 0.0.0.0 without TLS" in public.stderr
+    bare = {k: v for k, v in stack.env.items() if k != "OUTBOX_CONFIG"}
+    no_tools = run_outbox("mcp", env=bare)
+    assert no_tools.code == 1
+    assert "set OUTBOX_CONFIG" in no_tools.stderr
+    assert len(no_tools.stderr.strip().splitlines()) == 1
+    up = run_outbox("up", "--mcp", "--no-panel", env=bare)
+    assert up.code == 2
+    assert "OUTBOX_CONFIG or OUTBOX_TOOLS" in up.stderr
