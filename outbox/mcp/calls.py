@@ -13,14 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from uuid import UUID
 
 import mcp_types as types
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import aio, sql
-from outbox.api import _as_uuid
 from outbox.errors import (
     IntentAlreadyDone,
     IntentConflict,
@@ -37,6 +35,7 @@ from outbox.mcp.tools import (
 )
 from outbox.models import Operation
 from outbox.reports import OperationReport, describe
+from outbox.states import State
 
 #: Outcomes that settled without the action happening: the call ended in an error.
 _ERROR_OUTCOMES = frozenset({"failed", "cancelled"})
@@ -78,23 +77,22 @@ class Calls:
             query = status_query(arguments)
         except ArgumentRefused as exc:
             return refused(str(exc), field=exc.field)
-        async with self.engine.connect() as conn:
+        try:
             if query.operation_id is not None:
-                try:
-                    op_id = _as_uuid(query.operation_id)
-                except OperationNotFound:
-                    return refused(
-                        f"{query.operation_id!r} is not an operation id", field="operation_id"
-                    )
-                op = await aio.get(conn, op_id)
-                named = f"operation {op_id}"
+                field, named = "operation_id", f"operation {query.operation_id}"
+                op = await self.own_operation(query.operation_id, caller)
             else:
-                key = str(query.intent_key)
-                op = await aio.find(conn, key)
-                named = f"intent_key {key!r}"
-        if op is None or op.requested_by != caller:
-            return refused(f"none of your operations has {named}", field="operation_id")
-        return report_result(describe(await self._settled(op, min(query.wait_s, self.wait_s))))
+                field, named = "intent_key", f"intent_key {query.intent_key!r}"
+                async with self.engine.connect() as conn:
+                    op = await aio.find(conn, str(query.intent_key))
+                if op is not None and op.requested_by != caller:
+                    op = None
+            if op is None:
+                return refused(f"none of your operations has {named}", field=field)
+            op = await self._settled(op, min(query.wait_s, self.wait_s))
+        except (OperationalError, InterfaceError):
+            return unreachable()
+        return report_result(describe(op))
 
     async def list_own(
         self, arguments: Mapping[str, Any] | None, caller: str
@@ -104,7 +102,10 @@ class Calls:
             query = list_query(arguments)
         except ArgumentRefused as exc:
             return refused(str(exc), field=exc.field)
-        found = await self.own_operations(caller, state=query.state, limit=query.limit)
+        try:
+            found = await self.own_operations(caller, state=query.state, limit=query.limit)
+        except (OperationalError, InterfaceError):
+            return unreachable()
         reports = [describe(op).to_dict() for op in found]
         lines = [
             f"{r['operation_id']} {r['tool']} {r['target']!r} key {r['intent_key']!r}: "
@@ -119,7 +120,7 @@ class Calls:
         )
 
     async def own_operations(
-        self, caller: str, *, state: Any = None, limit: int = 20
+        self, caller: str, *, state: State | None = None, limit: int = 20
     ) -> list[Operation]:
         """``caller``'s operations, newest first (ids are UUIDv7: creation order)."""
         async with self.engine.connect() as conn:
@@ -131,12 +132,11 @@ class Calls:
 
     async def own_operation(self, operation_id: str, caller: str) -> Operation | None:
         """One of ``caller``'s operations by id; ``None`` if there is none (or another's)."""
-        try:
-            op_id: UUID = _as_uuid(operation_id)
-        except OperationNotFound:
-            return None
         async with self.engine.connect() as conn:
-            op = await aio.get(conn, op_id)
+            try:
+                op = await aio.get(conn, operation_id)
+            except OperationNotFound:  # not an operation id at all
+                return None
         return op if op is not None and op.requested_by == caller else None
 
     async def _enqueue_committed(self, tool: str, intent: ToolIntent, caller: str) -> Operation:
