@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
+from mcp import Client
+from mcp.server.lowlevel import Server
+from mcp.shared.exceptions import MCPError
+from mcp_types import CallToolResult
 
-from outbox.contracts import ToolContract
+from outbox.contracts import ContractTable, ToolContract
+from outbox.db import create_async_engine
+from outbox.mcp import McpContext, create_server
 from outbox.mcp.calls import differing_paths
 from outbox.mcp.tools import (
     INTENT_KEY_ADVICE,
@@ -103,3 +110,34 @@ def test_differing_paths_name_the_payload_fields_that_differ() -> None:
     ]
     assert differing_paths({"n": 1}, {"n": 1.0}) == ["payload.n"]
     assert differing_paths([1], [1, 2]) == ["payload"]
+
+
+def _server(*contracts: ToolContract) -> Server[Any]:
+    table = ContractTable()
+    for contract in contracts:
+        table.register(contract)
+    # Never connected: listing tools and refusing arguments need no database.
+    engine = create_async_engine("postgresql+psycopg://nobody@127.0.0.1:1/none")
+    return create_server(McpContext(engine=engine, contracts=table, wait_s=1.0, agent="tester"))
+
+
+def test_the_server_lists_the_loaded_tools_and_refuses_an_unknown_one() -> None:
+    """In process, through the SDK's client: the loaded tools and the two reading tools are
+    listed; an unknown tool is a protocol error; a call without a key is a tool error."""
+    server = _server(ToolContract(name="billing.charge", input_schema=SCHEMA))
+
+    async def session() -> tuple[list[str], str, CallToolResult]:
+        async with Client(server) as client:
+            names = [tool.name for tool in (await client.list_tools()).tools]
+            with pytest.raises(MCPError) as unknown:
+                await client.call_tool("billing.refund", {})
+            keyless = await client.call_tool("billing.charge", {"target": "t", "payload": {}})
+            return names, unknown.value.message, keyless
+
+    names, unknown, keyless = asyncio.run(session())
+    assert names == ["billing.charge", "outbox_status", "outbox_list"]
+    assert "unknown tool 'billing.refund'" in unknown
+    assert keyless.is_error
+    body = keyless.structured_content
+    assert isinstance(body, dict)
+    assert (body["error"], body["field"]) == ("refused", "intent_key")
