@@ -263,7 +263,8 @@ async def _http_client(url: str, token: str) -> AsyncIterator[Client]:
 def test_over_http_a_killed_server_then_the_same_key_is_one_effect(stack: Stack) -> None:
     """Over streamable HTTP with an agent token: SIGKILL the server after `sent`, start a new
     one, the same key answers the same operation and remote_ref, once at the remote, recorded
-    as requested by the token's name."""
+    as requested by the token's name; other input names the field; a blind tool under faults
+    ends in needs_human and says so."""
     token = _token(stack.engine, "agent-http", TokenScope.AGENT)
     key = "conversation-9/step-1"
     asked = _intent(key, "3.0.0", fault="slow")
@@ -281,13 +282,19 @@ def test_over_http_a_killed_server_then_the_same_key_is_one_effect(stack: Stack)
     assert not server.alive()
     _, url = _start_http(stack, "mcp-http-2")
 
-    async def again() -> tuple[CallToolResult, CallToolResult]:
+    async def again() -> tuple[CallToolResult, ...]:
         async with _http_client(url, token) as client:
-            first = await client.call_tool(TOOL, asked)
+            first, blind = await asyncio.gather(
+                client.call_tool(TOOL, asked),
+                client.call_tool(
+                    BLIND, _intent("conversation-9/step-2", "3.0.0", fault="commit_then_timeout")
+                ),
+            )
             status = await client.call_tool("outbox_status", {"intent_key": key})
-            return first, status
+            other = await client.call_tool(TOOL, _intent(key, "3.0.1", fault="slow"))
+            return first, status, blind, other
 
-    first, status = asyncio.run(again())
+    first, status, blind, other = asyncio.run(again())
     one, two = _report(first), _report(status)
     assert one["outcome"] == "confirmed", _text(first)
     assert (two["operation_id"], two["remote_ref"]) == (one["operation_id"], one["remote_ref"])
@@ -297,6 +304,9 @@ def test_over_http_a_killed_server_then_the_same_key_is_one_effect(stack: Stack)
             text("SELECT requested_by FROM outbox.operations WHERE intent_key = :k"), {"k": key}
         ).scalar_one()
     assert by == "agent-http"
+    assert (other.is_error, _report(other)["field"]) == (True, "payload.version")
+    assert (_report(blind)["outcome"], blind.is_error) == ("needs_human", False)
+    assert "Needs a person" in _text(blind)
 
 
 def test_over_http_no_token_is_401_and_an_operator_token_403(stack: Stack) -> None:
