@@ -89,7 +89,7 @@ class Calls:
                     op = None
             if op is None:
                 return refused(f"none of your operations has {named}", field=field)
-            op = await self._settled(op, min(query.wait_s, self.wait_s))
+            op = await self._settled(op, min(query.wait_s, self.wait_s), through_approval=True)
         except (OperationalError, InterfaceError):
             return unreachable()
         return report_result(describe(op))
@@ -160,12 +160,19 @@ class Calls:
                 raise _taken(key)
         return op
 
-    async def _settled(self, op: Operation, wait_s: float) -> Operation:
-        """``op`` once settled, or as last seen after ``wait_s`` seconds."""
-        if op.is_settled or wait_s <= 0:
+    async def _settled(
+        self, op: Operation, wait_s: float, *, through_approval: bool = False
+    ) -> Operation:
+        """``op`` once settled, or as last seen after ``wait_s`` seconds. A call answers at
+        once that its operation waits for approval (a person takes minutes, not seconds);
+        ``outbox_status`` asked to wait waits on through the approval to the outcome."""
+        pending = through_approval and op.state is State.AWAITING_APPROVAL
+        if (op.is_settled and not pending) or wait_s <= 0:
             return op
         try:
-            return await aio.wait(op.id, timeout=wait_s, engine=self.engine)
+            return await aio.wait(
+                op.id, timeout=wait_s, engine=self.engine, through_approval=through_approval
+            )
         except WaitTimeout as exc:
             last = exc.operation
             return last if isinstance(last, Operation) else op

@@ -26,6 +26,7 @@ from mcp_types import CallToolResult, TextContent
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
+import outbox
 from outbox import migrate, tokens
 from outbox.db import create_engine
 from outbox.dev.service import DeployService
@@ -40,6 +41,8 @@ pytestmark = pytest.mark.slow
 TOOL = "deploy.create_release"
 #: No lookup and no dedup contract: an ambiguous outcome can only go to a person.
 BLIND = "deploy.blind"
+#: Every call waits for a person's approval before anything is sent.
+APPROVED = "deploy.approved"
 _SERVING = re.compile(r"serving MCP on (\S+)")
 #: The release tool's payload schema (`_fault`: the reference service's fault for a payload).
 SCHEMA = """[tools."deploy.create_release".input_schema]
@@ -74,9 +77,8 @@ def stack(databases: Databases, tmp_path_factory: pytest.TempPathFactory) -> Ite
         tools.write_text(
             http_tool_toml(service.url, timeout_s=6.0, inflight_horizon_s=30)
             + SCHEMA
-            + http_tool_toml(
-                service.url, BLIND, lookup=False, timeout_s=1.0, inflight_horizon_s=30
-            ),
+            + http_tool_toml(service.url, BLIND, lookup=False, timeout_s=1.0, inflight_horizon_s=30)
+            + http_tool_toml(service.url, APPROVED, approval="required"),
             encoding="utf-8",
         )
         env = clean_environment(
@@ -219,6 +221,30 @@ def test_a_blind_tool_under_faults_ends_needing_a_person_and_says_so(stack: Stac
     words = _text(result)
     assert "Needs a person" in words
     assert "Do not call this tool again with a new intent_key" in words
+
+
+def test_an_approval_tool_answers_at_once_and_status_waits_through_the_approval(
+    stack: Stack,
+) -> None:
+    """A call of a tool that requires approval answers at once that it waits for a person
+    (not an error); once approved, outbox_status with wait_s answers its confirmation."""
+    key = "conversation-10/step-1"
+
+    async def session() -> tuple[CallToolResult, CallToolResult]:
+        async with Client(_stdio(stack.env)) as client:
+            asked = await client.call_tool(APPROVED, _intent(key, "4.0.0"))
+            with Session(stack.engine) as db, db.begin():
+                op = outbox.find(db, key)
+                assert op is not None
+                outbox.approve(db, op.id, by="alice", payload_hash=op.payload_hash)
+            checked = await client.call_tool("outbox_status", {"intent_key": key, "wait_s": 20})
+            return asked, checked
+
+    asked, checked = asyncio.run(session())
+    assert (_report(asked)["outcome"], asked.is_error) == ("awaiting_approval", False)
+    assert "Waiting for approval" in _text(asked)
+    assert _report(checked)["outcome"] == "confirmed", _text(checked)
+    assert _report(checked)["operation_id"] == _report(asked)["operation_id"]
 
 
 # --- streamable HTTP --------------------------------------------------------------------------
