@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: What the extras bring ([worker], [flower], [embedded], [api], [mcp]): none of it in a base
-#: install.
+#: What the extras bring ([worker], [flower], [embedded], [api], [mcp], [langgraph]):
+#: none of it in a base install.
 EXTRA_MODULES = (
     "celery",
     "kombu",
@@ -40,6 +40,8 @@ EXTRA_MODULES = (
     "uvicorn",
     "mcp",
     "mcp_types",
+    "langgraph",
+    "langchain_core",
 )
 
 #: Not the package's source: build outputs, caches and the development venv.

@@ -1,0 +1,172 @@
+"""A LangGraph agent whose release goes through the outbox, and survives a crash.
+
+One node asks a model, then makes the tool calls the model asked for through an outbox tool
+(``outbox.integrations.langgraph.outbox_tool``); a ``PostgresSaver`` on the outbox's own
+PostgreSQL checkpoints the thread. The model is LangChain's offline ``GenericFakeChatModel``:
+no provider, no key, and new tool-call ids every time it is asked, as a real model's are.
+
+Kill it while it waits for the release (Ctrl-C, or ``kill -9``) and run it again with the same
+``--thread``: LangGraph resumes the thread from its last checkpoint, the node runs again, the
+model is asked again and gives its tool call another id, and the outbox answers with the
+operation the first run recorded. The reference service sees one release.
+
+Run it against the reference service and a stack:
+
+    outbox dev deploy-service --port 8900 &
+    cat > tools.toml <<'EOF'
+    [tools."deploy.create_release"]
+    kind = "http"
+    method = "POST"
+    url = "http://127.0.0.1:8900/projects/{target}/releases"
+    idempotency_header = "Idempotency-Key"
+    remote_ref = "id"
+    EOF
+    export OUTBOX_CONFIG=$PWD/tools.toml   # and OUTBOX_DATABASE_URL, unless embedded
+    outbox up &
+    python examples/langgraph_agent.py --thread demo-1 --target web --version 1.4.0
+
+Needs ``pip install 'agent-outbox[langgraph,worker]'`` (``worker`` to load the TOML tool, so
+the model is given its payload schema and the payload is checked before it is recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool
+from langgraph.checkpoint.postgres import PostgresSaver
+from langgraph.graph import END, START, MessagesState, StateGraph
+from sqlalchemy import make_url
+
+from outbox.db import database_url
+from outbox.integrations.langgraph import outbox_tool
+
+TOOL = "deploy.create_release"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _load_tools()
+    tool = outbox_tool(TOOL, wait_s=args.wait)
+    config: RunnableConfig = {"configurable": {"thread_id": args.thread}}
+    with PostgresSaver.from_conn_string(_libpq_url(database_url())) as saver:
+        saver.setup()
+        graph = _graph(tool, _script(tool.name, args.target, args.version, args.json)).compile(
+            checkpointer=saver
+        )
+        pending = graph.get_state(config).next
+        request = HumanMessage(f"Release {args.version} of {args.target}.")
+        # A thread with a step still to run was interrupted: resume it from its checkpoint.
+        final = graph.invoke(None if pending else {"messages": [request]}, config)
+    # A report per call (the artifact); a refused call (bad input) has only its words.
+    reports = [m.artifact or m.content for m in final["messages"] if isinstance(m, ToolMessage)]
+    answer = final["messages"][-1].content
+    if args.json:
+        _emit(
+            {
+                "event": "done",
+                "thread_id": args.thread,
+                "resumed": bool(pending),
+                "reports": reports,
+                "answer": answer,
+            }
+        )
+    else:
+        for report in reports:
+            print(report["message"] if isinstance(report, dict) else report)  # noqa: T201
+        print(f"agent: {answer}")  # noqa: T201
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Environment: OUTBOX_DATABASE_URL (unset: the embedded PostgreSQL), the\n"
+        "database of the outbox and of the checkpoints; OUTBOX_CONFIG or OUTBOX_TOOLS, the\n"
+        "deployment's tools (to know the payload's schema).",
+    )
+    parser.add_argument(
+        "--thread",
+        default=str(uuid.uuid4()),
+        help="the LangGraph thread id; reuse it to resume (default: a new one)",
+    )
+    parser.add_argument("--target", default="web", help="the project to release (default web)")
+    parser.add_argument("--version", default="1.0.0", help="the version to release")
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=30.0,
+        help="seconds the tool waits for the outcome before it answers 'in progress' (default 30)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON line per event (what the model asked, the end)",
+    )
+    return parser
+
+
+def _load_tools() -> None:
+    """Load the deployment's tools when configured, so the adapter knows the payload schema."""
+    if not (os.environ.get("OUTBOX_CONFIG") or os.environ.get("OUTBOX_TOOLS")):
+        return
+    try:
+        from outbox.tools import load_tools  # noqa: PLC0415 - needs the [worker] extra
+    except ImportError:
+        return
+    load_tools()
+
+
+def _libpq_url(url: str) -> str:
+    """The outbox's SQLAlchemy URL as the plain ``postgresql://`` one psycopg connects with."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _script(tool_name: str, target: str, version: str, json_lines: bool) -> Iterator[AIMessage]:
+    """The model's answers: one tool call (a fresh id, as a provider mints one), then prose."""
+    call_id = f"call_{uuid.uuid4().hex[:12]}"
+    if json_lines:
+        _emit({"event": "model", "tool_call_ids": [call_id]})
+    args = {"target": target, "payload": {"version": version}}
+    yield AIMessage("", tool_calls=[{"id": call_id, "name": tool_name, "args": args}])
+    yield AIMessage(f"Asked for release {version} of {target}; the outbox's answer is above.")
+
+
+def _graph(tool: BaseTool, script: Iterator[AIMessage]) -> StateGraph[MessagesState]:
+    model = GenericFakeChatModel(messages=script)
+
+    def agent(state: MessagesState, config: RunnableConfig) -> dict[str, Any]:
+        """Ask the model, then make its tool calls (in its order, one at a time)."""
+        reply = model.invoke(state["messages"], config)
+        results = [
+            tool.invoke({**call, "type": "tool_call"}, config)
+            for call in getattr(reply, "tool_calls", [])
+        ]
+        return {"messages": [reply, *results]}
+
+    def route(state: MessagesState) -> str:
+        return "agent" if isinstance(state["messages"][-1], ToolMessage) else END
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", agent)
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", route, ["agent", END])
+    return graph
+
+
+def _emit(event: dict[str, Any]) -> None:
+    print(json.dumps(event), flush=True)  # noqa: T201 - the example's output
+
+
+if __name__ == "__main__":
+    sys.exit(main())
