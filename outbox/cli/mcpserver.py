@@ -127,7 +127,7 @@ def mcp_command(
     listening = bind_socket(host, port)
     url = _url(listening, https=tls_cert is not None)
     config = uvicorn.Config(
-        http_app(context, host=host),
+        http_app(context, host=host, behind_proxy=behind_proxy),
         log_config=None,  # our handler (OUTBOX_LOG_FORMAT) renders uvicorn's lines too
         access_log=False,  # no query strings or tokens in the logs
         server_header=False,

@@ -20,6 +20,7 @@ from mcp.server.auth.settings import AuthSettings
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
+from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.applications import Starlette
@@ -166,12 +167,13 @@ async def serve_stdio(context: McpContext) -> None:
         await server.run(read_stream, write_stream, server.create_initialization_options())
 
 
-def http_app(context: McpContext, *, host: str) -> Starlette:
+def http_app(context: McpContext, *, host: str, behind_proxy: bool = False) -> Starlette:
     """The streamable HTTP app: MCP at ``/mcp`` behind bearer tokens of the ``agent`` scope
     (401 without a live one, 403 for an operator's), and ``/healthz``.
 
     ``host`` is the address it binds: on a loopback one the SDK also refuses requests whose
-    ``Host`` or ``Origin`` is not local (DNS rebinding).
+    ``Host`` or ``Origin`` is not local (DNS rebinding), unless ``behind_proxy``: a reverse
+    proxy on this host forwards the public name, and is where such checks belong.
     """
 
     async def healthz(_request: Request) -> PlainTextResponse:
@@ -180,6 +182,11 @@ def http_app(context: McpContext, *, host: str) -> Starlette:
     return create_server(context).streamable_http_app(
         streamable_http_path=MCP_PATH,
         host=host,
+        transport_security=(
+            TransportSecuritySettings(enable_dns_rebinding_protection=False)
+            if behind_proxy
+            else None  # the SDK's default: protected on a loopback address
+        ),
         # No authorization server: the tokens are ours (`outbox tokens create`), so no
         # OAuth metadata is served; the issuer URL is a required field that nothing reads.
         auth=AuthSettings(
