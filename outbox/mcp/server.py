@@ -32,7 +32,14 @@ from outbox import __version__
 from outbox.contracts import ContractTable
 from outbox.mcp.auth import REQUIRED_SCOPE, TokenCheck
 from outbox.mcp.calls import Calls
-from outbox.mcp.tools import LIST_TOOL, STATUS_TOOL, list_tool, registered_tool, status_tool
+from outbox.mcp.tools import (
+    LIST_TOOL,
+    STATUS_TOOL,
+    list_tool,
+    mcp_names,
+    registered_tool,
+    status_tool,
+)
 from outbox.reports import describe
 
 #: The resource template of one operation.
@@ -79,8 +86,8 @@ def create_server(context: McpContext) -> Server[Any]:
         _ctx: ServerRequestContext[Any], _params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
         tools = [
-            registered_tool(contract)
-            for name in context.contracts.names()
+            registered_tool(contract, mcp_name)
+            for mcp_name, name in mcp_names(context.contracts.names()).items()
             if (contract := context.contracts.get(name)) is not None
         ]
         return types.ListToolsResult(tools=[*tools, status_tool(), list_tool()])
@@ -92,10 +99,15 @@ def create_server(context: McpContext) -> Server[Any]:
             return await calls.status(params.arguments, caller())
         if params.name == LIST_TOOL:
             return await calls.list_own(params.arguments, caller())
-        if context.contracts.get(params.name) is None:
-            known = ", ".join([*context.contracts.names(), STATUS_TOOL, LIST_TOOL])
+        names = mcp_names(context.contracts.names())
+        # Its MCP name, or (a client that knows the registry) the registered name itself.
+        tool = names.get(params.name)
+        if tool is None and context.contracts.get(params.name) is not None:
+            tool = params.name
+        if tool is None:
+            known = ", ".join([*names, STATUS_TOOL, LIST_TOOL])
             raise MCPError(_INVALID_PARAMS, f"unknown tool {params.name!r}; tools: {known}")
-        return await calls.call_registered(params.name, params.arguments, caller())
+        return await calls.call_registered(tool, params.arguments, caller())
 
     async def list_templates(
         _ctx: ServerRequestContext[Any], _params: types.PaginatedRequestParams | None

@@ -9,7 +9,9 @@ a model makes a key that stays the same across retries of one action), ``target`
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+import hashlib
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,9 @@ from outbox.states import State
 
 STATUS_TOOL = "outbox_status"
 LIST_TOOL = "outbox_list"
+#: The longest MCP tool name clients accept: Claude's and OpenAI's APIs take
+#: ``^[a-zA-Z0-9_-]{1,64}$`` (no dots, although MCP allows them).
+MAX_MCP_NAME = 64
 #: The longest page ``outbox_list`` answers.
 MAX_LIST_LIMIT = 100
 
@@ -68,8 +73,27 @@ class ArgumentRefused(Exception):
         self.field = field
 
 
-def registered_tool(contract: ToolContract) -> types.Tool:
-    """The MCP definition of a registered tool."""
+def mcp_names(tools: Iterable[str]) -> dict[str, str]:
+    """Each registered tool's MCP name, by MCP name: dots become underscores
+    (``deploy.create_release`` → ``deploy_create_release``), since clients refuse dotted
+    names. A name that would be longer than :data:`MAX_MCP_NAME`, or the same as another's
+    (or as ``outbox_status`` / ``outbox_list``), keeps a prefix and gains a hash of the full
+    name instead: deterministic, so a client's cached list stays valid across restarts."""
+    registered = sorted(set(tools))
+    plain = {name: name.replace(".", "_") for name in registered}
+    taken = Counter([*plain.values(), STATUS_TOOL, LIST_TOOL])
+    named: dict[str, str] = {}
+    for name, simple in plain.items():
+        if len(simple) > MAX_MCP_NAME or taken[simple] > 1:
+            digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+            named[f"{simple[: MAX_MCP_NAME - 9]}_{digest}"] = name
+        else:
+            named[simple] = name
+    return named
+
+
+def registered_tool(contract: ToolContract, mcp_name: str) -> types.Tool:
+    """The MCP definition of a registered tool, under its MCP name (:func:`mcp_names`)."""
     payload = _payload_schema(contract)
     schema: dict[str, Any] = {
         "type": "object",
@@ -102,7 +126,7 @@ def registered_tool(contract: ToolContract) -> types.Tool:
         else ""
     )
     return types.Tool(
-        name=contract.name,
+        name=mcp_name,
         title=contract.name,
         description=f"The {contract.name} action. {_CALL_ADVICE}{approval}",
         input_schema=schema,

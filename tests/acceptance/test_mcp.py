@@ -38,11 +38,12 @@ from tests.processes import Service, Services, wait_until
 
 pytestmark = pytest.mark.slow
 
-TOOL = "deploy.create_release"
+#: The registered tools, and their MCP names (no dots: clients refuse them).
+TOOL, MCP_TOOL = "deploy.create_release", "deploy_create_release"
 #: No lookup and no dedup contract: an ambiguous outcome can only go to a person.
-BLIND = "deploy.blind"
+BLIND, MCP_BLIND = "deploy.blind", "deploy_blind"
 #: Every call waits for a person's approval before anything is sent.
-APPROVED = "deploy.approved"
+APPROVED, MCP_APPROVED = "deploy.approved", "deploy_approved"
 _SERVING = re.compile(r"serving MCP on (\S+)")
 #: The release tool's payload schema (`_fault`: the reference service's fault for a payload).
 SCHEMA = """[tools."deploy.create_release".input_schema]
@@ -171,7 +172,7 @@ def test_a_stdio_server_killed_after_sent_then_the_same_key_is_one_effect(stack:
         killed: list[int] = []
         with contextlib.suppress(Exception):  # the client sees its server vanish: any error
             async with Client(_stdio(stack.env)) as client:
-                call = asyncio.ensure_future(client.call_tool(TOOL, asked))
+                call = asyncio.ensure_future(client.call_tool(MCP_TOOL, asked))
                 await _until_state(stack.engine, key, "sent")
                 (pid,) = _stdio_servers()
                 os.kill(pid, signal.SIGKILL)
@@ -179,11 +180,11 @@ def test_a_stdio_server_killed_after_sent_then_the_same_key_is_one_effect(stack:
                 await call
         assert killed, "the server was not killed"
         async with Client(_stdio(stack.env)) as client:
-            first = await client.call_tool(TOOL, asked)
-            again = await client.call_tool(TOOL, asked)
-            other = await client.call_tool(TOOL, _intent(key, "2.0.0", fault="slow"))
+            first = await client.call_tool(MCP_TOOL, asked)
+            again = await client.call_tool(MCP_TOOL, asked)
+            other = await client.call_tool(MCP_TOOL, _intent(key, "2.0.0", fault="slow"))
             malformed = await client.call_tool(
-                TOOL, {"intent_key": "conversation-7/step-2", "target": "web", "payload": {}}
+                MCP_TOOL, {"intent_key": "conversation-7/step-2", "target": "web", "payload": {}}
             )
         return first, again, other, malformed
 
@@ -209,7 +210,7 @@ def test_a_blind_tool_under_faults_ends_needing_a_person_and_says_so(stack: Stac
     async def call() -> CallToolResult:
         async with Client(_stdio(stack.env)) as client:
             return await client.call_tool(
-                BLIND, _intent("conversation-8/step-1", "1.0.0", fault="commit_then_timeout")
+                MCP_BLIND, _intent("conversation-8/step-1", "1.0.0", fault="commit_then_timeout")
             )
 
     result = asyncio.run(call())
@@ -234,7 +235,7 @@ def test_an_approval_tool_answers_at_once_and_status_waits_through_the_approval(
 
     async def session() -> tuple[CallToolResult, CallToolResult]:
         async with Client(_stdio(stack.env)) as client:
-            asked = await client.call_tool(APPROVED, _intent(key, "4.0.0"))
+            asked = await client.call_tool(MCP_APPROVED, _intent(key, "4.0.0"))
             with Session(stack.engine) as db, db.begin():
                 op = outbox.find(db, key)
                 assert op is not None
@@ -301,7 +302,7 @@ def test_over_http_a_killed_server_then_the_same_key_is_one_effect(stack: Stack)
     async def killed_mid_call() -> None:
         with contextlib.suppress(Exception):
             async with _http_client(url, token) as client:
-                call = asyncio.ensure_future(client.call_tool(TOOL, asked))
+                call = asyncio.ensure_future(client.call_tool(MCP_TOOL, asked))
                 await _until_state(stack.engine, key, "sent")
                 server.kill()
                 await call
@@ -313,13 +314,14 @@ def test_over_http_a_killed_server_then_the_same_key_is_one_effect(stack: Stack)
     async def again() -> tuple[CallToolResult, ...]:
         async with _http_client(url, token) as client:
             first, blind = await asyncio.gather(
-                client.call_tool(TOOL, asked),
+                client.call_tool(MCP_TOOL, asked),
                 client.call_tool(
-                    BLIND, _intent("conversation-9/step-2", "3.0.0", fault="commit_then_timeout")
+                    MCP_BLIND,
+                    _intent("conversation-9/step-2", "3.0.0", fault="commit_then_timeout"),
                 ),
             )
             status = await client.call_tool("outbox_status", {"intent_key": key})
-            other = await client.call_tool(TOOL, _intent(key, "3.0.1", fault="slow"))
+            other = await client.call_tool(MCP_TOOL, _intent(key, "3.0.1", fault="slow"))
             return first, status, blind, other
 
     first, status, blind, other = asyncio.run(again())

@@ -19,6 +19,7 @@ from outbox.mcp.tools import (
     INTENT_KEY_ADVICE,
     ArgumentRefused,
     list_query,
+    mcp_names,
     registered_tool,
     status_query,
     tool_intent,
@@ -36,7 +37,9 @@ SCHEMA: dict[str, Any] = {
 def test_the_input_is_the_intent_with_a_required_key_and_the_tools_payload_schema() -> None:
     """A registered tool's input: intent_key (required, with the advice), target, and its
     payload schema under `payload`, whose definitions and dialect move to the root."""
-    tool = registered_tool(ToolContract(name="billing.charge", input_schema=SCHEMA))
+    tool = registered_tool(
+        ToolContract(name="billing.charge", input_schema=SCHEMA), "billing_charge"
+    )
     schema = tool.input_schema
     assert schema["required"] == ["intent_key", "target", "payload"]
     assert schema["additionalProperties"] is False
@@ -52,7 +55,10 @@ def test_the_input_is_the_intent_with_a_required_key_and_the_tools_payload_schem
 def test_annotations_say_destructive_idempotent_open_world() -> None:
     """Every registered tool is a destructive, idempotent (by its key), open-world action;
     one without a schema takes any object; one that needs approval says so."""
-    tool = registered_tool(ToolContract(name="deploy.create_release", approval_required=True))
+    tool = registered_tool(
+        ToolContract(name="deploy.create_release", approval_required=True),
+        "deploy_create_release",
+    )
     hints = tool.annotations
     assert hints is not None
     assert (hints.destructive_hint, hints.idempotent_hint, hints.open_world_hint) == (
@@ -131,13 +137,33 @@ def test_the_server_lists_the_loaded_tools_and_refuses_an_unknown_one() -> None:
             names = [tool.name for tool in (await client.list_tools()).tools]
             with pytest.raises(MCPError) as unknown:
                 await client.call_tool("billing.refund", {})
+            # The registered (dotted) name is understood too.
             keyless = await client.call_tool("billing.charge", {"target": "t", "payload": {}})
             return names, unknown.value.message, keyless
 
     names, unknown, keyless = asyncio.run(session())
-    assert names == ["billing.charge", "outbox_status", "outbox_list"]
+    assert names == ["billing_charge", "outbox_status", "outbox_list"]
     assert "unknown tool 'billing.refund'" in unknown
     assert keyless.is_error
     body = keyless.structured_content
     assert isinstance(body, dict)
     assert (body["error"], body["field"]) == ("refused", "intent_key")
+
+
+def test_mcp_names_have_no_dots_and_stay_unique_and_short() -> None:
+    """Dots become underscores (clients refuse dotted names); a name taken twice, taken by a
+    reading tool, or too long gets a prefix and a hash of its own name, the same every time."""
+    long = "a" + ".b" * 40
+    names = mcp_names(["deploy.create_release", "a.b_c", "a_b.c", "outbox_status", long])
+    assert names["deploy_create_release"] == "deploy.create_release"
+    assert set(names.values()) == {
+        "deploy.create_release",
+        "a.b_c",
+        "a_b.c",
+        "outbox_status",
+        long,
+    }
+    assert "a_b_c" not in names
+    assert "outbox_status" not in names
+    assert all(len(name) <= 64 and "." not in name for name in names)
+    assert mcp_names(reversed(list(names.values()))) == names
