@@ -107,6 +107,8 @@ def mcp_command(
 
     start_logging(log_level)
     logging.getLogger("alembic").setLevel(max(logging.WARNING, logging.getLogger().level))
+    # The SDK's debug lines may carry messages, hence payloads: never logged (CONTRIBUTING.md).
+    logging.getLogger("mcp").setLevel(max(logging.INFO, logging.getLogger().level))
     settings = get_settings()
     require_schema()
     _load_tools(settings)
