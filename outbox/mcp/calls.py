@@ -201,9 +201,10 @@ def _conflict(
         paths = differing_paths(existing.payload, intent.payload) if existing else []
         fields += paths or ["payload"]
     named = ", ".join(fields) or "the input"
+    verb = "differs" if len(fields) <= 1 else "differ"
     return ArgumentRefused(
         f"intent_key {intent.intent_key!r} was already used for a different action "
-        f"(operation {exc.operation_id}): {named} differ(s). The same key must always carry "
+        f"(operation {exc.operation_id}): {named} {verb}. The same key must always carry "
         "the same tool, target and payload. If this is a new, different action, use a new "
         "intent_key; if it is the same action, send exactly the same input again.",
         field=fields[0] if fields else "intent_key",
