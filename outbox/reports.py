@@ -38,12 +38,21 @@ _OUTCOMES: dict[State, Outcome] = {
     State.AWAITING_APPROVAL: "awaiting_approval",
 }
 
-#: The advice every unsettled report ends with: the one thing a model must not do.
-DO_NOT_RETRY = (
+#: The advice every unsettled report ends with, where the model names the intent key itself
+#: (MCP, the HTTP API): the one thing it must not do is mint a new key.
+DO_NOT_RETRY_NEW_KEY = (
     "Do not call this tool again with a new intent_key: that would ask for the action a "
     "second time. Calling again with the same intent_key is safe (it returns this same "
-    "operation); to check on it, call outbox_status with operation_id {id}."
+    "operation)."
 )
+#: The same advice where the adapter derives the key from the run (the framework adapters):
+#: the model cannot reuse a key, so any new call for the same purpose is a second request.
+DO_NOT_RETRY_DERIVED_KEY = (
+    "Do not call this tool again for the same purpose: a new call would be a second request "
+    "and could do it twice."
+)
+#: How to check, unless the surface says better (the MCP server names its outbox_status tool).
+DEFAULT_HOW_TO_CHECK = "To check on it later, look it up by its operation id {id}."
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,8 +81,16 @@ class OperationReport:
         return asdict(self)
 
 
-def describe(op: Operation) -> OperationReport:
-    """The report of ``op`` as read (a snapshot: re-read the operation for a fresh one)."""
+def describe(
+    op: Operation, *, keyed_by_model: bool = True, how_to_check: str = DEFAULT_HOW_TO_CHECK
+) -> OperationReport:
+    """The report of ``op`` as read (a snapshot: re-read the operation for a fresh one).
+
+    ``keyed_by_model`` says whether the model passed the intent key itself (MCP, HTTP) or the
+    surface derived it from the run (the framework adapters): the advice differs.
+    ``how_to_check`` is the sentence telling the model how to check later; ``{id}`` in it is
+    the operation id.
+    """
     return OperationReport(
         operation_id=str(op.id),
         intent_key=op.intent_key,
@@ -84,8 +101,13 @@ def describe(op: Operation) -> OperationReport:
         result=op.result if op.state in (State.CONFIRMED, State.FAILED) else None,
         settled=op.is_settled,
         outcome=_OUTCOMES[op.state],
-        message=_message(op),
+        message=_message(op, _advice(op, keyed_by_model, how_to_check)),
     )
+
+
+def _advice(op: Operation, keyed_by_model: bool, how_to_check: str) -> str:
+    retry = DO_NOT_RETRY_NEW_KEY if keyed_by_model else DO_NOT_RETRY_DERIVED_KEY
+    return f"{retry} {how_to_check.format(id=op.id)}"
 
 
 #: Each state's words; ``{action}``, ``{id}``, ``{ref}``, ``{why}`` and ``{advice}`` are filled in.
@@ -118,11 +140,11 @@ _MESSAGES: dict[State, str] = {
 _MESSAGES[State.SENT] = _MESSAGES[State.PLANNED]
 
 
-def _message(op: Operation) -> str:
+def _message(op: Operation, advice: str) -> str:
     return _MESSAGES[op.state].format(
         action=f"{op.tool} on {op.target!r}",
         id=op.id,
         ref=f" (remote reference {op.remote_ref})" if op.remote_ref else "",
         why=f": {op.last_error}" if op.last_error else "",
-        advice=DO_NOT_RETRY.format(id=op.id),
+        advice=advice,
     )

@@ -234,9 +234,10 @@ def _call(
     key = tool.intent_key(_identity(tool, config, runtime))
     op = _wait(tool, _enqueue_committed(tool, key, target, payload))
     if op.state is State.AWAITING_APPROVAL and tool.interrupt_on_approval:
-        interrupt(describe(op).to_dict())  # raises until the thread is resumed; then returns
+        # Raises until the thread is resumed; then returns.
+        interrupt(describe(op, keyed_by_model=False).to_dict())
         op = _wait(tool, op)
-    report = describe(op).to_dict()
+    report = describe(op, keyed_by_model=False).to_dict()
     return json.dumps(report), report
 
 
@@ -289,7 +290,7 @@ def _conflict(engine: Engine, exc: IntentConflict) -> str:
         f"refused: this step of the run already asked for an action with a different "
         f"{', '.join(exc.differences)} (intent key {exc.intent_key})."
     )
-    return f"{said} {describe(existing).message}" if existing else said
+    return f"{said} {describe(existing, keyed_by_model=False).message}" if existing else said
 
 
 def _wait(tool: OutboxTool, op: Operation) -> Operation:

@@ -153,7 +153,7 @@ def test_pending_outcomes_come_back_as_answers_keyed_by_their_place_in_the_messa
     assert [(m.artifact["outcome"], m.artifact["settled"]) for m in answers] == [
         ("in_progress", False)
     ] * 2
-    assert all("Do not call this tool again with a new intent_key" in m.content for m in answers)
+    assert all("Do not call this tool again for the same purpose" in m.content for m in answers)
     assert {(m.artifact["target"], m.artifact["intent_key"]) for m in answers} == {
         ("web", f"{thread}:tools@1:{TOOL}:0"),
         ("api", f"{thread}:tools@1:{TOOL}:1"),

@@ -60,6 +60,17 @@ def test_a_confirmed_report_carries_the_remote_reference_and_result(engine: Engi
     assert describe(make_operation(engine, State.SENT)).result is None
 
 
+@pytest.mark.parametrize("state", [State.SENT, State.UNKNOWN, State.NEEDS_HUMAN])
+def test_the_advice_fits_who_names_the_key(engine: Engine, state: State) -> None:
+    """A derived key gets the no-new-call advice; a surface's own check replaces the default."""
+    op = make_operation(engine, state)
+    derived = describe(op, keyed_by_model=False, how_to_check="Ask the operator about {id}.")
+    assert _DO_NOT_RETRY not in derived.message
+    assert "Do not call this tool again for the same purpose" in derived.message
+    assert derived.message.endswith(f"Ask the operator about {op.id}.")
+    assert f"look it up by its operation id {op.id}" in describe(op).message
+
+
 def test_a_refusal_says_why(engine: Engine) -> None:
     """A failed operation's message carries the remote's refusal."""
     assert "422 refused" in describe(make_operation(engine, State.FAILED)).message
