@@ -37,6 +37,8 @@ from outbox.models import Operation
 from outbox.reports import OperationReport, describe
 from outbox.states import State
 
+#: How a model checks on an operation here: this server's own tool.
+HOW_TO_CHECK = "To check on it, call outbox_status with operation_id {id}."
 #: Outcomes that settled without the action happening: the call ended in an error.
 _ERROR_OUTCOMES = frozenset({"failed", "cancelled"})
 
@@ -66,7 +68,7 @@ class Calls:
         except (OperationalError, InterfaceError):
             # The commit's outcome may be unknown: the same key again is the safe retry.
             return unreachable()
-        return report_result(describe(await self._settled(op, self.wait_s)))
+        return report_result(report_of(await self._settled(op, self.wait_s)))
 
     async def status(
         self, arguments: Mapping[str, Any] | None, caller: str
@@ -92,7 +94,7 @@ class Calls:
             op = await self._settled(op, min(query.wait_s, self.wait_s), through_approval=True)
         except (OperationalError, InterfaceError):
             return unreachable()
-        return report_result(describe(op))
+        return report_result(report_of(op))
 
     async def list_own(
         self, arguments: Mapping[str, Any] | None, caller: str
@@ -106,7 +108,7 @@ class Calls:
             found = await self.own_operations(caller, state=query.state, limit=query.limit)
         except (OperationalError, InterfaceError):
             return unreachable()
-        reports = [describe(op).to_dict() for op in found]
+        reports = [report_of(op).to_dict() for op in found]
         lines = [
             f"{r['operation_id']} {r['tool']} {r['target']!r} key {r['intent_key']!r}: "
             f"{r['outcome']}"
@@ -231,6 +233,11 @@ def differing_paths(old: Any, new: Any, prefix: str = "payload") -> list[str]:
         ]
     same = old == new and type(old) is type(new)
     return [] if same else [prefix]
+
+
+def report_of(op: Operation) -> OperationReport:
+    """``op``'s report as this server words it (the model names the key; outbox_status)."""
+    return describe(op, keyed_by_model=True, how_to_check=HOW_TO_CHECK)
 
 
 def report_result(report: OperationReport) -> types.CallToolResult:

@@ -31,7 +31,7 @@ from starlette.routing import Route
 from outbox import __version__
 from outbox.contracts import ContractTable
 from outbox.mcp.auth import REQUIRED_SCOPE, TokenCheck
-from outbox.mcp.calls import Calls
+from outbox.mcp.calls import Calls, report_of
 from outbox.mcp.tools import (
     LIST_TOOL,
     STATUS_TOOL,
@@ -40,7 +40,6 @@ from outbox.mcp.tools import (
     registered_tool,
     status_tool,
 )
-from outbox.reports import describe
 
 #: The resource template of one operation.
 OPERATION_URI = "outbox://operations/{id}"
@@ -153,7 +152,7 @@ def create_server(context: McpContext) -> Server[Any]:
                 types.TextResourceContents(
                     uri=uri,
                     mime_type="application/json",
-                    text=json.dumps(describe(op).to_dict()),
+                    text=json.dumps(report_of(op).to_dict()),
                 )
             ]
         )

@@ -224,6 +224,7 @@ def test_a_blind_tool_under_faults_ends_needing_a_person_and_says_so(stack: Stac
     words = _text(result)
     assert "Needs a person" in words
     assert "Do not call this tool again with a new intent_key" in words
+    assert "call outbox_status with operation_id" in words
 
 
 def test_an_approval_tool_answers_at_once_and_status_waits_through_the_approval(
