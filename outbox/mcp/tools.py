@@ -128,7 +128,7 @@ def registered_tool(contract: ToolContract, mcp_name: str) -> types.Tool:
     return types.Tool(
         name=mcp_name,
         title=contract.name,
-        description=f"The {contract.name} action. {_CALL_ADVICE}{approval}",
+        description=f"{_what(contract)} {_CALL_ADVICE}{approval}",
         input_schema=schema,
         annotations=types.ToolAnnotations(
             title=contract.name,
@@ -138,6 +138,13 @@ def registered_tool(contract: ToolContract, mcp_name: str) -> types.Tool:
             open_world_hint=True,  # it acts on a remote service
         ),
     )
+
+
+def _what(contract: ToolContract) -> str:
+    """The tool's own description (TOML ``description``, the ``@tool`` docstring), else its name."""
+    if contract.description:
+        return contract.description.strip()
+    return f"The {contract.name} action."
 
 
 def _payload_schema(contract: ToolContract) -> dict[str, Any]:

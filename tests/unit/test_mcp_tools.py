@@ -167,3 +167,13 @@ def test_mcp_names_have_no_dots_and_stay_unique_and_short() -> None:
     assert "outbox_status" not in names
     assert all(len(name) <= 64 and "." not in name for name in names)
     assert mcp_names(reversed(list(names.values()))) == names
+
+
+def test_a_tools_own_description_comes_first() -> None:
+    """A contract's description leads the MCP tool's description; without one, its name does."""
+    described = registered_tool(
+        ToolContract(name="billing.charge", description="Charge a card once."), "billing_charge"
+    )
+    assert (described.description or "").startswith("Charge a card once. ")
+    plain = registered_tool(ToolContract(name="billing.charge"), "billing_charge")
+    assert (plain.description or "").startswith("The billing.charge action. ")
