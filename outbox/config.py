@@ -212,6 +212,32 @@ class Settings(BaseSettings):
         description="Longest long-poll `GET /v1/operations/{id}?wait=S` holds (S is capped to it).",
     )
 
+    mcp_agent: str = Field(
+        default="mcp",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$",
+        description=(
+            "The name `outbox mcp` (stdio) records as requested_by of what it enqueues; over "
+            "HTTP the bearer token's name is."
+        ),
+    )
+    mcp_wait_s: Seconds = Field(
+        default=20.0,
+        description=(
+            "How long an MCP tool call waits for its operation's outcome before answering "
+            "that it is still in progress."
+        ),
+    )
+    mcp_host: str = Field(
+        default="127.0.0.1",
+        description=(
+            "Address `outbox mcp --http` binds; a non-loopback one needs OUTBOX_API_TLS_CERT "
+            "and OUTBOX_API_TLS_KEY (--tls-cert/--tls-key), or --behind-proxy."
+        ),
+    )
+    mcp_port: int = Field(
+        default=8700, ge=0, le=65535, description="Port `outbox mcp --http` binds."
+    )
+
     console_secret: SecretStr | None = Field(
         default=None,
         description=(

@@ -74,6 +74,9 @@ class ToolContract:
     #: this contract), or ``None`` for any JSON object. Also what the MCP server and the
     #: framework adapters show a model as the payload's parameters.
     input_schema: Mapping[str, Any] | None = None
+    #: What the action does, in a sentence or two for the models and people choosing it (the
+    #: MCP server and the framework adapters put it first in the tool's description).
+    description: str | None = None
 
     def __post_init__(self) -> None:
         for problem in self._problems():

@@ -97,6 +97,8 @@ class Action(enum.StrEnum):
     API_STOPPED = "api_stopped"
     API_REQUEST = "api_request"  #: the access log: method, path, status, ms, caller (a name)
     API_ERROR = "api_error"  #: an unexpected error, answered 500 (its type only)
+    MCP_STARTED = "mcp_started"  #: `outbox mcp`: its transport (and URL over HTTP), its tools
+    MCP_STOPPED = "mcp_stopped"
 
     # Operator console (outbox.web.console, at / of outbox api)
     CONSOLE_SESSION_KEY_MADE = "console_session_key_made"  #: no OUTBOX_CONSOLE_SECRET: made one

@@ -19,6 +19,7 @@ from outbox.cli.chaos import chaos_command
 from outbox.cli.demo import demo_command
 from outbox.cli.enqueue import enqueue_command
 from outbox.cli.flower import flower_command
+from outbox.cli.mcpserver import mcp_command
 from outbox.cli.metrics import metrics_command
 from outbox.cli.output import PlainFormatter, environment_help, fail
 from outbox.cli.services import beat_command, relay_command, worker_command
@@ -73,6 +74,7 @@ app.command("flower")(flower_command)
 app.command("metrics")(metrics_command)
 app.command("up")(up_command)
 app.command("api")(api_command)
+app.command("mcp")(mcp_command)
 
 
 #: Click's exit code for a usage error (its ``UsageError``, which Typer does not export).

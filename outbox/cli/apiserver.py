@@ -82,7 +82,7 @@ def api_command(
         raise typer.BadParameter(
             "goes with --tls-key: give both or neither", param_hint="'--tls-cert'"
         )
-    if not (_loopback(host) or tls_cert is not None or behind_proxy):
+    if not (loopback(host) or tls_cert is not None or behind_proxy):
         fail(
             f"refusing to serve the API on {host} without TLS: pass --tls-cert and --tls-key, "
             "or --behind-proxy if a proxy terminates TLS (or bind 127.0.0.1)",
@@ -99,7 +99,7 @@ def api_command(
     settings = get_settings()
     require_schema()
     _load_tools(settings)
-    listening = _bind(host, port)
+    listening = bind_socket(host, port)
     address = listening.getsockname()
     scheme = "https" if tls_cert is not None else "http"
     shown = f"[{address[0]}]" if ":" in address[0] else address[0]
@@ -125,7 +125,8 @@ def api_command(
     log.info("API stopped", extra={"action": Action.API_STOPPED})
 
 
-def _loopback(host: str) -> bool:
+def loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (a name other than localhost may be anything)."""
     if host == "localhost":
         return True
     try:
@@ -134,7 +135,7 @@ def _loopback(host: str) -> bool:
         return False  # a name: it may resolve to anything
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` (uvicorn listens on it): a busy port is one line."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(

@@ -22,6 +22,7 @@ EXTRA_MODULES = {
         "itsdangerous",
         "argon2",
     ),
+    "mcp": ("mcp", "mcp_types", "uvicorn", "starlette", "httpx2", "sse_starlette", "jsonschema"),
 }
 
 

@@ -120,6 +120,17 @@ def up_command(
     api_port: Annotated[
         int, typer.Option(min=1, max=65535, help="The HTTP API's port on 127.0.0.1.")
     ] = 8600,
+    mcp: Annotated[
+        bool,
+        typer.Option(
+            "--mcp/--no-mcp",
+            help="Serve the MCP server over HTTP (`outbox mcp --http`) on 127.0.0.1: the tools "
+            "of OUTBOX_CONFIG / OUTBOX_TOOLS for agents with a token. Needs the [mcp] extra.",
+        ),
+    ] = False,
+    mcp_port: Annotated[
+        int, typer.Option(min=1, max=65535, help="The MCP server's port on 127.0.0.1.")
+    ] = 8700,
     panel: Annotated[
         bool,
         typer.Option(
@@ -133,7 +144,7 @@ def up_command(
     ] = LogLevel.WARNING,
 ) -> None:
     """Run everything on this host: migrations, relay, workers, beat, metrics, the HTTP API
-    (and Flower).
+    (and Flower, and the MCP server over HTTP with --mcp).
 
     Uses OUTBOX_DATABASE_URL, or the embedded PostgreSQL when it is not set; OUTBOX_BROKER_URL,
     or the database as broker. Each process is supervised: one that dies is started again
@@ -148,6 +159,8 @@ def up_command(
 
     api = _api_wanted(api)
     settings = get_settings()
+    if mcp:
+        _check_mcp(settings.config is not None or bool(settings.tools))
     if flower and settings.flower_basic_auth is None:
         raise typer.BadParameter(
             "needs OUTBOX_FLOWER_BASIC_AUTH=user:password (Flower is never open)",
@@ -170,6 +183,16 @@ def up_command(
                 [ChildSpec("api", ("api", "--port", str(api_port), "--log-level", "warning"))]
                 if api
                 else []
+            )
+            + (
+                [
+                    ChildSpec(
+                        "mcp",
+                        ("mcp", "--http", "--port", str(mcp_port), "--log-level", "warning"),
+                    )
+                ]
+                if mcp
+                else []
             ),
             env=env,
             log_dir=settings.home / "logs",
@@ -188,6 +211,8 @@ def up_command(
             lines.append(f"flower:   http://127.0.0.1:{flower_port}")
         if api:
             lines.append(f"api:      http://127.0.0.1:{api_port} (docs: /docs)")
+        if mcp:
+            lines.append(f"mcp:      http://127.0.0.1:{mcp_port}/mcp (bearer tokens: agent scope)")
         for line in lines:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
         supervisor.start()
@@ -218,6 +243,17 @@ def _api_wanted(asked: bool | None) -> bool:
             raise
         return False
     return True
+
+
+def _check_mcp(tools_named: bool) -> None:
+    """``--mcp``: the [mcp] extra must be there, and tools to serve."""
+    with needs_extra("mcp", "up --mcp"):
+        importlib.import_module("outbox.mcp")
+    if not tools_named:
+        raise typer.BadParameter(
+            "needs OUTBOX_CONFIG or OUTBOX_TOOLS: the MCP server serves the registered tools",
+            param_hint="'--mcp'",
+        )
 
 
 def _specs(  # noqa: PLR0917 -- one private call site

@@ -115,11 +115,14 @@ def parameters_schema(input_schema: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def description_of(tool: str, given: str | None) -> str:
-    """``given``, else what the model is told about an outbox tool and its answers."""
+    """``given``, else what the model is told about an outbox tool and its answers, after the
+    tool's own ``description`` when its loaded contract has one."""
     if given is not None:
         return given
+    contract = CONTRACTS.get(tool)
+    what = f"{contract.description.strip()} " if contract and contract.description else ""
     return (
-        f"Request the action {tool} on a target. It is recorded once and carried out at most "
+        f"{what}Request the action {tool} on a target. It is recorded once and carried out at most "
         "once, even if this call is repeated. The answer says what happened: 'confirmed' "
         "(done), 'failed' (refused), or, when it is not finished (in_progress, unknown, "
         "needs_human, awaiting_approval), that it is pending: then do not call this tool "

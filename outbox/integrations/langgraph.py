@@ -48,7 +48,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from outbox.api import enqueue, find, wait
-from outbox.contracts import CONTRACTS
+from outbox.contracts import CONTRACTS, ToolContract
 from outbox.db import get_engine
 from outbox.errors import IntentAlreadyDone, IntentConflict, InvalidIntent, WaitTimeout
 from outbox.integrations.keys import durable_intent_key
@@ -184,7 +184,7 @@ def outbox_tool(
     schema = input_schema or (contract.input_schema if contract else None) or FREE_FORM_PAYLOAD
     return OutboxTool(
         name=name or tool.replace(".", "_"),
-        description=description or _description(tool, target),
+        description=description or _description(tool, target, contract),
         args_schema=_args_schema(schema, fixed_target=target is not None),
         func=_injected,
         response_format="content_and_artifact",
@@ -201,10 +201,11 @@ def outbox_tool(
     )
 
 
-def _description(tool: str, target: str | None) -> str:
+def _description(tool: str, target: str | None, contract: ToolContract | None) -> str:
     where = f" on {target!r}" if target else " on `target`"
+    what = f"{contract.description.strip()} " if contract and contract.description else ""
     return (
-        f"Ask for {tool}{where} with `payload`. The action happens at most once per call, "
+        f"{what}Ask for {tool}{where} with `payload`. The action happens at most once per call, "
         "even if this run is retried; the answer says whether it happened, is still in "
         "progress, or waits for a person."
     )

@@ -130,6 +130,7 @@ def tool(
     approval: str = "none",
     approval_ttl_s: float = ToolContract.approval_ttl_s,
     input_schema: Mapping[str, Any] | None = None,
+    description: str | None = None,
     registry: ToolRegistry | None = None,
 ) -> Callable[[DispatchFn], PythonTool]:
     """Register the decorated function as the dispatch of tool ``name``.
@@ -143,7 +144,8 @@ def tool(
     wait in ``awaiting_approval`` for a person (``outbox ops approve``) before any send, for
     at most ``approval_ttl_s`` seconds (then it is cancelled). ``input_schema`` is the JSON
     Schema every payload must match (checked at enqueue where the tool is known; shown to
-    models as the payload's parameters). The function receives a
+    models as the payload's parameters). ``description`` tells models what the action does
+    (default: the function's docstring). The function receives a
     :class:`ToolCall`, sends one request with ``call.operation_id`` as idempotency key, and
     returns a :data:`DispatchResult`; it may be ``async def``.
 
@@ -161,11 +163,15 @@ def tool(
         approval_required=approval_required(approval, name),
         approval_ttl_s=approval_ttl_s,
         input_schema=input_schema,
+        description=description,
     )
     target = registry if registry is not None else REGISTRY
 
     def decorate(function: DispatchFn) -> PythonTool:
-        python_tool = PythonTool(contract, function, target)
+        described = contract
+        if description is None and inspect.getdoc(function):
+            described = dataclasses.replace(contract, description=inspect.getdoc(function))
+        python_tool = PythonTool(described, function, target)
         target.register(python_tool)
         return python_tool
 

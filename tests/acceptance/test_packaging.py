@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: What the extras bring ([worker], [flower], [embedded], [api], [langgraph], [pydantic-ai],
-#: [openai-agents]): none of it in a base install.
+#: What the extras bring ([worker], [flower], [embedded], [api], [mcp], [langgraph],
+#: [pydantic-ai], [openai-agents]): none of it in a base install.
 EXTRA_MODULES = (
     "celery",
     "kombu",
@@ -38,6 +38,8 @@ EXTRA_MODULES = (
     "fastapi",
     "starlette",
     "uvicorn",
+    "mcp",
+    "mcp_types",
     "langgraph",
     "langchain_core",
     "pydantic_ai",
@@ -240,6 +242,7 @@ def test_the_base_install_cli_helps_and_names_the_extra_a_command_needs(
         (["demo"], "worker"),
         (["flower", "--no-auth"], "flower"),
         (["api"], "api"),
+        (["mcp"], "mcp"),
     ):
         result = base_install.run("outbox", *command, env=env)
         assert result.code == 1, (command, result.stderr)
@@ -261,7 +264,7 @@ def test_the_base_install_cli_helps_and_names_the_extra_a_command_needs(
 def _missing(extra: str, command: str) -> str:
     if extra == "flower":
         return "flower"
-    if extra == "api":
-        return "uvicorn"  # the first of the extra's modules `outbox api` imports
+    if extra in {"api", "mcp"}:
+        return "uvicorn"  # the first of the extra's modules `outbox api` and `outbox mcp` import
     # Both serve metrics: prometheus_client is the first of the extra's modules they import.
     return "prometheus_client" if command in {"metrics", "demo"} else "celery"

@@ -8,7 +8,13 @@ from pydantic_ai.messages import ModelRequest, ModelResponse, ToolCallPart, User
 from pydantic_ai.models.test import TestModel
 from pydantic_ai.usage import RunUsage
 
-from outbox.integrations._calls import BadArguments, arguments_of, parameters_schema
+from outbox.contracts import CONTRACTS, ToolContract
+from outbox.integrations._calls import (
+    BadArguments,
+    arguments_of,
+    description_of,
+    parameters_schema,
+)
 from outbox.integrations.keys import durable_intent_key
 from outbox.integrations.openai_agents import OutboxRun
 from outbox.integrations.pydantic_ai import call_ordinal, call_step
@@ -107,3 +113,13 @@ def test_a_pydantic_ai_call_missing_from_the_messages_is_refused_not_guessed() -
         call_step(_context([ModelRequest(parts=[UserPromptPart("deploy")])], "c9"))
     with pytest.raises(LookupError):
         call_ordinal(_context([], "c9"))
+
+
+def test_the_tools_own_description_comes_first() -> None:
+    """A loaded contract's description leads the description the model reads."""
+    CONTRACTS.register(ToolContract(name=TOOL, description="Ships a release to production."))
+    try:
+        assert description_of(TOOL, None).startswith("Ships a release to production. Request")
+        assert description_of(TOOL, "mine") == "mine"
+    finally:
+        CONTRACTS.clear()

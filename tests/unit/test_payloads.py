@@ -110,8 +110,8 @@ def test_a_contract_with_a_broken_schema_is_refused_naming_the_tool() -> None:
         ToolContract(name="billing.charge", input_schema={"type": 5})
 
 
-def test_the_decorator_and_the_toml_declare_a_schema(tmp_path: Path) -> None:
-    """@tool(input_schema=...) and a TOML input_schema table both land in the contract."""
+def test_the_decorator_and_the_toml_declare_a_schema_and_a_description(tmp_path: Path) -> None:
+    """@tool(input_schema=, description= or a docstring) and TOML keys land in the contract."""
     registry = ToolRegistry()
 
     @tool("billing.charge", input_schema=CHARGE, registry=registry)
@@ -119,6 +119,22 @@ def test_the_decorator_and_the_toml_declare_a_schema(tmp_path: Path) -> None:
         raise AssertionError("never called")
 
     assert charge.contract.input_schema == CHARGE
+    assert charge.contract.description is None  # no docstring, no description
+
+    @tool("billing.refund", registry=registry)
+    def refund(call: ToolCall) -> Applied:
+        """Refund a charge.
+
+        Only the whole amount."""
+        raise AssertionError("never called")
+
+    @tool("billing.void", description="Void an authorisation.", registry=registry)
+    def void(call: ToolCall) -> Applied:
+        """Not what models read."""
+        raise AssertionError("never called")
+
+    assert refund.contract.description == "Refund a charge.\n\nOnly the whole amount."
+    assert void.contract.description == "Void an authorisation."
     path = tmp_path / "tools.toml"
     path.write_text(
         """
@@ -127,6 +143,7 @@ kind = "http"
 url = "http://127.0.0.1:8900/projects/{target}/releases"
 idempotency_header = "Idempotency-Key"
 remote_ref = "id"
+description = "Create a release of a project."
 [tools."deploy.create_release".input_schema]
 type = "object"
 required = ["version"]
@@ -135,6 +152,7 @@ properties = { version = { type = "string" } }
         encoding="utf-8",
     )
     (http_tool,) = load_http_tools(path)
+    assert http_tool.contract.description == "Create a release of a project."
     assert http_tool.contract.input_schema == {
         "type": "object",
         "required": ["version"],

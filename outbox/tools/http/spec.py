@@ -61,6 +61,8 @@ class HttpToolSpec(BaseModel):
     approval_ttl_s: float | None = None
     #: The JSON Schema of the payload (a TOML table), checked at enqueue where the tool is known.
     input_schema: dict[str, Any] | None = None
+    #: What the action does, for models and people (the MCP server and adapters show it).
+    description: str | None = None
 
     @field_validator("method")
     @classmethod
@@ -236,6 +238,7 @@ class HttpToolSpec(BaseModel):
             dedup=self._dedup(),
             approval_required=self.approval == "required",
             input_schema=self.input_schema,
+            description=self.description,
             **knobs,
         )
 

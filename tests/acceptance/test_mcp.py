@@ -1,0 +1,373 @@
+"""`outbox mcp` driven by the MCP SDK's own clients (stdio and streamable HTTP) against a real
+stack (relay, worker, beat) and the reference service: a server SIGKILLed after the `sent`
+commit, a new one, the same intent key again, one effect at the remote."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import httpx2
+import pytest
+from mcp import Client, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import CallToolResult, TextContent
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+import outbox
+from outbox import migrate, tokens
+from outbox.db import create_engine
+from outbox.dev.service import DeployService
+from outbox.dev.tool_config import http_tool_toml
+from outbox.models import TokenScope
+from tests.acceptance.conftest import REPO, clean_environment, run_outbox
+from tests.conftest import Databases
+from tests.processes import Service, Services, wait_until
+
+pytestmark = pytest.mark.slow
+
+#: The registered tools, and their MCP names (no dots: clients refuse them).
+TOOL, MCP_TOOL = "deploy.create_release", "deploy_create_release"
+#: No lookup and no dedup contract: an ambiguous outcome can only go to a person.
+BLIND, MCP_BLIND = "deploy.blind", "deploy_blind"
+#: Every call waits for a person's approval before anything is sent.
+APPROVED, MCP_APPROVED = "deploy.approved", "deploy_approved"
+_SERVING = re.compile(r"serving MCP on (\S+)")
+#: The release tool's payload schema (`_fault`: the reference service's fault for a payload).
+SCHEMA = """[tools."deploy.create_release".input_schema]
+type = "object"
+required = ["version"]
+additionalProperties = false
+properties = { version = { type = "string" }, _fault = { type = "string" } }
+"""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The module's database, reference service, environment and running processes."""
+
+    url: str
+    engine: Engine
+    service: DeployService
+    env: dict[str, str]
+    services: Services
+
+
+@pytest.fixture(scope="module")
+def stack(databases: Databases, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A database of the module's own, the reference service (its `slow` fault takes 3 s),
+    and a relay, a worker and beat on the database broker, shared by the module's tests."""
+    url = databases.create()
+    engine = create_engine(url)
+    migrate.upgrade(engine)
+    home = tmp_path_factory.mktemp("mcp")
+    with DeployService(port=0, fault_delay_s=3.0) as service:
+        tools = home / "tools.toml"
+        tools.write_text(
+            http_tool_toml(service.url, timeout_s=6.0, inflight_horizon_s=30)
+            + SCHEMA
+            + http_tool_toml(service.url, BLIND, lookup=False, timeout_s=1.0, inflight_horizon_s=30)
+            + http_tool_toml(service.url, APPROVED, approval="required"),
+            encoding="utf-8",
+        )
+        env = clean_environment(
+            OUTBOX_DATABASE_URL=url,
+            OUTBOX_CONFIG=str(tools),
+            OUTBOX_HOME=str(home),
+            OUTBOX_SWEEP_INTERVAL="1",
+            OUTBOX_MCP_WAIT_S="30",
+        )
+        services = Services(env, home)
+        try:
+            services.start("relay", "relay")
+            services.start("worker", "worker", "-P", "threads", "-c", "4")
+            services.start("beat", "beat")
+            yield Stack(url, engine, service, env, services)
+        finally:
+            for process in services.started:
+                process.kill()  # the database is thrown away: no need for a clean stop
+            services.stop_all()  # closes their logs
+            engine.dispose()
+
+
+def _state(engine: Engine, intent_key: str) -> str | None:
+    with engine.connect() as conn:
+        found = conn.execute(
+            text("SELECT state FROM outbox.operations WHERE intent_key = :key"), {"key": intent_key}
+        ).scalar_one_or_none()
+    return None if found is None else str(found)
+
+
+async def _until_state(engine: Engine, intent_key: str, state: str) -> None:
+    deadline = time.monotonic() + 30
+    while _state(engine, intent_key) != state:
+        assert time.monotonic() < deadline, f"{intent_key} never reached {state}"
+        await asyncio.sleep(0.05)
+
+
+def _text(result: CallToolResult) -> str:
+    return " ".join(block.text for block in result.content if isinstance(block, TextContent))
+
+
+def _report(result: CallToolResult) -> dict[str, Any]:
+    body = result.structured_content
+    assert isinstance(body, dict), result
+    return body
+
+
+def _intent(key: str, version: str, fault: str | None = None) -> dict[str, Any]:
+    payload: dict[str, Any] = {"version": version}
+    if fault is not None:
+        payload["_fault"] = fault  # the reference service's fault for this payload
+    return {"intent_key": key, "target": "web", "payload": payload}
+
+
+# --- stdio ------------------------------------------------------------------------------------
+
+
+def _stdio(env: dict[str, str]) -> StdioServerParameters:
+    return StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "outbox", "mcp", "--log-level", "warning"],
+        env=env,
+        cwd=str(REPO),
+    )
+
+
+def _stdio_servers() -> list[int]:
+    """Pids of this process's children running `outbox mcp` on stdio."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"mcp" in argv and b"--http" not in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_stdio_server_killed_after_sent_then_the_same_key_is_one_effect(stack: Stack) -> None:
+    """SIGKILL `outbox mcp` after the `sent` commit; a new server, the same key: one effect,
+    both answers name the operation and remote_ref; the key with other input names the field."""
+    key = "conversation-7/step-1"
+    asked = _intent(key, "1.0.0", fault="slow")
+
+    async def scenario() -> tuple[CallToolResult, ...]:
+        killed: list[int] = []
+        with contextlib.suppress(Exception):  # the client sees its server vanish: any error
+            async with Client(_stdio(stack.env)) as client:
+                call = asyncio.ensure_future(client.call_tool(MCP_TOOL, asked))
+                await _until_state(stack.engine, key, "sent")
+                (pid,) = _stdio_servers()
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                await call
+        assert killed, "the server was not killed"
+        async with Client(_stdio(stack.env)) as client:
+            first = await client.call_tool(MCP_TOOL, asked)
+            again = await client.call_tool(MCP_TOOL, asked)
+            other = await client.call_tool(MCP_TOOL, _intent(key, "2.0.0", fault="slow"))
+            malformed = await client.call_tool(
+                MCP_TOOL, {"intent_key": "conversation-7/step-2", "target": "web", "payload": {}}
+            )
+        return first, again, other, malformed
+
+    first, again, other, malformed = asyncio.run(scenario())
+    one, two = _report(first), _report(again)
+    assert (one["outcome"], first.is_error) == ("confirmed", False), _text(first)
+    assert (two["operation_id"], two["remote_ref"]) == (one["operation_id"], one["remote_ref"])
+    assert stack.service.effects_by_key() == {one["operation_id"]: 1}
+    (effect,) = [e for e in stack.service.ledger() if e.key == one["operation_id"]]
+    assert effect.id == one["remote_ref"]
+    assert other.is_error
+    assert _report(other)["field"] == "payload.version"
+    assert "payload.version" in _text(other)
+    assert malformed.is_error
+    assert _report(malformed)["field"] == "payload.version"
+    assert _state(stack.engine, "conversation-7/step-2") is None
+
+
+def test_a_blind_tool_under_faults_ends_needing_a_person_and_says_so(stack: Stack) -> None:
+    """A tool with neither lookup nor dedup whose call times out after the remote committed
+    ends in needs_human; the answer says so, is not an error, and says not to use a new key."""
+
+    async def call() -> CallToolResult:
+        async with Client(_stdio(stack.env)) as client:
+            return await client.call_tool(
+                MCP_BLIND, _intent("conversation-8/step-1", "1.0.0", fault="commit_then_timeout")
+            )
+
+    result = asyncio.run(call())
+    report = _report(result)
+    assert (report["outcome"], report["state"], report["settled"]) == (
+        "needs_human",
+        "needs_human",
+        True,
+    )
+    assert result.is_error is False
+    words = _text(result)
+    assert "Needs a person" in words
+    assert "Do not call this tool again with a new intent_key" in words
+    assert "call outbox_status with operation_id" in words
+
+
+def test_an_approval_tool_answers_at_once_and_status_waits_through_the_approval(
+    stack: Stack,
+) -> None:
+    """A call of a tool that requires approval answers at once that it waits for a person
+    (not an error); once approved, outbox_status with wait_s answers its confirmation."""
+    key = "conversation-10/step-1"
+
+    async def session() -> tuple[CallToolResult, CallToolResult]:
+        async with Client(_stdio(stack.env)) as client:
+            asked = await client.call_tool(MCP_APPROVED, _intent(key, "4.0.0"))
+            with Session(stack.engine) as db, db.begin():
+                op = outbox.find(db, key)
+                assert op is not None
+                outbox.approve(db, op.id, by="alice", payload_hash=op.payload_hash)
+            checked = await client.call_tool("outbox_status", {"intent_key": key, "wait_s": 20})
+            return asked, checked
+
+    asked, checked = asyncio.run(session())
+    assert (_report(asked)["outcome"], asked.is_error) == ("awaiting_approval", False)
+    assert "Waiting for approval" in _text(asked)
+    assert _report(checked)["outcome"] == "confirmed", _text(checked)
+    assert _report(checked)["operation_id"] == _report(asked)["operation_id"]
+
+
+# --- streamable HTTP --------------------------------------------------------------------------
+
+
+def _token(engine: Engine, name: str, scope: TokenScope) -> str:
+    with Session(engine) as session, session.begin():
+        return tokens.create_token(session, name=name, scope=scope).token
+
+
+def _start_http(stack: Stack, name: str) -> tuple[Service, str]:
+    """`outbox mcp --http --port 0` and the URL of its endpoint once it answers."""
+    server = stack.services.start(name, "mcp", "--http", "--port", "0")
+    found: list[str] = []
+
+    def serving() -> bool:
+        match = _SERVING.search(server.output())
+        if match:
+            found.append(match.group(1))
+        assert server.alive(), server.output()
+        return bool(match)
+
+    wait_until(serving, timeout=30, what="outbox mcp --http to start")
+    url = found[0]
+    wait_until(
+        lambda: httpx.get(url.removesuffix("/mcp") + "/healthz").status_code == 200,
+        timeout=10,
+        what="/healthz",
+    )
+    return server, url
+
+
+@asynccontextmanager
+async def _http_client(url: str, token: str) -> AsyncIterator[Client]:
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http,
+        Client(streamable_http_client(url, http_client=http)) as client,
+    ):
+        yield client
+
+
+def test_over_http_a_killed_server_then_the_same_key_is_one_effect(stack: Stack) -> None:
+    """Over streamable HTTP with an agent token: SIGKILL the server after `sent`, start a new
+    one, the same key answers the same operation and remote_ref, once at the remote, recorded
+    as requested by the token's name; other input names the field; a blind tool under faults
+    ends in needs_human and says so."""
+    token = _token(stack.engine, "agent-http", TokenScope.AGENT)
+    key = "conversation-9/step-1"
+    asked = _intent(key, "3.0.0", fault="slow")
+    server, url = _start_http(stack, "mcp-http-1")
+
+    async def killed_mid_call() -> None:
+        with contextlib.suppress(Exception):
+            async with _http_client(url, token) as client:
+                call = asyncio.ensure_future(client.call_tool(MCP_TOOL, asked))
+                await _until_state(stack.engine, key, "sent")
+                server.kill()
+                await call
+
+    asyncio.run(killed_mid_call())
+    assert not server.alive()
+    _, url = _start_http(stack, "mcp-http-2")
+
+    async def again() -> tuple[CallToolResult, ...]:
+        async with _http_client(url, token) as client:
+            first, blind = await asyncio.gather(
+                client.call_tool(MCP_TOOL, asked),
+                client.call_tool(
+                    MCP_BLIND,
+                    _intent("conversation-9/step-2", "3.0.0", fault="commit_then_timeout"),
+                ),
+            )
+            status = await client.call_tool("outbox_status", {"intent_key": key})
+            other = await client.call_tool(MCP_TOOL, _intent(key, "3.0.1", fault="slow"))
+            return first, status, blind, other
+
+    first, status, blind, other = asyncio.run(again())
+    one, two = _report(first), _report(status)
+    assert one["outcome"] == "confirmed", _text(first)
+    assert (two["operation_id"], two["remote_ref"]) == (one["operation_id"], one["remote_ref"])
+    assert stack.service.effects_by_key()[one["operation_id"]] == 1
+    with stack.engine.connect() as conn:
+        by = conn.execute(
+            text("SELECT requested_by FROM outbox.operations WHERE intent_key = :k"), {"k": key}
+        ).scalar_one()
+    assert by == "agent-http"
+    assert (other.is_error, _report(other)["field"]) == (True, "payload.version")
+    assert (_report(blind)["outcome"], blind.is_error) == ("needs_human", False)
+    assert "Needs a person" in _text(blind)
+
+
+def test_over_http_no_token_is_401_and_an_operator_token_403(stack: Stack) -> None:
+    """The MCP endpoint refuses a request without a live token (401, with a Bearer challenge)
+    and an operator's token (403): it is for agents."""
+    operator = _token(stack.engine, "ops-mcp", TokenScope.OPERATOR)
+    _, url = _start_http(stack, "mcp-http-3")
+    hello = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+    bare = httpx.post(url, json=hello)
+    assert bare.status_code == 401
+    assert bare.headers["www-authenticate"].startswith("Bearer")
+    wrong = httpx.post(url, json=hello, headers={"Authorization": "Bearer obx_nope"})
+    assert wrong.status_code == 401
+    as_operator = httpx.post(url, json=hello, headers={"Authorization": f"Bearer {operator}"})
+    assert as_operator.status_code == 403
+
+
+def test_a_public_address_without_tls_or_a_config_without_tools_is_one_line(
+    stack: Stack,
+) -> None:
+    """`outbox mcp --http --host 0.0.0.0` without TLS exits 2, `outbox mcp` with no tools
+    named exits 1, and `outbox up --mcp` without tools exits 2, each with one line."""
+    public = run_outbox("mcp", "--http", "--host", "0.0.0.0", env=stack.env)  # noqa: S104
+    assert public.code == 2
+    assert "refusing to serve MCP on 0.0.0.0 without TLS" in public.stderr
+    bare = {k: v for k, v in stack.env.items() if k != "OUTBOX_CONFIG"}
+    no_tools = run_outbox("mcp", env=bare)
+    assert no_tools.code == 1
+    assert "set OUTBOX_CONFIG" in no_tools.stderr
+    assert len(no_tools.stderr.strip().splitlines()) == 1
+    up = run_outbox("up", "--mcp", "--no-panel", env=bare)
+    assert up.code == 2
+    assert "OUTBOX_CONFIG or OUTBOX_TOOLS" in up.stderr
