@@ -97,6 +97,7 @@ class Action(enum.StrEnum):
     API_STOPPED = "api_stopped"
     API_REQUEST = "api_request"  #: the access log: method, path, status, ms, caller (a name)
     API_ERROR = "api_error"  #: an unexpected error, answered 500 (its type only)
+    API_WORKER_FAILED = "api_worker_failed"  #: a worker of `outbox api --workers N` could not start
 
     # Operator console (outbox.web.console, at / of outbox api)
     CONSOLE_SESSION_KEY_MADE = "console_session_key_made"  #: no OUTBOX_CONSOLE_SECRET: made one

@@ -31,13 +31,14 @@ CSRF_FIELD = "csrf"
 
 def session_secret(configured: str | None) -> str:
     """The key that signs session cookies: OUTBOX_CONSOLE_SECRET, else a random one for this
-    process (said in a log line: sessions then end when the process restarts, and each
-    replica signs its own)."""
+    ``outbox api`` (said in a log line: sessions then end when it restarts, and each replica
+    signs its own; its ``--workers`` get this one key from it)."""
     if configured:
         return configured
     log.warning(
-        "OUTBOX_CONSOLE_SECRET is unset: this process made a random key for console "
-        "sessions; they end when it restarts and are not shared between replicas",
+        "OUTBOX_CONSOLE_SECRET is unset: this outbox api made a random key for console "
+        "sessions (its workers share it); they end when it restarts and are not shared "
+        "between replicas",
         extra={"action": Action.CONSOLE_SESSION_KEY_MADE},
     )
     return secrets.token_urlsafe(32)
