@@ -8,20 +8,23 @@ For each number of concurrent clients (``--clients``, default 1 and 8), one roun
 * **API**: that many threads, each with one keep-alive HTTP connection (the stdlib's
   ``http.client``: a light client, so the client's CPU, on the same cores, weighs little), each
   POSTing an intent with a fresh ``Idempotency-Key`` and an agent token, one after another, to
-  one ``outbox api`` process (a subprocess: its own interpreter and GIL).
+  ``outbox api`` (a subprocess: its own interpreter and GIL), once per ``--workers`` count
+  (``outbox api --workers N``: N processes on one socket; each count its own server, all
+  started before the rounds, so the cases alternate within each round).
 
 Rates (operations per second), p50 and p99 latency of one call, and the ratio API / direct
 per round (target: at least 0.5x). Everything shares this machine's cores: PostgreSQL, the
 server and the clients.
 
 Usage: python bench/api.py [--url postgresql://...] [--rounds 3] [--ops 2000]
-[--clients 1,8] [--quick] [--smoke]
+[--clients 1,8] [--workers 1,2] [--quick] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import http.client
 import json
 import os
@@ -31,7 +34,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 # The bench directory is not a package: `python bench/api.py` puts it on sys.path.
@@ -54,12 +57,14 @@ _SERVING = re.compile(r"serving the API on http://([^:/]+):(\d+)")
 
 
 @contextlib.contextmanager
-def api_server(db_url: str, home: Path) -> Iterator[tuple[str, int]]:
-    """``outbox api`` on an ephemeral port of 127.0.0.1 (logs at WARNING); its host and port."""
+def api_server(db_url: str, home: Path, workers: int = 1) -> Iterator[tuple[str, int]]:
+    """``outbox api --workers N`` on an ephemeral port of 127.0.0.1 (logs at WARNING); its
+    host and port."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env |= {"OUTBOX_DATABASE_URL": db_url, "OUTBOX_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "outbox", "api", "--port", "0", "--log-level", "warning"],
+    command = [sys.executable, "-m", "outbox", "api", "--port", "0", "--log-level", "warning"]
+    process = subprocess.Popen(  # noqa: S603 -- our own CLI, every argument from this script
+        [*command, "--workers", str(workers)],
         env=env,
         stdout=subprocess.PIPE,
         text=True,
@@ -133,9 +138,12 @@ def _in_threads(clients: int, ops: int, make_worker: Callable[[], Callable[[], N
 class ApiBench:
     """The two ways to enqueue, on one throw-away database."""
 
-    def __init__(self, engine: Engine, address: tuple[str, int], token: str, ops: int) -> None:
+    def __init__(
+        self, engine: Engine, addresses: Mapping[int, tuple[str, int]], token: str, ops: int
+    ) -> None:
         self.engine = engine
-        self.address = address
+        #: ``outbox api``'s address by its number of worker processes.
+        self.addresses = addresses
         self.token = token
         self.ops = ops
 
@@ -158,12 +166,14 @@ class ApiBench:
 
         return _in_threads(clients, self.ops, worker)
 
-    def http(self, clients: int) -> Rate:
-        """POST /v1/operations on one keep-alive connection per thread."""
+    def http(self, clients: int, workers: int) -> Rate:
+        """POST /v1/operations on one keep-alive connection per thread, to the server with
+        ``workers`` processes."""
+        address = self.addresses[workers]
         body = json.dumps({"tool": TOOL, "target": "project-a", "payload": {"version": "1.2.3"}})
 
         def worker() -> Callable[[], None]:
-            conn = http.client.HTTPConnection(*self.address, timeout=30)
+            conn = http.client.HTTPConnection(*address, timeout=30)
 
             def call() -> None:
                 conn.request(
@@ -191,8 +201,16 @@ def _cases(bench: ApiBench, clients: Sequence[int]) -> list[Case]:
     for n in clients:
         section = f"{n} client{'s' if n > 1 else ''}"
         cases.append(Case(f"direct x{n}", _named("direct", bench.direct, n), section=section))
-        cases.append(Case(f"API x{n}", _named("API", bench.http, n), section=section))
+        for workers in bench.addresses:
+            kind = _api_kind(workers, bench.addresses)
+            serve = functools.partial(bench.http, workers=workers)
+            cases.append(Case(f"{kind} x{n}", _named(kind, serve, n), section=section))
     return cases
+
+
+def _api_kind(workers: int, every: Iterable[int]) -> str:
+    """``API`` with one server (the names earlier runs used), else ``API wN`` per server."""
+    return "API" if list(every) == [1] else f"API w{workers}"
 
 
 def _named(kind: str, run: Callable[[int], Rate], clients: int) -> Callable[[], Rate]:
@@ -208,6 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_common_arguments(parser)
     parser.add_argument("--ops", type=int, default=2000, help="enqueues per case and round")
     parser.add_argument("--clients", default="1,8", help="comma-separated client counts")
+    parser.add_argument(
+        "--workers", default="1", help="comma-separated `outbox api --workers` counts"
+    )
     parser.add_argument("--quick", action="store_true", help="one round of 500 per case")
     args = parser.parse_args(argv)
     if args.quick:
@@ -215,8 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.smoke:
         args.rounds, args.ops = 1, 40
     clients = [int(n) for n in args.clients.split(",") if n.strip()]
+    workers = [int(n) for n in args.workers.split(",") if n.strip()]
     results = Results(
-        f"api: {args.rounds} rounds, {args.ops} enqueues per case, clients {args.clients}"
+        f"api: {args.rounds} rounds, {args.ops} enqueues per case, clients {args.clients}, "
+        f"workers {args.workers}"
     )
     with contextlib.ExitStack() as stack:
         db_url = stack.enter_context(throwaway_database(args.url))
@@ -226,17 +249,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         with Session(engine) as session, session.begin():
             token = tokens.create_token(session, name="bench", scope=TokenScope.AGENT).token
         home = Path(stack.enter_context(_temporary_home()))
-        address = stack.enter_context(api_server(db_url, home))
-        say(f"outbox api on {address[0]}:{address[1]}")
-        bench = ApiBench(engine, address, token, args.ops)
+        addresses = {}
+        for count in workers:
+            address = stack.enter_context(api_server(db_url, home, count))
+            say(f"outbox api --workers {count} on {address[0]}:{address[1]}")
+            addresses[count] = address
+        bench = ApiBench(engine, addresses, token, args.ops)
         run_rounds(args.rounds, _cases(bench, clients), results)
-    for n in clients:
-        results.ratio(f"API / direct, {n}", f"API rate, {n}", f"direct rate, {n}")
-    for n in clients:
-        results.target(f"API >= 0.5x direct enqueue ({n})", f"API / direct, {n}", at_least=0.5)
+    kinds = [_api_kind(count, workers) for count in workers]
+    for kind in kinds:
+        for n in clients:
+            results.ratio(f"{kind} / direct, {n}", f"{kind} rate, {n}", f"direct rate, {n}")
+    for kind in kinds:
+        for n in clients:
+            results.target(
+                f"{kind} >= 0.5x direct enqueue ({n})", f"{kind} / direct, {n}", at_least=0.5
+            )
     results.note(
         "Medians over rounds; ratios are computed within each round, then their median. "
-        "PostgreSQL, the API process and the clients share this machine's cores."
+        "PostgreSQL, the API's processes and the clients share this machine's cores."
     )
     print_table(results)
     write_json(args.json, [results], vars(args))
