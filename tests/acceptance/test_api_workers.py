@@ -24,6 +24,7 @@ from outbox import operators, tokens
 from outbox.approval import publish_policies_committed
 from outbox.contracts import ToolContract
 from outbox.models import TokenScope
+from tests.acceptance.conftest import run_outbox
 from tests.api_server import ApiServer, api_environment, running_api
 from tests.processes import wait_until
 
@@ -194,3 +195,24 @@ def test_a_killed_worker_is_started_again_and_sigterm_stops_them_all(
         assert not alive
         assert not metrics_dir.exists()
         assert "API stopped" in server.logs()
+
+
+def test_a_worker_that_cannot_start_stops_the_api(database_url: str, tmp_path: Path) -> None:
+    """A worker failing at start-up ends `outbox api` with exit 1 and one line saying why,
+    instead of being started again and again."""
+    (tmp_path / "worker_refusing_tools.py").write_text(
+        "import multiprocessing\n"
+        "if multiprocessing.parent_process() is not None:\n"
+        "    raise RuntimeError('these tools refuse to load in a worker')\n"
+    )
+    env = api_environment(
+        database_url,
+        tmp_path,
+        PYTHONPATH=str(tmp_path),
+        OUTBOX_TOOLS="worker_refusing_tools",
+    )
+    done = run_outbox("api", "--port", "0", "--workers", "2", env=env, timeout=60)
+    assert done.code == 1, done.stderr
+    assert "these tools refuse to load in a worker" in done.stderr
+    assert "action=api_worker_failed" in done.stderr
+    assert "error: an API worker could not start" in done.stderr
