@@ -8,20 +8,23 @@ For each number of concurrent clients (``--clients``, default 1 and 8), one roun
 * **API**: that many threads, each with one keep-alive HTTP connection (the stdlib's
   ``http.client``: a light client, so the client's CPU, on the same cores, weighs little), each
   POSTing an intent with a fresh ``Idempotency-Key`` and an agent token, one after another, to
-  one ``outbox api`` process (a subprocess: its own interpreter and GIL).
+  ``outbox api`` (a subprocess: its own interpreter and GIL), once per ``--workers`` count
+  (``outbox api --workers N``: N processes on one socket; each count its own server, all
+  started before the rounds, so the cases alternate within each round).
 
 Rates (operations per second), p50 and p99 latency of one call, and the ratio API / direct
 per round (target: at least 0.5x). Everything shares this machine's cores: PostgreSQL, the
 server and the clients.
 
 Usage: python bench/api.py [--url postgresql://...] [--rounds 3] [--ops 2000]
-[--clients 1,8] [--quick] [--smoke]
+[--clients 1,8] [--workers 1,2] [--quick] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import http.client
 import json
 import os
@@ -31,11 +34,13 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 # The bench directory is not a package: `python bench/api.py` puts it on sys.path.
 from arguments import add_common_arguments
+from cpu import CpuMeter, pids_named
 from report import Results, print_table, say, write_json
 from rounds import Case, percentile, run_rounds
 from sqlalchemy import Engine
@@ -53,13 +58,22 @@ TOOL = "deploy.create_release"
 _SERVING = re.compile(r"serving the API on http://([^:/]+):(\d+)")
 
 
+@dataclass(frozen=True)
+class Server:
+    """A running ``outbox api``: where it listens, and its (parent) process."""
+
+    address: tuple[str, int]
+    pid: int
+
+
 @contextlib.contextmanager
-def api_server(db_url: str, home: Path) -> Iterator[tuple[str, int]]:
-    """``outbox api`` on an ephemeral port of 127.0.0.1 (logs at WARNING); its host and port."""
+def api_server(db_url: str, home: Path, workers: int = 1) -> Iterator[Server]:
+    """``outbox api --workers N`` on an ephemeral port of 127.0.0.1 (logs at WARNING)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env |= {"OUTBOX_DATABASE_URL": db_url, "OUTBOX_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "outbox", "api", "--port", "0", "--log-level", "warning"],
+    command = [sys.executable, "-m", "outbox", "api", "--port", "0", "--log-level", "warning"]
+    process = subprocess.Popen(  # noqa: S603 -- our own CLI, every argument from this script
+        [*command, "--workers", str(workers)],
         env=env,
         stdout=subprocess.PIPE,
         text=True,
@@ -71,7 +85,7 @@ def api_server(db_url: str, home: Path) -> Iterator[tuple[str, int]]:
             raise RuntimeError("outbox api did not start")
         address = found.group(1), int(found.group(2))
         _wait_healthy(*address)
-        yield address
+        yield Server(address=address, pid=process.pid)
     finally:
         process.terminate()
         process.wait(timeout=15)
@@ -133,9 +147,10 @@ def _in_threads(clients: int, ops: int, make_worker: Callable[[], Callable[[], N
 class ApiBench:
     """The two ways to enqueue, on one throw-away database."""
 
-    def __init__(self, engine: Engine, address: tuple[str, int], token: str, ops: int) -> None:
+    def __init__(self, engine: Engine, servers: Mapping[int, Server], token: str, ops: int) -> None:
         self.engine = engine
-        self.address = address
+        #: ``outbox api`` by its number of worker processes.
+        self.servers = servers
         self.token = token
         self.ops = ops
 
@@ -158,12 +173,14 @@ class ApiBench:
 
         return _in_threads(clients, self.ops, worker)
 
-    def http(self, clients: int) -> Rate:
-        """POST /v1/operations on one keep-alive connection per thread."""
+    def http(self, clients: int, workers: int) -> Rate:
+        """POST /v1/operations on one keep-alive connection per thread, to the server with
+        ``workers`` processes."""
+        address = self.servers[workers].address
         body = json.dumps({"tool": TOOL, "target": "project-a", "payload": {"version": "1.2.3"}})
 
         def worker() -> Callable[[], None]:
-            conn = http.client.HTTPConnection(*self.address, timeout=30)
+            conn = http.client.HTTPConnection(*address, timeout=30)
 
             def call() -> None:
                 conn.request(
@@ -186,19 +203,84 @@ class ApiBench:
         return _in_threads(clients, self.ops, worker)
 
 
-def _cases(bench: ApiBench, clients: Sequence[int]) -> list[Case]:
+def _cases(bench: ApiBench, clients: Sequence[int], cpu_of: str | None) -> list[Case]:
+    """Per client count: direct, then the API per server; with ``cpu_of`` (the database's
+    name) each case also measures who spent the CPU."""
     cases = []
     for n in clients:
         section = f"{n} client{'s' if n > 1 else ''}"
-        cases.append(Case(f"direct x{n}", _named("direct", bench.direct, n), section=section))
-        cases.append(Case(f"API x{n}", _named("API", bench.http, n), section=section))
+        meter = _meter(cpu_of, None)
+        run = _named("direct", bench.direct, n, meter)
+        cases.append(Case(f"direct x{n}", run, section=section))
+        for workers, server in bench.servers.items():
+            kind = _api_kind(workers, bench.servers)
+            serve = functools.partial(bench.http, workers=workers)
+            meter = _meter(cpu_of, server.pid)
+            cases.append(Case(f"{kind} x{n}", _named(kind, serve, n, meter), section=section))
     return cases
 
 
-def _named(kind: str, run: Callable[[int], Rate], clients: int) -> Callable[[], Rate]:
+def _meter(database: str | None, api_pid: int | None) -> CpuMeter | None:
+    """CPU of the API's processes, of the database's backends serving ``database`` and of
+    this process (the clients), or None without ``--cpu``."""
+    if database is None:
+        return None
+    groups: dict[str, Callable[[], Iterable[int]]] = {
+        "postgres": lambda: _backends(database),
+        "clients": lambda: [os.getpid()],
+    }
+    if api_pid is not None:
+        groups["api"] = lambda: _descendants(api_pid)
+    return CpuMeter(groups)
+
+
+def _backends(database: str) -> list[int]:
+    """PostgreSQL backends connected to ``database`` (their process title names it)."""
+    found = []
+    for pid in pids_named("postgres"):
+        with contextlib.suppress(OSError):
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if f" {database} " in title:
+                found.append(pid)
+    return found
+
+
+def _descendants(root: int) -> list[int]:
+    """``root`` and every process under it (the API's parent, workers and helpers)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _api_kind(workers: int, every: Iterable[int]) -> str:
+    """``API`` with one server (the names earlier runs used), else ``API wN`` per server."""
+    return "API" if list(every) == [1] else f"API w{workers}"
+
+
+def _named(
+    kind: str, run: Callable[[int], Rate], clients: int, meter: CpuMeter | None
+) -> Callable[[], Rate]:
     def measured() -> Rate:
+        if meter is not None:
+            meter.start()
         rate = run(clients)
-        return {f"{kind} {name}, {clients}": value for name, value in rate.items()}
+        named = {f"{kind} {name}, {clients}": value for name, value in rate.items()}
+        if meter is not None:
+            per_s = rate["rate"][0]
+            for group, percent in meter.stop().items():
+                if group.startswith("machine busy"):
+                    named[f"{kind} {group}, {clients}"] = (percent, "% core")
+                else:  # CPU per enqueue: % of a core / enqueues per second
+                    named[f"{kind} CPU {group}, {clients}"] = (10 * percent / per_s, "ms/op")
+        return named
 
     return measured
 
@@ -208,6 +290,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_common_arguments(parser)
     parser.add_argument("--ops", type=int, default=2000, help="enqueues per case and round")
     parser.add_argument("--clients", default="1,8", help="comma-separated client counts")
+    parser.add_argument(
+        "--workers", default="1", help="comma-separated `outbox api --workers` counts"
+    )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="also the CPU per enqueue of the API, PostgreSQL's backends and the clients",
+    )
     parser.add_argument("--quick", action="store_true", help="one round of 500 per case")
     args = parser.parse_args(argv)
     if args.quick:
@@ -215,8 +305,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.smoke:
         args.rounds, args.ops = 1, 40
     clients = [int(n) for n in args.clients.split(",") if n.strip()]
+    workers = [int(n) for n in args.workers.split(",") if n.strip()]
     results = Results(
-        f"api: {args.rounds} rounds, {args.ops} enqueues per case, clients {args.clients}"
+        f"api: {args.rounds} rounds, {args.ops} enqueues per case, clients {args.clients}, "
+        f"workers {args.workers}"
     )
     with contextlib.ExitStack() as stack:
         db_url = stack.enter_context(throwaway_database(args.url))
@@ -226,17 +318,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         with Session(engine) as session, session.begin():
             token = tokens.create_token(session, name="bench", scope=TokenScope.AGENT).token
         home = Path(stack.enter_context(_temporary_home()))
-        address = stack.enter_context(api_server(db_url, home))
-        say(f"outbox api on {address[0]}:{address[1]}")
-        bench = ApiBench(engine, address, token, args.ops)
-        run_rounds(args.rounds, _cases(bench, clients), results)
-    for n in clients:
-        results.ratio(f"API / direct, {n}", f"API rate, {n}", f"direct rate, {n}")
-    for n in clients:
-        results.target(f"API >= 0.5x direct enqueue ({n})", f"API / direct, {n}", at_least=0.5)
+        servers = {}
+        for count in workers:
+            server = stack.enter_context(api_server(db_url, home, count))
+            say(f"outbox api --workers {count} on {server.address[0]}:{server.address[1]}")
+            servers[count] = server
+        bench = ApiBench(engine, servers, token, args.ops)
+        database = engine.url.database if args.cpu else None
+        run_rounds(args.rounds, _cases(bench, clients, database), results)
+    kinds = [_api_kind(count, workers) for count in workers]
+    for kind in kinds:
+        for n in clients:
+            results.ratio(f"{kind} / direct, {n}", f"{kind} rate, {n}", f"direct rate, {n}")
+    for kind in kinds:
+        for n in clients:
+            results.target(
+                f"{kind} >= 0.5x direct enqueue ({n})", f"{kind} / direct, {n}", at_least=0.5
+            )
     results.note(
         "Medians over rounds; ratios are computed within each round, then their median. "
-        "PostgreSQL, the API process and the clients share this machine's cores."
+        "PostgreSQL, the API's processes and the clients share this machine's cores."
     )
     print_table(results)
     write_json(args.json, [results], vars(args))

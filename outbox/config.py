@@ -211,6 +211,15 @@ class Settings(BaseSettings):
         default=60.0,
         description="Longest long-poll `GET /v1/operations/{id}?wait=S` holds (S is capped to it).",
     )
+    api_workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description=(
+            "Worker processes `outbox api` serves with, on one socket (each its own "
+            "interpreter: about one per core)."
+        ),
+    )
 
     mcp_agent: str = Field(
         default="mcp",
@@ -242,8 +251,8 @@ class Settings(BaseSettings):
         default=None,
         description=(
             "Key that signs the console's session cookies (at least 32 random characters); "
-            "unset, each `outbox api` process makes one, so sessions end when it restarts and "
-            "are not shared between replicas."
+            "unset, each `outbox api` makes one (shared by its --workers), so sessions end "
+            "when it restarts and are not shared between replicas."
         ),
     )
     console_url: HttpUrl | None = Field(

@@ -99,6 +99,7 @@ class Action(enum.StrEnum):
     API_ERROR = "api_error"  #: an unexpected error, answered 500 (its type only)
     MCP_STARTED = "mcp_started"  #: `outbox mcp`: its transport (and URL over HTTP), its tools
     MCP_STOPPED = "mcp_stopped"
+    API_WORKER_FAILED = "api_worker_failed"  #: a worker of `outbox api --workers N` could not start
 
     # Operator console (outbox.web.console, at / of outbox api)
     CONSOLE_SESSION_KEY_MADE = "console_session_key_made"  #: no OUTBOX_CONSOLE_SECRET: made one

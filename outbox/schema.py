@@ -301,3 +301,20 @@ operators = Table(
     CheckConstraint("char_length(name) BETWEEN 1 AND 128", name="name_length"),
     CheckConstraint("password_hash LIKE '$argon2id$%'", name="password_hash_argon2id"),
 )
+
+#: Failed sign-ins at the console (migration 0015), one row per failure and per key it counts
+#: against: the name tried and the client's address. The sign-in throttle
+#: (:mod:`outbox.signins`) counts the recent ones; every ``outbox api`` worker process shares
+#: them. Rows older than the throttle's window are deleted as new failures come in.
+signin_failures = Table(
+    "signin_failures",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("kind", Text, nullable=False),
+    Column("value", Text, nullable=False),
+    _timestamp("failed_at", nullable=False, now=True),
+    CheckConstraint("kind IN ('name', 'address')", name="kind_known"),
+    CheckConstraint("char_length(value) <= 128", name="value_length"),
+    Index("ix_signin_failures_kind_value_failed_at", "kind", "value", "failed_at"),
+    Index("ix_signin_failures_failed_at", "failed_at"),
+)

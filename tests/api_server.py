@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -19,10 +19,12 @@ _SERVING = re.compile(r"serving the API on (\S+)")
 
 @dataclass(frozen=True)
 class ApiServer:
-    """A running ``outbox api``: its base URL, and the file its stderr (logs) goes to."""
+    """A running ``outbox api``: its base URL, the file its stderr (logs) goes to, and its
+    process."""
 
     url: str
     log: Path
+    process: subprocess.Popen[str] = field(repr=False, compare=False)
 
     def logs(self) -> str:
         """Everything the server logged so far."""
@@ -50,7 +52,7 @@ def running_api(
         if found is None:
             process.wait(timeout=timeout)
             raise AssertionError(f"outbox api did not start: {line!r}\n{log.read_text()}")
-        server = ApiServer(url=found.group(1), log=log)
+        server = ApiServer(url=found.group(1), log=log, process=process)
         _wait_healthy(server.url, process, timeout, verify=verify)
         yield server
     finally:

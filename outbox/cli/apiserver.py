@@ -6,7 +6,7 @@ import ipaddress
 import logging
 import socket
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -67,6 +67,16 @@ def api_command(
             help="PEM private key of --tls-cert.",
         ),
     ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            envvar=_env("api_workers"),
+            min=1,
+            max=64,
+            help="Worker processes serving the one socket, each its own interpreter (about "
+            "one per core); 1 serves in this process.",
+        ),
+    ] = _DEFAULTS["api_workers"].default,
     log_level: LogLevelOption = LogLevel.INFO,
 ) -> None:
     """Serve the HTTP API and the operator console: `/v1/operations` for agents in any
@@ -76,7 +86,9 @@ def api_command(
     Every `/v1` request needs a bearer token (`outbox tokens create NAME --scope S`); the
     console, an operator account (`outbox operators add NAME`). Binds
     127.0.0.1 by default; any other address is refused unless TLS is configured or
-    `--behind-proxy` says a proxy terminates it. SIGTERM or Ctrl-C exits 0.
+    `--behind-proxy` says a proxy terminates it. With `--workers N`, N processes serve (one
+    that dies is started again), sharing request metrics, the sign-in throttle and the
+    console's session key. SIGTERM or Ctrl-C exits 0.
     """
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter(
@@ -91,6 +103,10 @@ def api_command(
     with needs_extra("api", "api"):
         import uvicorn  # noqa: PLC0415 -- the [api] extra: `outbox --help` must not need it
 
+        from outbox.cli.apiworkers import (  # noqa: PLC0415 -- fastapi, the same extra
+            load_configured_tools,
+            serve_workers,
+        )
         from outbox.web import create_app  # noqa: PLC0415 -- fastapi, the same extra
 
     start_logging(log_level)
@@ -98,30 +114,42 @@ def api_command(
     logging.getLogger("alembic").setLevel(max(logging.WARNING, logging.getLogger().level))
     settings = get_settings()
     require_schema()
-    _load_tools(settings)
+    load_configured_tools(settings)  # here too with --workers: a bad tool is one line, now
     listening = bind_socket(host, port)
     address = listening.getsockname()
     scheme = "https" if tls_cert is not None else "http"
     shown = f"[{address[0]}]" if ":" in address[0] else address[0]
     url = f"{scheme}://{shown}:{address[1]}"
-    config = uvicorn.Config(
-        create_app(settings),
-        log_config=None,  # our handler (OUTBOX_LOG_FORMAT) renders uvicorn's lines too
-        access_log=False,  # ours: no query strings, the token's name (outbox.web.observe)
-        server_header=False,
-        proxy_headers=behind_proxy,
-        forwarded_allow_ips=settings.api_forwarded_allow_ips if behind_proxy else None,
-        ssl_certfile=str(tls_cert) if tls_cert else None,
-        ssl_keyfile=str(tls_key) if tls_key else None,
-        timeout_graceful_shutdown=5,
-    )
+    options: dict[str, Any] = {
+        "log_config": None,  # our handler (OUTBOX_LOG_FORMAT) renders uvicorn's lines too
+        "access_log": False,  # ours: no query strings, the token's name (outbox.web.observe)
+        "server_header": False,
+        "proxy_headers": behind_proxy,
+        "forwarded_allow_ips": settings.api_forwarded_allow_ips if behind_proxy else None,
+        "ssl_certfile": str(tls_cert) if tls_cert else None,
+        "ssl_keyfile": str(tls_key) if tls_key else None,
+        "timeout_graceful_shutdown": 5,
+    }
     console.print(
         f"serving the API on {url} (the console at {url}/, docs at {url}/docs)",
         markup=False,
         highlight=False,
     )
-    log.info("serving on %s", url, extra={"action": Action.API_STARTED, "url": url})
-    uvicorn.Server(config).run(sockets=[listening])
+    log.info(
+        "serving on %s",
+        url,
+        extra={"action": Action.API_STARTED, "url": url, "workers": workers},
+    )
+    if workers == 1:
+        uvicorn.Server(uvicorn.Config(create_app(settings), **options)).run(sockets=[listening])
+    elif not serve_workers(
+        listening,
+        workers=workers,
+        log_level=log_level,
+        settings=settings,
+        uvicorn_options=options,
+    ):
+        fail("an API worker could not start (its error is logged above)")
     log.info("API stopped", extra={"action": Action.API_STOPPED})
 
 
@@ -148,14 +176,3 @@ def bind_socket(host: str, port: int) -> socket.socket:
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
     listening.set_inheritable(True)
     return listening
-
-
-def _load_tools(settings: Settings) -> None:
-    """Load the tools when OUTBOX_CONFIG or OUTBOX_TOOLS names them: then they alone are known
-    (and resolve knows their in-flight horizons); else ``outbox.tool_policies`` says."""
-    if settings.config is None and not settings.tools:
-        return
-    with needs_extra("worker", "api"):
-        from outbox.tools import load_tools  # noqa: PLC0415 -- the tools layer, as ops resolve
-
-    load_tools(settings)

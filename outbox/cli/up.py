@@ -24,7 +24,7 @@ from outbox.cli.common import connected
 from outbox.cli.extras import needs_extra
 from outbox.cli.options import LogLevel
 from outbox.cli.output import console, fail
-from outbox.config import get_settings
+from outbox.config import Settings, get_settings, variable
 from outbox.db import redact
 from outbox.errors import ConfigError
 from outbox.states import State
@@ -131,6 +131,15 @@ def up_command(
     mcp_port: Annotated[
         int, typer.Option(min=1, max=65535, help="The MCP server's port on 127.0.0.1.")
     ] = 8700,
+    api_workers: Annotated[
+        int,
+        typer.Option(
+            envvar=variable("api_workers"),
+            min=1,
+            max=64,
+            help="The HTTP API's worker processes (`outbox api --workers`).",
+        ),
+    ] = Settings.model_fields["api_workers"].default,
     panel: Annotated[
         bool,
         typer.Option(
@@ -179,11 +188,7 @@ def up_command(
         env = {**os.environ, "OUTBOX_DATABASE_URL": url, "OUTBOX_HOME": str(settings.home)}
         supervisor = Supervisor(
             _specs(workers, concurrency, relays, flower, flower_port, log_level)
-            + (
-                [ChildSpec("api", ("api", "--port", str(api_port), "--log-level", "warning"))]
-                if api
-                else []
-            )
+            + ([ChildSpec("api", _api_arguments(api_port, api_workers))] if api else [])
             + (
                 [
                     ChildSpec(
@@ -229,6 +234,10 @@ def up_command(
             if server:
                 server.shutdown()
     console.print("stopped", highlight=False)
+
+
+def _api_arguments(port: int, workers: int) -> tuple[str, ...]:
+    return ("api", "--port", str(port), "--workers", str(workers), "--log-level", "warning")
 
 
 def _api_wanted(asked: bool | None) -> bool:

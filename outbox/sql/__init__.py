@@ -35,6 +35,7 @@ read, ``synchronous_commit``), :mod:`~outbox.sql.reconcile` (the sweep and looku
 :mod:`~outbox.sql.deployment` (the database's identity, its standbys),
 :mod:`~outbox.sql.tokens` (the HTTP API's bearer tokens), :mod:`~outbox.sql.operators` (the
 console's operator accounts), :mod:`~outbox.sql.console` (the console's queue and rates),
+:mod:`~outbox.sql.signins` (the console's sign-in throttle),
 :mod:`~outbox.sql.web` (the HTTP API's pages of operations and conditional requests),
 :mod:`~outbox.sql.broker` (the database broker's tables), :mod:`~outbox.sql.moves` (the
 state moves' statements, run only by :mod:`outbox.transitions`) and :mod:`~outbox.sql.dev`
@@ -57,6 +58,7 @@ from outbox.sql import (
     relay,
     resolve,
     retention,
+    signins,
     tokens,
     web,
     webhooks,
@@ -78,6 +80,7 @@ __all__ = [
     "relay",
     "resolve",
     "retention",
+    "signins",
     "tokens",
     "web",
     "webhooks",

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import __version__, aio, migrate
@@ -34,9 +36,20 @@ create NAME --scope agent|operator`); every error is an RFC 9457 problem documen
 """
 
 
-def create_app(settings: Settings | None = None, *, engine: AsyncEngine | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    engine: AsyncEngine | None = None,
+    metrics_dir: Path | None = None,
+) -> FastAPI:
     """The API app on ``engine`` (default: an engine on the configured database, disposed
-    when the app shuts down), with ``settings`` (default: from the environment)."""
+    when the app shuts down), with ``settings`` (default: from the environment).
+
+    ``metrics_dir``: when several worker processes serve the same socket (``outbox api
+    --workers N``), prometheus_client's multiprocess directory (PROMETHEUS_MULTIPROC_DIR,
+    set before this process imported prometheus_client): ``/metrics`` then sums the request
+    metrics of every worker, living or dead, whichever worker answers the scrape.
+    """
     settings = settings if settings is not None else get_settings()
     owned = engine is None
     engine = engine or create_async_engine(
@@ -77,7 +90,16 @@ def create_app(settings: Settings | None = None, *, engine: AsyncEngine | None =
 
     @app.get("/metrics", include_in_schema=False)
     async def serve_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(scraped()), media_type=CONTENT_TYPE_LATEST)
+
+    def scraped() -> CollectorRegistry:
+        if metrics_dir is None:
+            return metrics.registry
+        # A fresh registry per scrape, as prometheus_client's multiprocess mode asks: the
+        # collector reads every process's files (counters and histograms are summed).
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(metrics_dir))  # type: ignore[no-untyped-call]
+        return registry
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from starlette.middleware.sessions import SessionMiddleware
 
 from outbox.config import Settings
+from outbox.signins import Throttle
 from outbox.web.console import session
 from outbox.web.console.routes import router
 
@@ -22,7 +23,7 @@ def install(app: FastAPI, settings: Settings) -> None:
     """Mount the console's pages on ``app`` and its signed session cookie (HttpOnly,
     SameSite=Strict; Secure when the API serves HTTPS or sits behind a TLS proxy)."""
     secret = settings.console_secret.get_secret_value() if settings.console_secret else None
-    app.state.console_throttle = session.Throttle()
+    app.state.console_throttle = Throttle()  # its state: outbox.signin_failures
     app.include_router(router)
     app.add_middleware(
         SessionMiddleware,

@@ -38,6 +38,7 @@ from outbox.errors import (
 from outbox.logs import Action
 from outbox.models import Executor, Operation, iso_utc
 from outbox.resolve import resolve
+from outbox.signins import Throttle
 from outbox.web.console import session, views
 from outbox.web.context import context
 
@@ -85,8 +86,8 @@ templates.env.filters["age"] = _age
 templates.env.filters["when"] = _when
 
 
-def _throttle(request: Request) -> session.Throttle:
-    found: session.Throttle = request.app.state.console_throttle
+def _throttle(request: Request) -> Throttle:
+    found: Throttle = request.app.state.console_throttle
     return found
 
 
@@ -127,7 +128,8 @@ def _to_signin() -> RedirectResponse:
 
 
 async def _read(request: Request, read: Callable[[Executor], Any]) -> Any:
-    """Run ``read`` in one transaction (committed: a sign-in may refresh a hash)."""
+    """Run ``read`` in one transaction (committed: a sign-in may refresh a hash, or count a
+    failure)."""
     async with context(request).engine.begin() as conn:
         return await conn.run_sync(read)
 
@@ -189,7 +191,7 @@ async def signin(request: Request) -> Response:
     password = str(form.get("password", ""))
     address = _address(request)
     throttle = _throttle(request)
-    refusal = throttle.refusal(name=name, address=address)
+    refusal = await _read(request, lambda sync: throttle.refusal(sync, name=name, address=address))
     if refusal is not None:
         log.warning(
             "sign-in refused: too many failures",
@@ -216,7 +218,7 @@ async def signin(request: Request) -> Response:
     if check.new_hash is not None:
         await _read(request, lambda sync: operators.store_new_hash(sync, check))
     if found is None:
-        throttle.failed(name=name, address=address)
+        await _read(request, lambda sync: throttle.failed(sync, name=name, address=address))
         log.warning(
             "sign-in failed",
             extra={"action": Action.CONSOLE_SIGNIN_FAILED, "operator": name, "client": address},
@@ -229,7 +231,7 @@ async def signin(request: Request) -> Response:
             error="Wrong name or password.",
             status_code=401,
         )
-    throttle.succeeded(name=name)
+    await _read(request, lambda sync: throttle.succeeded(sync, name=name))
     session.sign_in(request, found.name)
     log.info(
         "operator signed in",
