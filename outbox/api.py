@@ -10,19 +10,20 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
 from sqlalchemy import Engine
 
-from outbox import sql, transitions, webhooks
+from outbox import budgets, sql, transitions, webhooks
 from outbox.canonical import NotCanonicalizable, canonical_json, intent_hash, payload_hash
 from outbox.config import get_settings
 from outbox.contracts import CONTRACTS
 from outbox.db import get_engine
 from outbox.errors import (
+    BudgetExceeded,
     IntentAlreadyDone,
     IntentConflict,
     InvalidIntent,
@@ -133,6 +134,8 @@ def enqueue_intent(session: Executor, intent: Intent) -> Enqueued:
             require_approval=one.require_approval,
             approval_ttl_s=one.approval_ttl_s,
         )
+        if isinstance(created, sql.intents.Budgeted):
+            created = _insert_budgeted(session, [one]).get(0)
         if created is not None:
             if created.state is State.AWAITING_APPROVAL:
                 webhooks.record_approval_requested(session, created)
@@ -196,7 +199,7 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
         return []
     unique = _unique_keys(checked)
     with session.begin_nested():  # a conflict found below rolls the batch back, nothing else
-        inserted = sql.intents.insert_intents(
+        result = sql.intents.insert_intents(
             session,
             intent_keys=[c.intent_key for c in unique],
             tools=[c.tool for c in unique],
@@ -209,6 +212,10 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
             require_approval=[c.require_approval for c in unique],
             approval_ttl_s=[c.approval_ttl_s for c in unique],
         )
+        inserted = dict(result.operations)
+        if result.budgeted:
+            later = _insert_budgeted(session, [unique[p] for p in result.budgeted])
+            inserted.update({result.budgeted[i]: op for i, op in later.items()})
         for created in inserted.values():
             if created.state is State.AWAITING_APPROVAL:
                 webhooks.record_approval_requested(session, created)
@@ -240,6 +247,73 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
         by_key[one.intent_key] if one.intent_key is not None else unnamed[id(one)]
         for one in checked
     ]
+
+
+def _insert_budgeted(session: Executor, checked: Sequence[_Checked]) -> dict[int, Operation]:
+    """Insert intents whose tools have budgets, in the caller's transaction, or raise
+    :class:`BudgetExceeded` (writing nothing; the caller's transaction may go on).
+
+    Under each (budget, key)'s transaction-scoped advisory lock, the keys' usage is counted in
+    a statement of its own: its snapshot, taken after the locks were granted, holds every
+    earlier enqueue of the key that committed, so concurrent enqueuers in any process never
+    take a key over its budget (under READ COMMITTED, the default). An intent whose key is
+    recorded already is neither refused nor counted again: the insert returns nothing for it
+    and the caller returns the recorded operation. Returns the inserted operations by
+    position in ``checked``.
+    """
+    found = [
+        budgets.from_definition(d)
+        for d in sql.budgets.budgets_for(session, [c.tool for c in checked])
+    ]
+    wanted = [
+        budgets.demands(
+            [b for b in found if c.tool in b.tools],
+            requested_by=c.requested_by,
+            metadata=c.metadata,
+            payload=json.loads(c.canonical_payload),
+        )
+        for c in checked
+    ]
+    if any(wanted):
+        budgets.take_locks(session, [d for ds in wanted for d in ds])
+        named = [c.intent_key for c in checked if c.intent_key is not None]
+        recorded = (
+            {op.intent_key for op in sql.intents.find_operations(session, named)}
+            if named
+            else set()
+        )
+        try:
+            budgets.check(
+                session,
+                [
+                    d
+                    for c, ds in zip(checked, wanted, strict=True)
+                    if c.intent_key not in recorded
+                    for d in ds
+                ],
+            )
+        except BudgetExceeded as exc:
+            budgets.refused(session, exc)
+            raise
+    return sql.intents.insert_intents(
+        session,
+        intent_keys=[c.intent_key for c in checked],
+        tools=[c.tool for c in checked],
+        targets=[c.target for c in checked],
+        canonical_payloads=[c.canonical_payload for c in checked],
+        payload_hashes=[c.payload_hash for c in checked],
+        intent_hashes=[c.intent_hash for c in checked],
+        metadata=[json.dumps(c.metadata) for c in checked],
+        requested_by=[c.requested_by for c in checked],
+        require_approval=[c.require_approval for c in checked],
+        approval_ttl_s=[c.approval_ttl_s for c in checked],
+        usage=[
+            sql.intents.UsageRow(position, d.budget.name, d.key, d.cost)
+            for position, ds in enumerate(wanted)
+            for d in ds
+        ],
+        budgets_checked=True,
+    ).operations
 
 
 def _check(intent: Intent) -> _Checked:

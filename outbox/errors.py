@@ -109,6 +109,28 @@ class IntentAlreadyDone(OutboxError):
     intent: object
 
 
+class BudgetExceeded(OutboxError):
+    """The intent would take a budget over its limit within its window; nothing was written.
+
+    ``budget`` names the budget, ``by`` what it counts by (``requested_by``,
+    ``metadata.<key>``) and ``key`` the value (``""`` when the intent has none);
+    ``window_s`` is the sliding window; ``measure`` is ``operations`` or ``cost``, ``limit``
+    its maximum, ``used`` what the window holds, ``remaining`` what is left and ``asked`` what
+    this intent needed (1 operation, or its cost). A re-enqueue of a recorded intent is never
+    refused: it returns the existing operation.
+    """
+
+    budget: str
+    key: str
+    by: str
+    window_s: float
+    measure: str
+    limit: float
+    used: float
+    remaining: float
+    asked: float
+
+
 class OperationNotFound(OutboxError):
     """No operation has this id."""
 

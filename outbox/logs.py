@@ -45,6 +45,9 @@ class Action(enum.StrEnum):
     #: its tool requires approval and the row had none: back to `awaiting_approval`, not sent
     DISPATCH_AWAITING_APPROVAL = "dispatch_awaiting_approval"
     TOOL_POLICIES_PUBLISHED = "tool_policies_published"  #: approval policies written
+    BUDGETS_PUBLISHED = "budgets_published"  #: declared budgets written to outbox.budgets
+    BUDGET_EXCEEDED = "budget_exceeded"  #: an enqueue refused over a budget; nothing written
+    BUDGET_ALERT_FAILED = "budget_alert_failed"  #: the exhaustion alert could not be written
     DISPATCH_LATE = "dispatch_late"  #: the outcome arrived after the row moved on
     DISPATCH_OUTCOME_UNRECORDED = "dispatch_outcome_unrecorded"
     DISPATCH_UNKNOWN_OPERATION = "dispatch_unknown_operation"  #: no such row (other deployment?)

@@ -27,7 +27,7 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP, UUID
 
 from outbox.states import LIVE_STATES, State
 
@@ -317,4 +317,56 @@ signin_failures = Table(
     CheckConstraint("char_length(value) <= 128", name="value_length"),
     Index("ix_signin_failures_kind_value_failed_at", "kind", "value", "failed_at"),
     Index("ix_signin_failures_failed_at", "failed_at"),
+)
+
+#: Declared budgets (migration 0018), upserted by every worker at start from its loaded
+#: declarations (``[budgets."name"]`` in ``OUTBOX_CONFIG``, ``outbox.tools.budget``):
+#: ``enqueue`` reads them, since an agent process usually loads no configuration.
+budgets = Table(
+    "budgets",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("tools", ARRAY(Text), nullable=False),
+    # ``requested_by`` or ``metadata.<key>``: what one budget key is.
+    Column("counted_by", Text, nullable=False),
+    Column("window_s", Double, nullable=False),
+    Column("max_operations", BigInteger),
+    # ``payload.<path>``: where each operation's cost is read, with ``max_cost``.
+    Column("cost_path", Text),
+    Column("max_cost", Double),
+    _timestamp("updated_at", nullable=False, now=True),
+    CheckConstraint("window_s > 0", name="window_positive"),
+    CheckConstraint("max_operations > 0", name="max_operations_positive"),
+    CheckConstraint("max_cost > 0", name="max_cost_positive"),
+    CheckConstraint("max_operations IS NOT NULL OR max_cost IS NOT NULL", name="has_limit"),
+    CheckConstraint("(cost_path IS NULL) = (max_cost IS NULL)", name="cost_with_max"),
+)
+
+#: What each budgeted operation used (migration 0018): one row per (budget, operation),
+#: written by the INSERT that records the operation. ``enqueue`` counts a key's rows inside the
+#: window (joined to their operations: a ``cancelled`` one no longer counts) and deletes the
+#: rows older than it. No foreign key: a pruned operation still counted when it ran.
+budget_usage = Table(
+    "budget_usage",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("budget", Text, nullable=False),
+    Column("key", Text, nullable=False),
+    Column("operation_id", UUID(as_uuid=True), nullable=False),
+    Column("cost", Double, nullable=False, server_default="0"),
+    _timestamp("used_at", nullable=False, now=True),
+    CheckConstraint("cost >= 0", name="cost_not_negative"),
+    Index("ix_budget_usage_budget_key_used_at", "budget", "key", "used_at"),
+)
+
+#: When each budget key was last found exhausted (migration 0018): the ``budget_exhausted``
+#: webhook is recorded once per key and window, not per refused call; ``refusals`` counts
+#: every refused enqueue (the metrics' counter).
+budget_alerts = Table(
+    "budget_alerts",
+    metadata,
+    Column("budget", Text, primary_key=True),
+    Column("key", Text, primary_key=True),
+    _timestamp("exhausted_at", nullable=False, now=True),
+    Column("refusals", BigInteger, nullable=False, server_default="0"),
 )

@@ -36,6 +36,7 @@ read, ``synchronous_commit``), :mod:`~outbox.sql.reconcile` (the sweep and looku
 :mod:`~outbox.sql.tokens` (the HTTP API's bearer tokens), :mod:`~outbox.sql.operators` (the
 console's operator accounts), :mod:`~outbox.sql.console` (the console's queue and rates),
 :mod:`~outbox.sql.signins` (the console's sign-in throttle),
+:mod:`~outbox.sql.budgets` (budgets: definitions, key locks, usage),
 :mod:`~outbox.sql.web` (the HTTP API's pages of operations and conditional requests),
 :mod:`~outbox.sql.broker` (the database broker's tables), :mod:`~outbox.sql.moves` (the
 state moves' statements, run only by :mod:`outbox.transitions`) and :mod:`~outbox.sql.dev`
@@ -45,6 +46,7 @@ state moves' statements, run only by :mod:`outbox.transitions`) and :mod:`~outbo
 from outbox.sql import (
     approval,
     broker,
+    budgets,
     console,
     deployment,
     dev,
@@ -67,6 +69,7 @@ from outbox.sql import (
 __all__ = [
     "approval",
     "broker",
+    "budgets",
     "console",
     "deployment",
     "dev",

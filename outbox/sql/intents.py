@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
@@ -25,7 +26,11 @@ _INSERT_INTENT = DriverStatement.of(
                (CAST(:require_approval AS boolean)
                 OR coalesce(policy.approval_required, false)) AS approval,
                coalesce(CAST(:approval_ttl_s AS double precision), policy.approval_ttl_s,
-                        86400) AS ttl_s
+                        86400) AS ttl_s,
+               -- A budgeted tool is inserted by the budget path (outbox.budgets), under its
+               -- keys' locks: here nothing is inserted. No budgets: one scan of an empty table.
+               EXISTS (SELECT FROM outbox.budgets WHERE :tool = ANY(budgets.tools))
+                 AS budgeted
         FROM (SELECT) AS one
         LEFT JOIN outbox.tool_policies AS policy ON policy.tool = :tool
     ),
@@ -42,7 +47,8 @@ _INSERT_INTENT = DriverStatement.of(
                     THEN statement_timestamp() + make_interval(secs => new.ttl_s) END
         FROM new
         -- A key whose operation was pruned is done: one primary-key probe, in this statement.
-        WHERE NOT EXISTS (SELECT FROM outbox.pruned_intents WHERE intent_key = :intent_key)
+        WHERE NOT new.budgeted
+          AND NOT EXISTS (SELECT FROM outbox.pruned_intents WHERE intent_key = :intent_key)
         ON CONFLICT (intent_key) DO NOTHING
         RETURNING *
     ),
@@ -59,8 +65,9 @@ _INSERT_INTENT = DriverStatement.of(
            -- (Nor for an operation awaiting approval: no relay publishes it.)
            (SELECT pg_notify('outbox_planned', '')
             WHERE inserted.state = 'planned' AND EXISTS (SELECT FROM outbox.relays WHERE idle))
-             AS rang
-    FROM inserted
+             AS rang,
+           new.budgeted
+    FROM new LEFT JOIN inserted ON inserted.id = new.id
     """
     ),
     [
@@ -72,8 +79,14 @@ _INSERT_INTENT = DriverStatement.of(
         "state",
         "approval_expires_at",
         "rang",
+        "budgeted",
     ],
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Budgeted:
+    """The intent's tool has budgets: nothing was inserted; the budget path inserts it."""
 
 
 def insert_intent(
@@ -89,9 +102,10 @@ def insert_intent(
     requested_by: str | None,
     require_approval: bool = False,
     approval_ttl_s: float | None = None,
-) -> Operation | None:
+) -> Operation | Budgeted | None:
     """Insert a ``planned`` operation and its first event; ``None`` if the key is taken
-    (by an operation, or by a pruned one: :func:`find_pruned_intent`).
+    (by an operation, or by a pruned one: :func:`find_pruned_intent`); :class:`Budgeted`,
+    inserting nothing, if a published budget covers the tool.
 
     It is inserted ``awaiting_approval`` instead when ``require_approval`` or the tool's
     policy in ``outbox.tool_policies`` says so, expiring ``approval_ttl_s`` from now (default:
@@ -115,7 +129,9 @@ def insert_intent(
             "approval_ttl_s": approval_ttl_s,
         },
     )
-    if row is None:
+    if row is None or row["budgeted"]:
+        return Budgeted() if row is not None else None
+    if row["id"] is None:
         return None
     state = State(row["state"])
     return Operation(
@@ -150,6 +166,25 @@ def insert_intent(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    """What the intent at ``position`` (from 0) of a batch uses of one budget key."""
+
+    position: int
+    budget: str
+    key: str
+    cost: float
+
+
+@dataclass(frozen=True, slots=True)
+class InsertedIntents:
+    """What :func:`insert_intents` did: each inserted intent's operation by position (from 0),
+    and the positions skipped because a budget covers their tool (the budget path's)."""
+
+    operations: dict[int, Operation]
+    budgeted: list[int]
+
+
 _INSERT_INTENTS = text(
     """
     WITH input AS (
@@ -167,7 +202,11 @@ _INSERT_INTENTS = text(
         -- Each tool's approval policy, one primary-key probe per intent (see _INSERT_INTENT).
         SELECT outbox.uuid_v7() AS id, input.*,
                (input.require_approval OR coalesce(policy.approval_required, false)) AS approval,
-               coalesce(input.approval_ttl_s, policy.approval_ttl_s, 86400) AS ttl_s
+               coalesce(input.approval_ttl_s, policy.approval_ttl_s, 86400) AS ttl_s,
+               -- Skipped when budgeted, unless the budget path checked it (outbox.budgets).
+               (NOT CAST(:budgets_checked AS boolean)
+                AND EXISTS (SELECT FROM outbox.budgets WHERE input.tool = ANY(budgets.tools)))
+                 AS budgeted
         FROM input LEFT JOIN outbox.tool_policies AS policy ON policy.tool = input.tool
     ),
     inserted AS (
@@ -179,7 +218,8 @@ _INSERT_INTENTS = text(
                CASE WHEN approval THEN 'awaiting_approval' ELSE 'planned' END, approval,
                CASE WHEN approval THEN statement_timestamp() + make_interval(secs => ttl_s) END
         FROM new
-        WHERE NOT EXISTS (SELECT FROM outbox.pruned_intents p WHERE p.intent_key = new.intent_key)
+        WHERE NOT new.budgeted
+          AND NOT EXISTS (SELECT FROM outbox.pruned_intents p WHERE p.intent_key = new.intent_key)
         ORDER BY n
         ON CONFLICT (intent_key) DO NOTHING
         RETURNING *
@@ -188,13 +228,24 @@ _INSERT_INTENTS = text(
         INSERT INTO outbox.events (operation_id, from_state, to_state, attempt, actor, reason)
         SELECT id, NULL, state, attempts, 'agent', 'enqueued' FROM inserted
     ),
+    -- What each inserted operation uses of its budgets (only a re-key-free insert counts).
+    used AS (
+        INSERT INTO outbox.budget_usage (budget, key, operation_id, cost)
+        SELECT u.budget, u.key, inserted.id, u.cost
+        FROM unnest(CAST(:usage_positions AS bigint[]), CAST(:usage_budgets AS text[]),
+                    CAST(:usage_keys AS text[]), CAST(:usage_costs AS double precision[]))
+               AS u(n, budget, key, cost)
+        JOIN new ON new.n = u.n
+        JOIN inserted ON inserted.id = new.id
+    ),
     rang AS (
         SELECT pg_notify('outbox_planned', '')
         WHERE EXISTS (SELECT FROM inserted WHERE state = 'planned')
           AND EXISTS (SELECT FROM outbox.relays WHERE idle)
     )
-    SELECT inserted.*, new.n AS position, (SELECT count(*) FROM rang) AS rang
-    FROM inserted JOIN new ON new.id = inserted.id
+    SELECT inserted.*, new.n AS position, new.budgeted, (SELECT count(*) FROM rang) AS rang
+    FROM new LEFT JOIN inserted ON inserted.id = new.id
+    WHERE inserted.id IS NOT NULL OR new.budgeted
     ORDER BY new.n
     """
 )
@@ -213,14 +264,17 @@ def insert_intents(
     requested_by: Sequence[str | None],
     require_approval: Sequence[bool] | None = None,
     approval_ttl_s: Sequence[float | None] | None = None,
-) -> dict[int, Operation]:
+    usage: Sequence[UsageRow] = (),
+    budgets_checked: bool = False,
+) -> InsertedIntents:
     """Insert many ``planned`` operations and their first events in one statement.
 
     Each is inserted ``awaiting_approval`` when its ``require_approval`` or its tool's policy
     says so (see :func:`insert_intent`). Keys already taken (or being inserted by a
     concurrent transaction, which this waits for), and keys of pruned operations, are
-    skipped: the result maps the position (from 0) of each intent this statement inserted to
-    its operation.
+    skipped, and so are intents whose tool a published budget covers, unless ``usage`` is
+    given (the budget path, which checked them under their keys' locks: each inserted
+    intent's rows are written to ``outbox.budget_usage``, none for a skipped one).
     """
     rows = executor.execute(
         _INSERT_INTENTS,
@@ -235,9 +289,22 @@ def insert_intents(
             "requested_by": list(requested_by),
             "require_approval": list(require_approval or [False] * len(tools)),
             "approval_ttl_s": list(approval_ttl_s or [None] * len(tools)),
+            "budgets_checked": budgets_checked,
+            "usage_positions": [u.position + 1 for u in usage],
+            "usage_budgets": [u.budget for u in usage],
+            "usage_keys": [u.key for u in usage],
+            "usage_costs": [u.cost for u in usage],
         },
     )
-    return {int(row["position"]) - 1: Operation.from_row(row) for row in rows.mappings()}
+    inserted: dict[int, Operation] = {}
+    budgeted: list[int] = []
+    for row in rows.mappings():
+        position = int(row["position"]) - 1
+        if row["budgeted"]:
+            budgeted.append(position)
+        else:
+            inserted[position] = Operation.from_row(row)
+    return InsertedIntents(inserted, budgeted)
 
 
 _FIND_OPERATIONS = select(operations).where(

@@ -8,14 +8,18 @@
     def charge(call: ToolCall) -> Applied: ...
 
 Tools register their contracts in the core's table (:data:`outbox.contracts.CONTRACTS`);
-:func:`load_tools` imports ``OUTBOX_TOOLS`` and reads ``OUTBOX_CONFIG``. Dispatchers and
-reconcilers call tools only through :func:`run_dispatch` and :func:`run_lookup`, which enforce
-the total deadline and turn every surprise into a conservative result.
+:func:`load_tools` imports ``OUTBOX_TOOLS`` and reads ``OUTBOX_CONFIG``. :func:`budget`
+declares a budget over some tools (docs/budgets.md), as ``[budgets."name"]`` does in the TOML.
+Dispatchers and reconcilers call tools only through :func:`run_dispatch` and
+:func:`run_lookup`, which enforce the total deadline and turn every surprise into a
+conservative result.
 """
 
+from outbox.budgets import Budget
 from outbox.contracts import DedupContract as Dedup
 from outbox.contracts import ToolContract
 from outbox.tools.base import Tool, ToolCall
+from outbox.tools.budgets import budget
 from outbox.tools.http import HttpTool, HttpToolSpec, load_http_tools
 from outbox.tools.invoke import close_thread_loop, run_dispatch, run_lookup
 from outbox.tools.python import PythonTool, tool
@@ -36,6 +40,7 @@ __all__ = [
     "REGISTRY",
     "Ambiguous",
     "Applied",
+    "Budget",
     "Dedup",
     "DispatchResult",
     "FailedRemotely",
@@ -51,6 +56,7 @@ __all__ = [
     "ToolCall",
     "ToolContract",
     "ToolRegistry",
+    "budget",
     "check_against_settings",
     "close_thread_loop",
     "load_http_tools",

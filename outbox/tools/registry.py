@@ -3,7 +3,8 @@
 Registering a tool also registers its contract in the core's table
 (:data:`outbox.contracts.CONTRACTS`), so the core learns which tools exist without importing
 this layer. :func:`load_tools` imports the modules named by ``OUTBOX_TOOLS``, reads the HTTP
-tools of ``OUTBOX_CONFIG``, checks every contract against the sweep's settings and then
+tools of ``OUTBOX_CONFIG`` and its budgets (:data:`outbox.budgets.BUDGETS`; each must name
+loaded tools), checks every contract against the sweep's settings and then
 declares the table complete: from then on ``enqueue`` refuses unknown tools.
 """
 
@@ -14,12 +15,15 @@ import logging
 import threading
 from collections.abc import Iterable
 
+from outbox.budgets import BUDGETS, Budget
 from outbox.config import Settings, get_settings
 from outbox.contracts import CONTRACTS, ContractTable, ToolContract
 from outbox.errors import ConfigError
 from outbox.logs import Action
 from outbox.tools.base import Tool
+from outbox.tools.budgets import budgets_from_toml
 from outbox.tools.http import load_http_tools
+from outbox.tools.http.load import read_config
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +117,12 @@ def load_tools(
         registry.check(tool)
     contracts = [t.contract for t in _registered(registry)] + [t.contract for t in http_tools]
     check_against_settings(contracts, settings)
+    declared = _config_budgets(settings)
     for tool in http_tools:
         registry.register(tool)
+    for budget in declared:
+        BUDGETS.register(budget)
+    BUDGETS.check_tools(registry.names())
     registry.contracts.mark_loaded()
     log.info(
         "%d tool(s) loaded",
@@ -147,6 +155,14 @@ def check_against_settings(contracts: Iterable[ToolContract], settings: Settings
             )
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _config_budgets(settings: Settings) -> list[Budget]:
+    """The ``[budgets."name"]`` of ``OUTBOX_CONFIG`` (validated; not registered yet)."""
+    if settings.config is None:
+        return []
+    document = read_config(settings.config)
+    return budgets_from_toml(settings.config, document["budgets"]) if "budgets" in document else []
 
 
 def _registered(registry: ToolRegistry) -> list[Tool]:

@@ -13,6 +13,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from outbox.approval import publish_policies_committed
+from outbox.budgets import BUDGETS, publish_budgets_committed
 from outbox.config import get_settings
 from outbox.contracts import CONTRACTS
 from outbox.db import create_engine, database_errors, database_url
@@ -60,24 +61,28 @@ def _short_switch_interval(**_: object) -> None:
 def _publish_tool_policies(sender: object = None, **_: object) -> None:
     """Write every loaded tool's approval policy to ``outbox.tool_policies`` at start, so an
     agent process that loads no tools still enqueues an approval-required tool's operations
-    ``awaiting_approval`` (the dispatcher re-checks too). A failure is logged, not fatal: the
-    dispatcher's re-check still holds every unapproved operation back."""
+    ``awaiting_approval`` (the dispatcher re-checks too); and the declared budgets to
+    ``outbox.budgets``, which every process's ``enqueue`` enforces. A failure is logged, not
+    fatal: the dispatcher's re-check still holds every unapproved operation back (a budget
+    not yet published is not enforced: the log line says so)."""
     if not isinstance(sender, WorkController):
         return  # the signal sent by hand (tests), not by a starting worker
     publish_loaded_policies()
 
 
 def publish_loaded_policies() -> None:
-    """Load the tools and write their approval policies (committed), on a throw-away engine."""
+    """Load the tools and write their approval policies and the declared budgets
+    (committed), on a throw-away engine."""
     settings = get_settings()
     load_tools(settings)
     contracts = [c for name in CONTRACTS.names() if (c := CONTRACTS.get(name)) is not None]
     probe = create_engine(database_url(settings), poolclass=NullPool)
     try:
         count = publish_policies_committed(probe, contracts)
+        budgets = publish_budgets_committed(probe, BUDGETS.all())
     except DBAPIError as exc:
         log.warning(
-            "could not write the tools' approval policies: %s",
+            "could not write the tools' approval policies and budgets: %s",
             type(exc).__name__,
             extra={"action": Action.TOOL_POLICIES_PUBLISHED, "tools": 0},
         )
@@ -88,6 +93,11 @@ def publish_loaded_policies() -> None:
         "approval policies of %d tool(s) written",
         count,
         extra={"action": Action.TOOL_POLICIES_PUBLISHED, "tools": count},
+    )
+    log.info(
+        "%d budget(s) written",
+        budgets,
+        extra={"action": Action.BUDGETS_PUBLISHED, "budgets": budgets},
     )
 
 

@@ -29,9 +29,13 @@ def load_http_tools(path: Path, environ: Mapping[str, str] | None = None) -> lis
     """
     document = _read_toml(path)
     environ = os.environ if environ is None else environ
-    unknown = sorted(set(document) - {"tools"})
+    unknown = sorted(set(document) - {"tools", "budgets"})
     if unknown:
-        _fail(path, f'unknown top-level key(s) {", ".join(unknown)}; declare [tools."name"]')
+        _fail(
+            path,
+            f"unknown top-level key(s) {', '.join(unknown)}; declare "
+            '[tools."name"] and [budgets."name"]',
+        )
     tables = document.get("tools", {})
     if not isinstance(tables, dict):
         _fail(path, 'tools must be a table of [tools."name"] tables')
@@ -45,6 +49,11 @@ def load_http_tools(path: Path, environ: Mapping[str, str] | None = None) -> lis
     if problems:
         _fail(path, "; ".join(problems))
     return tools
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The TOML document of ``OUTBOX_CONFIG`` (``path``); :class:`ConfigError` naming the file."""
+    return _read_toml(path)
 
 
 def _build_tool(name: str, table: Any, environ: Mapping[str, str], path: Path) -> HttpTool:

@@ -1,0 +1,294 @@
+"""Budgets at enqueue: refusals that write nothing, keys, costs, the sliding window, exactness
+across concurrent enqueuers, and enforcement in a process that loads no configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+from outbox import aio, api, budgets
+from outbox.budgets import BUDGETS, Budget, publish_budgets_committed
+from outbox.db import create_async_engine
+from outbox.errors import BudgetExceeded, InvalidIntent
+from outbox.models import Operation
+from outbox.states import State
+from tests.factories import operation_count
+
+TOOL = "billing.charge"
+OTHER = "deploy.create_release"
+
+
+def publish(engine: Engine, **fields: Any) -> Budget:
+    """Publish one budget over TOOL, as a starting worker would."""
+    declared = Budget(**{"name": "spend", "tools": (TOOL,), "window_s": 3600.0, **fields})
+    publish_budgets_committed(engine, [declared])
+    return declared
+
+
+def charge(
+    engine: Engine, *, by: str | None = "agent-a", amount: float = 1, **extra: Any
+) -> Operation:
+    """Enqueue one charge in a transaction of its own."""
+    with Session(engine) as session, session.begin():
+        return api.enqueue(
+            session,
+            tool=TOOL,
+            target="acct",
+            payload={"amount": amount, "n": uuid.uuid4().hex},
+            requested_by=by,
+            **extra,
+        )
+
+
+def age_usage(engine: Engine, seconds: float) -> None:
+    """Move every usage row ``seconds`` into the past (the database clock decides windows)."""
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE outbox.budget_usage SET used_at = used_at - make_interval(secs => :s)"),
+            {"s": seconds},
+        )
+
+
+def test_over_budget_is_refused_and_writes_nothing(engine: Engine) -> None:
+    """An enqueue past max_operations raises BudgetExceeded naming the budget, the window and
+    what is left, and writes no row, while another requester still has its own budget."""
+    publish(engine, max_operations=2)
+    charge(engine)
+    charge(engine)
+    with pytest.raises(BudgetExceeded) as refused:
+        charge(engine)
+    exc = refused.value
+    assert (exc.budget, exc.key, exc.window_s, exc.limit, exc.used, exc.remaining) == (
+        "spend",
+        "agent-a",
+        3600.0,
+        2,
+        2,
+        0,
+    )
+    assert "'spend'" in str(exc)
+    assert "3600s" in str(exc)
+    assert "0 left" in str(exc)
+    assert operation_count(engine) == 2
+    charge(engine, by="agent-b")
+    assert operation_count(engine) == 3
+
+
+def test_budget_counts_per_metadata_key_and_other_tools_are_free(engine: Engine) -> None:
+    """A budget by metadata.conversation counts each conversation apart; tools it does not
+    name are never refused."""
+    publish(engine, by="metadata.conversation", max_operations=1)
+    charge(engine, metadata={"conversation": "c1"})
+    charge(engine, metadata={"conversation": "c2"})
+    with pytest.raises(BudgetExceeded):
+        charge(engine, metadata={"conversation": "c1"}, by="someone-else")
+    with Session(engine) as session, session.begin():
+        for n in range(3):
+            api.enqueue(session, tool=OTHER, target="p", payload={"n": n}, requested_by="agent-a")
+    assert operation_count(engine) == 5
+
+
+def test_cost_budget_refuses_what_does_not_fit(engine: Engine) -> None:
+    """A cost budget sums the payload's amounts: a charge that does not fit is refused with
+    the cost asked and what is left, and a payload without the amount is invalid."""
+    publish(engine, cost="payload.amount", max_cost=100)
+    charge(engine, amount=60)
+    with pytest.raises(BudgetExceeded) as refused:
+        charge(engine, amount=50)
+    assert (refused.value.measure, refused.value.remaining, refused.value.asked) == (
+        "cost",
+        40,
+        50,
+    )
+    charge(engine, amount=40)
+    with Session(engine) as session, session.begin(), pytest.raises(InvalidIntent) as bad:
+        api.enqueue(session, tool=TOOL, target="acct", payload={"n": 1}, requested_by="agent-a")
+    assert bad.value.field == "payload.amount"
+    assert operation_count(engine) == 2
+
+
+def test_window_slides_and_cancelled_operations_give_back(engine: Engine) -> None:
+    """Usage older than the window (database clock) no longer counts, nor does a cancelled
+    operation's."""
+    publish(engine, max_operations=1, window_s=60.0)
+    first = charge(engine)
+    with pytest.raises(BudgetExceeded):
+        charge(engine)
+    age_usage(engine, 61)
+    second = charge(engine)
+    with Session(engine) as session, session.begin():
+        api.cancel(session, second.id)
+    charge(engine)
+    assert first.state is State.PLANNED
+    assert operation_count(engine) == 3
+
+
+def test_re_enqueue_of_a_recorded_intent_is_never_refused_nor_counted(engine: Engine) -> None:
+    """The same intent key again, over budget, returns the recorded operation and uses no
+    more of the budget."""
+    publish(engine, max_operations=1)
+    payload = {"amount": 1}
+    with Session(engine) as session, session.begin():
+        first = api.enqueue(
+            session, tool=TOOL, target="acct", payload=payload, intent_key="k1", requested_by="a"
+        )
+    with Session(engine) as session, session.begin():
+        again = api.enqueue(
+            session, tool=TOOL, target="acct", payload=payload, intent_key="k1", requested_by="a"
+        )
+        many = api.enqueue_many(session, [api.Intent(TOOL, "acct", payload, "k1", None, "a")])
+    assert again.id == first.id == many[0].id
+    with Session(engine) as session:
+        (used,) = budgets.usage(session)
+    assert (used.budget, used.key, used.operations, used.max_operations) == ("spend", "a", 1, 1)
+
+
+def test_enqueue_many_and_async_enqueue_are_held_to_the_budget(
+    engine: Engine, database_url: str
+) -> None:
+    """A batch that would go over writes nothing (the caller's transaction goes on), a batch
+    that fits is recorded, and outbox.aio refuses like the sync API."""
+    publish(engine, max_operations=3)
+    batch = [api.Intent(TOOL, "acct", {"amount": n}, None, None, "a") for n in range(4)]
+    with Session(engine) as session, session.begin():
+        with pytest.raises(BudgetExceeded):
+            api.enqueue_many(session, batch)
+        api.enqueue_many(session, [*batch[:2], api.Intent(OTHER, "p", {}, None, None, "a")])
+    assert operation_count(engine) == 3
+
+    async def main() -> None:
+        async_engine = create_async_engine(database_url)
+        try:
+            async with async_engine.connect() as conn:
+                await aio.enqueue(
+                    conn, tool=TOOL, target="x", payload={"amount": 1}, requested_by="a"
+                )
+                with pytest.raises(BudgetExceeded):
+                    await aio.enqueue(
+                        conn, tool=TOOL, target="x", payload={"amount": 2}, requested_by="a"
+                    )
+                await conn.commit()
+        finally:
+            await async_engine.dispose()
+
+    asyncio.run(main())
+    assert operation_count(engine) == 4
+
+
+def test_concurrent_enqueuers_in_threads_never_exceed_the_budget(engine: Engine) -> None:
+    """Eight threads racing for one key end with exactly max_operations operations."""
+    publish(engine, max_operations=12)
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def agent() -> None:
+        for _ in range(4):
+            try:
+                charge(engine)
+                result = "ok"
+            except BudgetExceeded:
+                result = "refused"
+            with lock:
+                outcomes.append(result)
+
+    threads = [threading.Thread(target=agent) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outcomes.count("ok") == 12
+    assert outcomes.count("refused") == 20
+    assert operation_count(engine) == 12
+
+
+AGENT_SCRIPT = """
+import json, sys, uuid
+from sqlalchemy.orm import Session
+from outbox import api
+from outbox.db import create_engine
+from outbox.errors import BudgetExceeded
+engine = create_engine(sys.argv[1])
+done = {"ok": 0, "refused": 0, "message": ""}
+for n in range(int(sys.argv[2])):
+    try:
+        with Session(engine) as session, session.begin():
+            api.enqueue(session, tool="billing.charge", target="acct",
+                        payload={"amount": 1, "n": uuid.uuid4().hex}, requested_by="agent-a")
+        done["ok"] += 1
+    except BudgetExceeded as exc:
+        done["refused"] += 1
+        done["message"] = str(exc)
+print(json.dumps(done))
+"""
+
+
+@pytest.fixture
+def worker_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An OUTBOX_CONFIG declaring the tool and a budget, as a worker's environment."""
+    config = tmp_path / "outbox.toml"
+    config.write_text(
+        f"""
+[tools."{TOOL}"]
+kind = "http"
+method = "POST"
+url = "http://127.0.0.1:9/charge"
+remote_ref = "id"
+idempotency_header = "Idempotency-Key"
+
+[budgets."agent-spend"]
+tools = ["{TOOL}"]
+by = "requested_by"
+window_s = 86400
+max_operations = 5
+"""
+    )
+    yield config
+    BUDGETS.clear()
+
+
+def test_agent_processes_without_config_enforce_what_a_worker_published(
+    engine: Engine, database_url: str, worker_config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a worker published the TOML's budget, three agent processes with no OUTBOX_CONFIG
+    racing for one key are held to it exactly."""
+    from outbox.config import get_settings  # noqa: PLC0415 -- after the env is set
+    from outbox.contracts import CONTRACTS  # noqa: PLC0415
+    from outbox.tools import REGISTRY  # noqa: PLC0415
+    from outbox.workers.runtime import publish_loaded_policies  # noqa: PLC0415
+
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
+    monkeypatch.setenv("OUTBOX_CONFIG", str(worker_config))
+    get_settings.cache_clear()
+    try:
+        publish_loaded_policies()
+    finally:
+        get_settings.cache_clear()
+        REGISTRY.clear()
+        CONTRACTS.clear()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-c", AGENT_SCRIPT, database_url, "4"],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    results = [json.loads(agent.communicate(timeout=60)[0]) for agent in agents]
+    assert sum(r["ok"] for r in results) == 5
+    assert sum(r["refused"] for r in results) == 7
+    assert any("agent-spend" in r["message"] for r in results)
+    assert operation_count(engine) == 5
