@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from outbox import aio, api
 from outbox.contracts import CONTRACTS
 from outbox.errors import (
+    BudgetExceeded,
     IntentAlreadyDone,
     IntentConflict,
     InvalidIntent,
@@ -160,7 +161,8 @@ def call_committed(
 ) -> OperationReport:
     """Commit the intent in its own transaction, wait up to ``wait_s`` for its outcome and
     report it. Raises :class:`~outbox.InvalidIntent` (nothing written) and lets
-    :class:`~outbox.IntentConflict` / :class:`~outbox.IntentAlreadyDone` through."""
+    :class:`~outbox.IntentConflict` / :class:`~outbox.IntentAlreadyDone` /
+    :class:`~outbox.BudgetExceeded` through."""
     op = enqueue_committed(
         engine,
         tool=tool,
@@ -235,9 +237,19 @@ async def call_committed_async(
         return report_of(last if isinstance(last, Operation) else op)
 
 
-def refusal(exc: IntentConflict | IntentAlreadyDone) -> dict[str, Any]:
-    """The answer to a call whose key names another or an already finished intent: settled,
-    so that the model does not call again, in the core's own words."""
+def refusal(exc: IntentConflict | IntentAlreadyDone | BudgetExceeded) -> dict[str, Any]:
+    """The answer to a call whose key names another or an already finished intent, or that a
+    budget refused: settled, so that the model does not call again, in the core's own words
+    (a budget's refusal names the budget, its window and what is left)."""
+    if isinstance(exc, BudgetExceeded):
+        return {
+            "outcome": "refused",
+            "settled": True,
+            "budget": exc.budget,
+            "window_s": exc.window_s,
+            "remaining": exc.remaining,
+            "message": str(exc),
+        }
     return {
         "outcome": "refused",
         "settled": True,

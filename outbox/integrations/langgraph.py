@@ -50,7 +50,13 @@ from sqlalchemy.orm import Session
 from outbox.api import enqueue, find, wait
 from outbox.contracts import CONTRACTS, ToolContract
 from outbox.db import get_engine
-from outbox.errors import IntentAlreadyDone, IntentConflict, InvalidIntent, WaitTimeout
+from outbox.errors import (
+    BudgetExceeded,
+    IntentAlreadyDone,
+    IntentConflict,
+    InvalidIntent,
+    WaitTimeout,
+)
 from outbox.integrations.keys import durable_intent_key
 from outbox.models import Operation
 from outbox.reports import describe
@@ -272,7 +278,7 @@ def _enqueue_committed(tool: OutboxTool, key: str, target: Any, payload: Any) ->
                 requested_by=tool.requested_by,
                 require_approval=tool.require_approval,
             )
-    except InvalidIntent as exc:
+    except (InvalidIntent, BudgetExceeded) as exc:
         raise ToolException(f"refused, nothing was done: {exc}") from exc
     except IntentConflict as exc:
         raise ToolException(_conflict(engine, exc)) from exc

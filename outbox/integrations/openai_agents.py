@@ -46,7 +46,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import api, approval
 from outbox.canonical import canonical_json, payload_hash
-from outbox.errors import IntentAlreadyDone, IntentConflict, InvalidIntent, OperationNotFound
+from outbox.errors import (
+    BudgetExceeded,
+    IntentAlreadyDone,
+    IntentConflict,
+    InvalidIntent,
+    OperationNotFound,
+)
 from outbox.integrations import _calls
 from outbox.integrations._calls import DEFAULT_WAIT_S, BadArguments, KeyFunction
 from outbox.integrations.keys import durable_intent_key
@@ -212,7 +218,7 @@ class _Call:
         key = run.key_for(self.tool, ctx.tool_call_id, self.intent_key)
         try:
             report = await self._call(arguments, key, run)
-        except (IntentConflict, IntentAlreadyDone) as exc:
+        except (IntentConflict, IntentAlreadyDone, BudgetExceeded) as exc:
             return _answer(_calls.refusal(exc))
         except InvalidIntent as exc:
             if not _calls.model_can_fix(exc):
@@ -232,7 +238,7 @@ class _Call:
         key = run.key_for(self.tool, call_id, self.intent_key)
         try:
             report = await self._call(arguments, key, run, wait_s=0)
-        except (IntentConflict, IntentAlreadyDone, InvalidIntent):
+        except (IntentConflict, IntentAlreadyDone, InvalidIntent, BudgetExceeded):
             return False  # the call itself answers the refusal
         return report.state == State.AWAITING_APPROVAL.value
 

@@ -42,7 +42,7 @@ from pydantic_ai.toolsets import FunctionToolset
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox.errors import IntentAlreadyDone, IntentConflict, InvalidIntent
+from outbox.errors import BudgetExceeded, IntentAlreadyDone, IntentConflict, InvalidIntent
 from outbox.integrations import _calls
 from outbox.integrations._calls import DEFAULT_WAIT_S, BadArguments, KeyFunction
 from outbox.integrations.keys import durable_intent_key
@@ -236,7 +236,7 @@ class _Call:
                 metadata=metadata,
                 wait_s=self.wait_s,
             )
-        except (IntentConflict, IntentAlreadyDone) as exc:
+        except (IntentConflict, IntentAlreadyDone, BudgetExceeded) as exc:
             return _calls.refusal(exc)
         except InvalidIntent as exc:
             raise _retry_or_raise(exc) from None
@@ -255,7 +255,7 @@ class _Call:
                 metadata=metadata,
                 wait_s=self.wait_s,
             )
-        except (IntentConflict, IntentAlreadyDone) as exc:
+        except (IntentConflict, IntentAlreadyDone, BudgetExceeded) as exc:
             return _calls.refusal(exc)
         except InvalidIntent as exc:
             raise _retry_or_raise(exc) from None

@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import aio, sql
 from outbox.errors import (
+    BudgetExceeded,
     IntentAlreadyDone,
     IntentConflict,
     InvalidIntent,
@@ -65,6 +66,8 @@ class Calls:
             return refused(str(exc), field=exc.field)
         except IntentAlreadyDone as exc:
             return _already_done(exc)
+        except BudgetExceeded as exc:  # nothing written; the budget, window and what is left
+            return refused(str(exc), field="budget")
         except (OperationalError, InterfaceError):
             # The commit's outcome may be unknown: the same key again is the safe retry.
             return unreachable()

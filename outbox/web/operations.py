@@ -87,7 +87,7 @@ def _not_found(operation_id: UUID) -> Problem:
     summary="Record an intent (enqueue); its key is the Idempotency-Key header",
     responses={
         200: {"model": OperationOut, "description": "The same intent was recorded already."},
-        **documented(400, 401, 409, 413, 422),
+        **documented(400, 401, 409, 413, 422, 429),
     },
 )
 async def create_operation(

@@ -28,6 +28,7 @@ from outbox.errors import (
     AlreadyDecided,
     ApprovalMismatch,
     ApprovalRefused,
+    BudgetExceeded,
     DatabaseUnavailable,
     IntentAlreadyDone,
     IntentConflict,
@@ -91,6 +92,7 @@ _ANSWERS: tuple[tuple[type[OutboxError], int, str], ...] = (
     (InvalidIntent, 422, "invalid-intent"),
     (IntentConflict, 422, "intent-conflict"),
     (IntentAlreadyDone, 409, "intent-already-done"),
+    (BudgetExceeded, 429, "budget-exceeded"),
     (OperationNotFound, 404, "operation-not-found"),
     (StaleResolution, 412, "stale"),
     (OperationBusy, 409, "busy"),
@@ -102,6 +104,8 @@ _ANSWERS: tuple[tuple[type[OutboxError], int, str], ...] = (
 )
 # The error's identifiers a program may need, copied as extension members when set.
 _MEMBERS = ("field", "limit", "size", "operation_id", "state", "remote_ref", "decided_by")
+# A budget's refusal: which budget, its window and what is left (numbers kept as numbers).
+_BUDGET_MEMBERS = ("budget", "key", "window_s", "measure", "used", "remaining", "asked")
 
 
 def from_core(exc: OutboxError) -> Problem:
@@ -121,6 +125,10 @@ def from_core(exc: OutboxError) -> Problem:
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
     elif isinstance(exc, OperationBusy):
         headers["Retry-After"] = "1"
+    if isinstance(exc, BudgetExceeded):
+        # No Retry-After: when room frees up depends on the window's oldest use and on
+        # cancellations, not on a time this answer could promise.
+        members.update({name: getattr(exc, name) for name in _BUDGET_MEMBERS})
     differences = None
     if isinstance(exc, IntentConflict):
         differences = list(exc.differences)

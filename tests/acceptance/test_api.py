@@ -16,8 +16,9 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import migrate, resolve, tokens
+from outbox import api, migrate, resolve, tokens
 from outbox.approval import publish_policies_committed
+from outbox.budgets import Budget, publish_budgets_committed
 from outbox.contracts import ToolContract
 from outbox.db import create_engine
 from outbox.models import TokenScope
@@ -129,6 +130,24 @@ def test_a_new_intent_is_201_with_its_location_and_etag(agent: httpx.Client) -> 
         "planned",
         "agent-a",
     )
+
+
+def test_an_intent_over_its_budget_is_a_429_problem_and_writes_nothing(
+    agent: httpx.Client, other_agent: httpx.Client, engine: Engine
+) -> None:
+    """Over its tool's budget an intent answers 429 budget-exceeded naming the budget, its
+    window and what is left, writes nothing, and leaves another token's budget alone."""
+    budget = Budget(name="releases", tools=(TOOL,), window_s=3600, max_operations=1)
+    publish_budgets_committed(engine, [budget])
+    assert enqueue(agent, "b-1").status_code == 201
+    problem = assert_problem(enqueue(agent, "b-2", target="project-b"), 429, "'releases'")
+    assert problem["type"] == "urn:agent-outbox:problem:budget-exceeded"
+    assert (problem["budget"], problem["key"], problem["window_s"]) == ("releases", "agent-a", 3600)
+    assert (problem["limit"], problem["used"], problem["remaining"]) == (1, 1, 0)
+    assert enqueue(agent, "b-1").status_code == 200  # the same intent again: never refused
+    assert enqueue(other_agent, "b-3").status_code == 201
+    with engine.connect() as conn:
+        assert api.find(conn, "b-2") is None
 
 
 def test_the_same_intent_again_is_200_with_the_same_operation(
