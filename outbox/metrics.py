@@ -53,6 +53,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox import sql
 from outbox.logs import Action
 from outbox.models import DeliveryStatus
+from outbox.sql.budgets import BudgetTotals
 from outbox.states import ALLOWED, Actor, State
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ class _Snapshot:
     check_overdue: float | None = None
     webhooks: dict[str, tuple[int, int]] | None = None
     events_behind: int | None = None
+    budgets: list[BudgetTotals] | None = None
 
 
 class OutboxCollector:
@@ -278,6 +280,8 @@ class OutboxCollector:
                 status: (count.n, count.tried)
                 for status, count in sql.metrics.webhook_counts(conn).items()
             }
+            # Per budget, never per key: keys (requesters, conversations) are unbounded.
+            snapshot.budgets = sql.budgets.totals(conn)
             # Last: the only read that scans a whole table, so its timeout loses nothing else.
             snapshot.operations = [
                 (count.state, count.tool, count.n) for count in sql.metrics.operation_counts(conn)
@@ -400,6 +404,33 @@ def _families() -> dict[str, Any]:
             "outbox_webhook_deliveries_retrying",
             "Pending webhook deliveries that failed at least once and wait for a retry.",
         ),
+        "budget_operations": GaugeMetricFamily(
+            "outbox_budget_operations",
+            "Operations counted by each budget inside its window, all keys together "
+            "(cancelled ones left out).",
+            labels=["budget"],
+        ),
+        "budget_cost": GaugeMetricFamily(
+            "outbox_budget_cost",
+            "Cost counted by each cost budget inside its window, all keys together.",
+            labels=["budget"],
+        ),
+        "budget_keys": GaugeMetricFamily(
+            "outbox_budget_keys",
+            "Keys (requesters, conversations...) with any use of each budget inside its window.",
+            labels=["budget"],
+        ),
+        "budget_fullest": GaugeMetricFamily(
+            "outbox_budget_fullest_ratio",
+            "The largest share of a limit any one key of each budget has used in its window "
+            "(1: some key is exhausted).",
+            labels=["budget"],
+        ),
+        "budget_refusals": CounterMetricFamily(
+            "outbox_budget_refusals",
+            "Enqueues each budget refused (BudgetExceeded), as recorded in the database.",
+            labels=["budget"],
+        ),
         "events_behind": GaugeMetricFamily(
             "outbox_exporter_events_behind",
             "Events committed but not yet folded into the counters (a burst beyond one batch).",
@@ -410,6 +441,12 @@ def _families() -> dict[str, Any]:
 def _add_snapshot(families: dict[str, Any], snapshot: _Snapshot) -> None:
     if snapshot.events_behind is not None:
         families["events_behind"].add_metric([], float(snapshot.events_behind))
+    for budget in snapshot.budgets or []:
+        families["budget_operations"].add_metric([budget.budget], float(budget.operations))
+        families["budget_cost"].add_metric([budget.budget], budget.cost)
+        families["budget_keys"].add_metric([budget.budget], float(budget.keys))
+        families["budget_fullest"].add_metric([budget.budget], budget.fullest)
+        families["budget_refusals"].add_metric([budget.budget], float(budget.refusals))
     if snapshot.operations is not None:
         counts = {(state, tool): n for state, tool, n in snapshot.operations}
         # Every state for every tool present, so a state that empties reads 0, not absent.

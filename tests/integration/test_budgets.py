@@ -18,10 +18,11 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import aio, api, budgets
+from outbox import aio, api, budgets, sql
 from outbox.budgets import BUDGETS, Budget, publish_budgets_committed
 from outbox.db import create_async_engine
 from outbox.errors import BudgetExceeded, InvalidIntent
+from outbox.metrics import OutboxCollector
 from outbox.models import Operation
 from outbox.states import State
 from tests.factories import operation_count
@@ -185,6 +186,35 @@ def test_enqueue_many_and_async_enqueue_are_held_to_the_budget(
 
     asyncio.run(main())
     assert operation_count(engine) == 4
+    with engine.connect() as conn:
+        (totals,) = sql.budgets.totals(conn)
+    assert totals.refusals == 2  # each refusal counted in a transaction of its own
+
+
+def test_usage_and_metrics_report_each_budget(engine: Engine) -> None:
+    """usage() lists each key's use and when it was exhausted; the metrics sum the keys per
+    budget, with the fullest key's share and the refusals."""
+    publish(engine, max_operations=4, cost="payload.amount", max_cost=10)
+    charge(engine, by="a", amount=6)
+    charge(engine, by="a", amount=4)
+    charge(engine, by="b", amount=1)
+    with pytest.raises(BudgetExceeded):
+        charge(engine, by="a", amount=1)
+    with Session(engine) as session:
+        a, b = budgets.usage(session)
+    assert (a.key, a.operations, a.cost, a.max_cost, b.key, b.cost) == ("a", 2, 10, 10, "b", 1)
+    assert a.exhausted_at is not None
+    assert b.exhausted_at is None
+    samples = {
+        (sample.name, sample.labels.get("budget")): sample.value
+        for family in OutboxCollector(engine).collect()
+        for sample in family.samples
+    }
+    assert samples[("outbox_budget_operations", "spend")] == 3
+    assert samples[("outbox_budget_cost", "spend")] == 11
+    assert samples[("outbox_budget_keys", "spend")] == 2
+    assert samples[("outbox_budget_fullest_ratio", "spend")] == 1
+    assert samples[("outbox_budget_refusals_total", "spend")] == 1
 
 
 def test_concurrent_enqueuers_in_threads_never_exceed_the_budget(engine: Engine) -> None:
