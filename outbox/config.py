@@ -38,7 +38,17 @@ OTHER_VARIABLES = {
 
 #: Events an escalation webhook may subscribe to.
 WEBHOOK_EVENT_NAMES = frozenset(
-    {"needs_human", "resolved", "confirmed", "failed", "approval_requested", "approval_expired"}
+    {
+        "needs_human",
+        "resolved",
+        "confirmed",
+        "failed",
+        "approval_requested",
+        "approval_expired",
+        "circuit_opened",
+        "circuit_closed",
+        "budget_exhausted",
+    }
 )
 
 Seconds = Annotated[float, Field(gt=0)]
@@ -158,10 +168,14 @@ class Settings(BaseSettings):
             "resolved",
             "approval_requested",
             "approval_expired",
+            "circuit_opened",
+            "circuit_closed",
+            "budget_exhausted",
         ],
         description=(
             "Comma-separated events to deliver: needs_human, resolved, approval_requested, "
-            "approval_expired, confirmed, failed."
+            "approval_expired, circuit_opened, circuit_closed, budget_exhausted, confirmed, "
+            "failed."
         ),
     )
 

@@ -193,7 +193,8 @@ def json_fields(record: Any) -> dict[str, Any]:
 
 
 class WebhookEvent(enum.StrEnum):
-    """What a webhook reports; its ``type`` is ``operation.<event>``."""
+    """What a webhook reports; its ``type`` is ``operation.<event>``, or ``guard.<event>`` for
+    the guard rails' events."""
 
     #: The operation entered ``needs_human``: an operator must decide.
     NEEDS_HUMAN = "needs_human"
@@ -207,6 +208,24 @@ class WebhookEvent(enum.StrEnum):
     APPROVAL_REQUESTED = "approval_requested"
     #: Nobody approved it within its TTL: the sweep cancelled it.
     APPROVAL_EXPIRED = "approval_expired"
+    #: A circuit breaker opened: a tool (or tool and target) is failing; its operations wait.
+    CIRCUIT_OPENED = "circuit_opened"
+    #: A circuit breaker closed again: its probe succeeded, or an operator reset it.
+    CIRCUIT_CLOSED = "circuit_closed"
+    #: A budget has been used up for one key (once per key and window).
+    BUDGET_EXHAUSTED = "budget_exhausted"
+
+    @property
+    def about_an_operation(self) -> bool:
+        """True for events about one operation (``type`` ``operation.<event>``); the guard
+        events are about a guard or budget key (``guard.<event>``, ``subject``)."""
+        return self not in GUARD_EVENTS
+
+
+#: The events about a guard or budget key rather than one operation.
+GUARD_EVENTS = frozenset(
+    {WebhookEvent.CIRCUIT_OPENED, WebhookEvent.CIRCUIT_CLOSED, WebhookEvent.BUDGET_EXHAUSTED}
+)
 
 
 class DeliveryStatus(enum.StrEnum):
@@ -225,7 +244,8 @@ class Delivery:
     """One row of ``outbox.webhook_deliveries``, as read."""
 
     id: UUID
-    operation_id: UUID
+    #: The operation it reports on; ``None`` for a guard event (then ``subject`` says what).
+    operation_id: UUID | None
     event: WebhookEvent
     payload: dict[str, Any]
     status: DeliveryStatus
@@ -235,6 +255,8 @@ class Delivery:
     last_error: str | None
     created_at: datetime
     delivered_at: datetime | None
+    #: What a guard event is about (a guard or budget key); ``None`` for an operation's.
+    subject: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> Delivery:

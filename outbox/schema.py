@@ -229,7 +229,6 @@ webhook_deliveries = Table(
         "operation_id",
         UUID(as_uuid=True),
         ForeignKey("outbox.operations.id", ondelete="CASCADE"),
-        nullable=False,
     ),
     Column("event", Text, nullable=False),
     Column("payload", JSONB, nullable=False),
@@ -240,11 +239,14 @@ webhook_deliveries = Table(
     Column("last_error", Text),
     _timestamp("created_at", nullable=False, now=True),
     _timestamp("delivered_at"),
+    #: What a delivery without an operation is about: a guard or budget key (migration 0016).
+    Column("subject", Text),
     CheckConstraint(
-        "event IN ('approval_expired', 'approval_requested', 'confirmed', 'failed',"
-        " 'needs_human', 'resolved')",
+        "event IN ('approval_expired', 'approval_requested', 'budget_exhausted',"
+        " 'circuit_closed', 'circuit_opened', 'confirmed', 'failed', 'needs_human', 'resolved')",
         name="event_known",
     ),
+    CheckConstraint("operation_id IS NOT NULL OR subject IS NOT NULL", name="about_something"),
     CheckConstraint("status IN ('abandoned', 'delivered', 'pending')", name="status_known"),
     CheckConstraint("attempts >= 0", name="attempts_not_negative"),
     CheckConstraint(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -182,6 +183,38 @@ def record_approval_requested(executor: Executor, operation: Operation) -> None:
     sql.webhooks.insert_deliveries(
         executor, [{"operation_id": operation.id, "event": event.value, "payload": payload}]
     )
+
+
+def record_guard_event(
+    executor: Executor,
+    event: WebhookEvent,
+    *,
+    subject: str,
+    data: dict[str, Any],
+    at: datetime,
+) -> bool:
+    """Write the delivery of a guard event (``circuit_opened``, ``circuit_closed``,
+    ``budget_exhausted``) about ``subject`` (a guard or budget key), in the caller's
+    transaction (never commits). Whether a row was written: none when no webhook URL is set
+    or the event is not subscribed.
+
+    The body is ``{"type": "guard.<event>", "timestamp": at, "data": {"subject": ..., **data}}``;
+    ``at`` is the database's instant of the change. ``data`` must be JSON and hold no secret
+    and no payload (the guard rails only ever report keys, counts and times).
+    """
+    if event.about_an_operation:
+        raise ValueError(f"{event.value} is about an operation, not a guard: see record_for_move")
+    settings = get_settings()
+    if settings.webhook_url is None or event.value not in settings.webhook_events:
+        return False
+    body = {
+        "type": f"guard.{event.value}",
+        "timestamp": iso_utc(at),
+        "data": {"subject": subject, **data},
+    }
+    row = {"operation_id": None, "subject": subject, "event": event.value, "payload": body}
+    sql.webhooks.insert_deliveries(executor, [row])
+    return True
 
 
 # --- configuration -------------------------------------------------------------------------

@@ -62,14 +62,14 @@ def _deliveries_table(found: list[Delivery], now: datetime) -> Table:
     table = Table()
     table.add_column("id", no_wrap=True, min_width=36)
     table.add_column("event")
-    table.add_column("operation", no_wrap=True, min_width=36)
+    table.add_column("operation or subject", no_wrap=True, min_width=36)
     for header in ("status", "attempts", "last status/error", "next attempt", "created"):
         table.add_column(header)
     for delivery in found:
         table.add_row(
             str(delivery.id),
             delivery.event.value,
-            str(delivery.operation_id),
+            str(delivery.operation_id or delivery.subject),
             delivery.status.value,
             str(delivery.attempts),
             _last(delivery),

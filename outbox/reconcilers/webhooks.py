@@ -284,7 +284,7 @@ def _log_outcome(
     """One line per attempt, with its action; the URL's host only (its path may hold a token)."""
     fields: dict[str, object] = {
         "delivery_id": str(row.id),
-        "operation_id": str(row.operation_id),
+        "operation_id": str(row.operation_id) if row.operation_id is not None else None,
         "event": row.event.value,
         "host": endpoint.host,
         "http_status": http_status,

@@ -27,8 +27,8 @@ class AttemptOutcome:
 
 
 def insert_deliveries(executor: Executor, rows: Sequence[Mapping[str, Any]]) -> None:
-    """Write pending deliveries (``operation_id``, ``event``, ``payload`` each), in the
-    caller's transaction."""
+    """Write pending deliveries (``operation_id`` or ``subject``, ``event``, ``payload`` each),
+    in the caller's transaction."""
     executor.execute(insert(webhook_deliveries).values(list(rows)))
 
 
@@ -37,7 +37,8 @@ class Claimed:
     """A delivery claimed for one attempt: what to send, and the lease that fences its outcome."""
 
     id: UUID
-    operation_id: UUID
+    #: ``None`` for a guard event (about a guard or budget key, not one operation).
+    operation_id: UUID | None
     event: WebhookEvent
     #: The body exactly as stored (``payload::text``): what is signed and sent, on every attempt.
     body: str

@@ -787,3 +787,70 @@ def test_unstorable_reasons_and_errors_are_stored_escaped(
     assert recorded is not None
     assert json.loads(claimed.body)["data"]["reason"] == "HTTP 200: a\\x00b\\xff"
     assert only_delivery(engine).last_error == "HTTP 502 Bad\\x00Gateway"
+
+
+# --- guard events: about a guard or budget key, not one operation ----------------------------
+
+
+def _record_circuit_opened(engine: Engine) -> bool:
+    with engine.begin() as conn:
+        at = conn.execute(text("SELECT clock_timestamp()")).scalar_one()
+        return webhooks.record_guard_event(
+            conn,
+            WebhookEvent.CIRCUIT_OPENED,
+            subject="breaker:deploy.create_release:project-a",
+            data={"failures": 5, "open_until": "later"},
+            at=at,
+        )
+
+
+def test_a_guard_event_is_delivered_signed_with_its_subject(
+    engine: Engine, webhook: Receiver, make_deliverer: MakeDeliverer
+) -> None:
+    """A guard event's row names its subject, not an operation; it is sent as guard.<event>."""
+    assert _record_circuit_opened(engine)
+    row = only_delivery(engine)
+    assert (row.operation_id, row.subject) == (None, "breaker:deploy.create_release:project-a")
+    assert make_deliverer().run_once().delivered == 1
+    (received,) = webhook.requests
+    body = verified(received)
+    assert body["type"] == "guard.circuit_opened"
+    assert body["data"] == {
+        "subject": "breaker:deploy.create_release:project-a",
+        "failures": 5,
+        "open_until": "later",
+    }
+
+
+def test_an_unsubscribed_guard_event_writes_nothing(
+    engine: Engine, configure: Configure, receiver: Receiver
+) -> None:
+    """Without the event in OUTBOX_WEBHOOK_EVENTS (or without a URL) no row is written."""
+    configure(receiver.url, events="needs_human")
+    assert not _record_circuit_opened(engine)
+    configure(None, secret=None)
+    assert not _record_circuit_opened(engine)
+    assert deliveries(engine) == []
+
+
+def test_a_delivery_about_nothing_is_refused_by_the_database(engine: Engine) -> None:
+    """A row with neither an operation nor a subject breaks a CHECK."""
+    with pytest.raises(IntegrityError, match="about_something"), engine.begin() as conn:
+        sql.webhooks.insert_deliveries(
+            conn, [{"operation_id": None, "event": "circuit_opened", "payload": {}}]
+        )
+
+
+def test_an_operation_event_is_not_a_guard_event(engine: Engine, webhook: Receiver) -> None:
+    """record_guard_event refuses an operation's event."""
+    with (
+        pytest.raises(ValueError, match="needs_human is about an operation"),
+        engine.begin() as conn,
+    ):
+        webhooks.record_guard_event(
+            conn,
+            WebhookEvent.NEEDS_HUMAN,
+            subject="x",
+            data={},
+            at=conn.execute(text("SELECT clock_timestamp()")).scalar_one(),
+        )

@@ -176,6 +176,14 @@ def test_the_api_is_checked_by_its_readiness() -> None:
     assert f"http://127.0.0.1:{port}/readyz" in " ".join(SERVICES["api"]["healthcheck"]["test"])
 
 
+def test_the_mcp_server_is_checked_on_its_port() -> None:
+    """The MCP service serves HTTP and its health check probes /healthz on the port it binds."""
+    argv = _argv(SERVICES["mcp"])
+    assert argv[:2] == ["mcp", "--http"]
+    port = argv[argv.index("--port") + 1]
+    assert f"http://127.0.0.1:{port}/healthz" in " ".join(SERVICES["mcp"]["healthcheck"]["test"])
+
+
 def test_published_ports_are_on_loopback_only() -> None:
     """Nothing is published beyond the host itself (Flower, metrics, the demo service)."""
     for name, service in SERVICES.items():
