@@ -29,11 +29,11 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
-from outbox import sql
+from outbox import sql, webhooks
 from outbox.errors import BudgetExceeded, ConfigError, InvalidIntent
 from outbox.locks import advisory_key
 from outbox.logs import Action
-from outbox.models import Executor
+from outbox.models import Executor, WebhookEvent
 from outbox.sql.budgets import BudgetUsage
 
 log = logging.getLogger(__name__)
@@ -340,7 +340,17 @@ def refused(executor: Executor, exc: BudgetExceeded) -> None:
         return
     try:
         with engine.begin() as conn:
-            sql.budgets.mark_exhausted(conn, budget=exc.budget, key=exc.key, window_s=exc.window_s)
+            first = sql.budgets.mark_exhausted(
+                conn, budget=exc.budget, key=exc.key, window_s=exc.window_s
+            )
+            if first is not None:  # the first refusal of this key in a window
+                webhooks.record_guard_event(
+                    conn,
+                    WebhookEvent.BUDGET_EXHAUSTED,
+                    subject=subject(exc.budget, exc.key),
+                    data=_alert(exc),
+                    at=first,
+                )
     except Exception as error:  # noqa: BLE001 -- the refusal stands whatever the alert does
         log.warning(
             "could not record budget %r as exhausted: %s",
@@ -348,6 +358,25 @@ def refused(executor: Executor, exc: BudgetExceeded) -> None:
             type(error).__name__,
             extra={"action": Action.BUDGET_ALERT_FAILED, "budget": exc.budget},
         )
+
+
+def subject(budget: str, key: str) -> str:
+    """What a ``budget_exhausted`` webhook is about: ``budget:<name>:<key>``."""
+    return f"budget:{budget}:{key}"
+
+
+def _alert(exc: BudgetExceeded) -> dict[str, Any]:
+    """The ``data`` of a ``budget_exhausted`` webhook: the budget, the key and the counts."""
+    return {
+        "budget": exc.budget,
+        "by": exc.by,
+        "key": exc.key,
+        "window_s": exc.window_s,
+        "measure": exc.measure,
+        "limit": exc.limit,
+        "used": exc.used,
+        "remaining": exc.remaining,
+    }
 
 
 def _engine_of(executor: Executor) -> Engine | None:

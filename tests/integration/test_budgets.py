@@ -4,6 +4,7 @@ across concurrent enqueuers, and enforcement in a process that loads no configur
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import subprocess
@@ -20,11 +21,15 @@ from sqlalchemy.orm import Session
 
 from outbox import aio, api, budgets, sql
 from outbox.budgets import BUDGETS, Budget, publish_budgets_committed
+from outbox.config import get_settings
+from outbox.contracts import CONTRACTS
 from outbox.db import create_async_engine
 from outbox.errors import BudgetExceeded, InvalidIntent
 from outbox.metrics import OutboxCollector
 from outbox.models import Operation
 from outbox.states import State
+from outbox.tools import REGISTRY
+from outbox.workers.runtime import publish_loaded_policies
 from tests.factories import operation_count
 
 TOOL = "billing.charge"
@@ -191,6 +196,53 @@ def test_enqueue_many_and_async_enqueue_are_held_to_the_budget(
     assert totals.refusals == 2  # each refusal counted in a transaction of its own
 
 
+def test_budget_exhausted_webhook_is_written_once_per_key_and_window(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refusals of one key write one budget_exhausted delivery per window (in a transaction
+    of their own, kept though the caller rolls back), another key its own."""
+    monkeypatch.setenv("OUTBOX_WEBHOOK_URL", "http://127.0.0.1:9/hook")
+    monkeypatch.setenv("OUTBOX_WEBHOOK_SECRET", "whsec_" + base64.b64encode(bytes(32)).decode())
+    get_settings.cache_clear()
+    try:
+        publish(engine, max_operations=1, window_s=60.0)
+        charge(engine, by="a")
+        charge(engine, by="b")
+        for by in ("a", "a", "a", "b"):
+            with pytest.raises(BudgetExceeded):
+                charge(engine, by=by)
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "UPDATE outbox.budget_alerts "
+                    "SET exhausted_at = exhausted_at - interval '61 seconds'"
+                )
+            )
+        with pytest.raises(BudgetExceeded):
+            charge(engine, by="a")
+    finally:
+        get_settings.cache_clear()
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT subject, event, payload FROM outbox.webhook_deliveries "
+                "WHERE operation_id IS NULL ORDER BY id"
+            )
+        ).all()
+    assert [(r.subject, r.event) for r in rows] == [
+        ("budget:spend:a", "budget_exhausted"),
+        ("budget:spend:b", "budget_exhausted"),
+        ("budget:spend:a", "budget_exhausted"),
+    ]
+    body = rows[0].payload
+    assert body["type"] == "guard.budget_exhausted"
+    assert (body["data"]["budget"], body["data"]["key"], body["data"]["remaining"]) == (
+        "spend",
+        "a",
+        0,
+    )
+
+
 def test_usage_and_metrics_report_each_budget(engine: Engine) -> None:
     """usage() lists each key's use and when it was exhausted; the metrics sum the keys per
     budget, with the fullest key's share and the refusals."""
@@ -293,11 +345,6 @@ def test_agent_processes_without_config_enforce_what_a_worker_published(
 ) -> None:
     """After a worker published the TOML's budget, three agent processes with no OUTBOX_CONFIG
     racing for one key are held to it exactly."""
-    from outbox.config import get_settings  # noqa: PLC0415 -- after the env is set
-    from outbox.contracts import CONTRACTS  # noqa: PLC0415
-    from outbox.tools import REGISTRY  # noqa: PLC0415
-    from outbox.workers.runtime import publish_loaded_policies  # noqa: PLC0415
-
     monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
     monkeypatch.setenv("OUTBOX_CONFIG", str(worker_config))
     get_settings.cache_clear()
