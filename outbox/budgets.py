@@ -174,22 +174,22 @@ class BudgetTable:
         """The declared budgets, by name."""
         return [self._budgets[name] for name in sorted(self._budgets)]
 
-    def check_tools(self, known: Iterable[str]) -> None:
-        """Raise :class:`ConfigError` naming each budget that names a tool not in ``known``."""
-        names = set(known)
-        problems = [
-            f"budget {b.name!r}: tools: unknown tool {t!r}"
-            for b in self.all()
-            for t in b.tools
-            if t not in names
-        ]
-        if problems:
-            raise ConfigError("; ".join(problems))
-
     def clear(self) -> None:
         """Forget every declaration (tests)."""
         with self._lock:
             self._budgets.clear()
+
+
+def unknown_tools(budgets: Iterable[Budget], known: Iterable[str]) -> list[str]:
+    """One problem per tool a budget names that is not in ``known``, naming the budget."""
+    names = set(known)
+    loaded = ", ".join(sorted(names)) or "none"
+    return [
+        f'budgets."{b.name}".tools: unknown tool {t!r} (loaded tools: {loaded})'
+        for b in budgets
+        for t in b.tools
+        if t not in names
+    ]
 
 
 #: The process-wide table of declared budgets.

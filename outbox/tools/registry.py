@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Iterable
 
-from outbox.budgets import BUDGETS, Budget
+from outbox.budgets import BUDGETS, Budget, unknown_tools
 from outbox.config import Settings, get_settings
 from outbox.contracts import CONTRACTS, ContractTable, ToolContract
 from outbox.errors import ConfigError
@@ -118,11 +118,15 @@ def load_tools(
     contracts = [t.contract for t in _registered(registry)] + [t.contract for t in http_tools]
     check_against_settings(contracts, settings)
     declared = _config_budgets(settings)
+    known = {*registry.names(), *(tool.name for tool in http_tools)}
+    if problems := unknown_tools(declared, known):
+        raise ConfigError(f"OUTBOX_CONFIG {settings.config}: " + "; ".join(problems))
+    if problems := unknown_tools(BUDGETS.all(), known):
+        raise ConfigError("outbox.tools.budget: " + "; ".join(problems))
     for tool in http_tools:
         registry.register(tool)
     for budget in declared:
         BUDGETS.register(budget)
-    BUDGETS.check_tools(registry.names())
     registry.contracts.mark_loaded()
     log.info(
         "%d tool(s) loaded",
