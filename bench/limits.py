@@ -10,8 +10,10 @@ Our own statements, as our code issues them (SQLAlchemy, ``outbox.sql``):
 
 * ``enqueue()+COMMIT`` on one connection and on ``--connections`` connections (the agent's
   side), with no relay waiting on its bell and with one (then every enqueue NOTIFYs: what the
-  doorbell costs); and on one connection through a ``Session`` that begins a transaction per
-  intent, as an agent writes it (the Session checks a connection out of the pool each time);
+  doorbell costs); of a budgeted tool (docs/budgets.md: its key's lock and count) on 1
+  connection and on N connections over N keys; and on one connection through a ``Session``
+  that begins a transaction per intent, as an agent writes it (the Session checks a
+  connection out of the pool each time);
 * the ``sent`` compare-and-set: ``outbox.transitions.mark_sent`` planned→sent with
   ``synchronous_commit=on`` and its COMMIT, as the dispatcher makes it, on 1 and N connections;
 * the advisory lock round trip: ``sql.locks.try_lock`` + ``sql.locks.unlock`` (autocommit);
@@ -63,6 +65,7 @@ from sqlalchemy.orm import Session
 from throwaway import rabbitmq_available, throwaway_database, throwaway_vhost
 
 from outbox import api, sql, transitions
+from outbox.budgets import Budget, publish_budgets_committed
 from outbox.contracts import ContractTable
 from outbox.db import create_engine
 from outbox.locks import operation_lock_key
@@ -172,6 +175,36 @@ class Limits:
                     (f"raw-{tag}-{i}", "bench.tool", "web", payload, "a" * 64, "b" * 64, "{}"),
                 )
                 conn.commit()
+
+            return op
+
+        return _in_threads(connections, self.ops, setup)
+
+    def enqueue_budgeted_commit(self, connections: int, *, keys: int) -> float:
+        """``outbox.enqueue`` + COMMIT of a budgeted tool (docs/budgets.md): a budget over
+        ``bench.budgeted`` by ``requested_by`` too large to refuse anything, the threads
+        spread over ``keys`` keys (1: every enqueue waits for the key's lock)."""
+        tag = self._next_tag()
+        with self.engine.begin() as conn:
+            conn.execute(text("DELETE FROM outbox.relays"))
+        publish_budgets_committed(
+            self.engine,
+            [Budget(name="bench", tools=("bench.budgeted",), window_s=3600, max_operations=10**9)],
+        )
+
+        def setup(stack: contextlib.ExitStack) -> Callable[[int], None]:
+            conn = stack.enter_context(self.engine.connect())
+
+            def op(i: int) -> None:
+                with conn.begin():
+                    api.enqueue(
+                        conn,
+                        tool="bench.budgeted",
+                        target="web",
+                        payload={"version": f"1.0.{i}"},
+                        intent_key=f"budgeted-{tag}-{i}",
+                        requested_by=f"agent-{i % keys}",
+                    )
 
             return op
 
@@ -554,6 +587,22 @@ def _cases(
         Case(
             "enqueue 1",
             one("enqueue()+COMMIT, 1 connection", lambda: limits.enqueue_commit(1)),
+            ours,
+        ),
+        Case(
+            "enqueue budgeted 1",
+            one(
+                "enqueue()+COMMIT of a budgeted tool, 1 connection",
+                lambda: limits.enqueue_budgeted_commit(1, keys=1),
+            ),
+            ours,
+        ),
+        Case(
+            "enqueue budgeted n",
+            one(
+                f"enqueue()+COMMIT of a budgeted tool, {n} connections, {n} keys",
+                lambda: limits.enqueue_budgeted_commit(n, keys=n),
+            ),
             ours,
         ),
         Case(
