@@ -100,6 +100,9 @@ async def enqueue(
     here (a call may tighten its tool's policy, never loosen it), creates the operation in
     ``awaiting_approval``: nothing is sent until a person approves exactly this payload
     (:func:`approve`).
+
+    Over one of its tool's budgets it raises :class:`~outbox.BudgetExceeded` and writes
+    nothing (docs/budgets.md).
     """
     return await _run(
         session,

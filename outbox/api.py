@@ -81,6 +81,11 @@ def enqueue(
     approves it: :func:`outbox.approve`) when ``require_approval`` is true or its tool
     requires approval (``approval = "required"``, known from ``outbox.tool_policies`` or
     this process's loaded tools). A call may tighten its tool's policy, never loosen it.
+
+    An intent that would take one of its tool's budgets (``outbox.budgets``, published by the
+    workers: docs/budgets.md) over its limit raises :class:`BudgetExceeded` and writes
+    nothing; enqueuing a budgeted tool holds the budget key's advisory lock until the caller's
+    transaction ends. The same intent again is never refused by a budget nor counted twice.
     """
     return enqueue_intent(
         session,
@@ -181,7 +186,8 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
     target and payload gives back the existing operation (so does a key repeated inside
     the batch); any difference raises :class:`IntentConflict` and the key of a pruned
     operation :class:`IntentAlreadyDone` (see :func:`enqueue`), and either writes nothing:
-    the batch runs under a savepoint that is rolled back.
+    the batch runs under a savepoint that is rolled back. So does :class:`BudgetExceeded`,
+    when the batch's budgeted intents together do not fit their budgets (docs/budgets.md).
     """
     checked: list[_Checked] = []
     for position, intent in enumerate(intents):
