@@ -25,6 +25,8 @@ from outbox.config import get_settings
 from outbox.contracts import CONTRACTS
 from outbox.db import create_async_engine
 from outbox.errors import BudgetExceeded, InvalidIntent
+from outbox.integrations._calls import refusal
+from outbox.mcp.calls import Calls
 from outbox.metrics import OutboxCollector
 from outbox.models import Operation
 from outbox.states import State
@@ -241,6 +243,44 @@ def test_budget_exhausted_webhook_is_written_once_per_key_and_window(
         "a",
         0,
     )
+
+
+def test_the_mcp_server_and_the_adapters_answer_a_refusal_in_the_core_words(
+    engine: Engine, database_url: str
+) -> None:
+    """Over budget, an MCP call is a refusal naming the budget and what is left, and the
+    framework adapters' answer is a settled refusal, nothing written."""
+    publish(engine, max_operations=1)
+
+    async def main() -> list[Any]:
+        async_engine = create_async_engine(database_url)
+        try:
+            calls = Calls(engine=async_engine, wait_s=0)
+            return [
+                await calls.call_registered(
+                    TOOL, {"intent_key": key, "target": "acct", "payload": {"amount": 1}}, "a"
+                )
+                for key in ("m-1", "m-2")
+            ]
+        finally:
+            await async_engine.dispose()
+
+    first, refused = asyncio.run(main())
+    assert not first.is_error
+    assert refused.is_error
+    assert refused.structured_content["field"] == "budget"
+    assert refused.content[0].text.startswith("Refused (budget): budget 'spend' exceeded for")
+    assert "0 left" in refused.content[0].text
+    with pytest.raises(BudgetExceeded) as exc:
+        charge(engine, by="a")
+    answer = refusal(exc.value)
+    assert (answer["outcome"], answer["settled"], answer["budget"], answer["remaining"]) == (
+        "refused",
+        True,
+        "spend",
+        0,
+    )
+    assert operation_count(engine) == 1
 
 
 def test_usage_and_metrics_report_each_budget(engine: Engine) -> None:
