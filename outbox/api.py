@@ -140,7 +140,7 @@ def enqueue_intent(session: Executor, intent: Intent) -> Enqueued:
             approval_ttl_s=one.approval_ttl_s,
         )
         if isinstance(created, sql.intents.Budgeted):
-            created = _insert_budgeted(session, [one]).get(0)
+            created = _insert_budgeted(session, [one], created.definitions).get(0)
         if created is not None:
             if created.state is State.AWAITING_APPROVAL:
                 webhooks.record_approval_requested(session, created)
@@ -255,7 +255,11 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
     ]
 
 
-def _insert_budgeted(session: Executor, checked: Sequence[_Checked]) -> dict[int, Operation]:
+def _insert_budgeted(
+    session: Executor,
+    checked: Sequence[_Checked],
+    definitions: Sequence[sql.budgets.BudgetDefinition] | None = None,
+) -> dict[int, Operation]:
     """Insert intents whose tools have budgets, in the caller's transaction, or raise
     :class:`BudgetExceeded` (writing nothing; the caller's transaction may go on).
 
@@ -265,12 +269,11 @@ def _insert_budgeted(session: Executor, checked: Sequence[_Checked]) -> dict[int
     take a key over its budget (under READ COMMITTED, the default). An intent whose key is
     recorded already is neither refused nor counted again: the insert returns nothing for it
     and the caller returns the recorded operation. Returns the inserted operations by
-    position in ``checked``.
+    position in ``checked``. ``definitions``: the tools' budgets if already read (else read here).
     """
-    found = [
-        budgets.from_definition(d)
-        for d in sql.budgets.budgets_for(session, [c.tool for c in checked])
-    ]
+    if definitions is None:
+        definitions = sql.budgets.budgets_for(session, [c.tool for c in checked])
+    found = [budgets.from_definition(d) for d in definitions]
     wanted = [
         budgets.demands(
             [b for b in found if c.tool in b.tools],
@@ -282,21 +285,10 @@ def _insert_budgeted(session: Executor, checked: Sequence[_Checked]) -> dict[int
     ]
     if any(wanted):
         budgets.take_locks(session, [d for ds in wanted for d in ds])
-        named = [c.intent_key for c in checked if c.intent_key is not None]
-        recorded = (
-            {op.intent_key for op in sql.intents.find_operations(session, named)}
-            if named
-            else set()
-        )
         try:
             budgets.check(
                 session,
-                [
-                    d
-                    for c, ds in zip(checked, wanted, strict=True)
-                    if c.intent_key not in recorded
-                    for d in ds
-                ],
+                [(c.intent_key, ds) for c, ds in zip(checked, wanted, strict=True)],
             )
         except BudgetExceeded as exc:
             budgets.refused(session, exc)

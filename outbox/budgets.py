@@ -266,20 +266,23 @@ def take_locks(executor: Executor, wanted: Iterable[Demand]) -> None:
     sql.budgets.lock_keys(executor, keys)
 
 
-def check(executor: Executor, wanted: Sequence[Demand]) -> None:
-    """Raise :class:`BudgetExceeded` for the first (budget, key) that ``wanted`` (in order)
-    would take over its limit, counting the usage committed inside the window; call with
-    the keys' locks held (:func:`take_locks`), in a statement after the lock's."""
-    pairs = sorted({(d.budget.name, d.key, d.budget.window_s) for d in wanted})
-    used = {
-        (row.budget, row.key): row
-        for row in sql.budgets.count_usage(
-            executor,
-            budgets=[p[0] for p in pairs],
-            keys=[p[1] for p in pairs],
-            windows=[p[2] for p in pairs],
-        )
-    }
+def check(executor: Executor, intents: Sequence[tuple[str | None, Sequence[Demand]]]) -> None:
+    """Raise :class:`BudgetExceeded` for the first (budget, key) that the ``intents`` (their
+    intent keys and demands, in order) would take over its limit, counting the usage
+    committed inside the window; call with the keys' locks held (:func:`take_locks`), in a
+    statement after the lock's. An intent whose key is recorded already asks nothing: it
+    will get its operation back, and is never refused nor counted twice."""
+    all_demands = [d for _key, demands in intents for d in demands]
+    pairs = sorted({(d.budget.name, d.key, d.budget.window_s) for d in all_demands})
+    counted = sql.budgets.count_usage(
+        executor,
+        budgets=[p[0] for p in pairs],
+        keys=[p[1] for p in pairs],
+        windows=[p[2] for p in pairs],
+        intent_keys=[key for key, _demands in intents if key is not None],
+    )
+    used = {(row.budget, row.key): row for row in counted.keys}
+    wanted = [d for key, demands in intents if key not in counted.recorded for d in demands]
     asked: dict[tuple[str, str], tuple[int, float]] = {}
     for demand in wanted:
         b = demand.budget

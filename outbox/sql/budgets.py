@@ -26,6 +26,14 @@ class BudgetDefinition:
 
 
 @dataclass(frozen=True, slots=True)
+class Counted:
+    """What :func:`count_usage` found: each key's use, and the intent keys recorded already."""
+
+    keys: list[KeyUsage]
+    recorded: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
 class KeyUsage:
     """What one budget key used inside its window (cancelled operations left out)."""
 
@@ -111,7 +119,10 @@ _COUNT_USAGE = text(
     )
     SELECT w.budget, w.key,
            count(u.id) FILTER (WHERE o.state IS DISTINCT FROM 'cancelled') AS operations,
-           coalesce(sum(u.cost) FILTER (WHERE o.state IS DISTINCT FROM 'cancelled'), 0) AS cost
+           coalesce(sum(u.cost) FILTER (WHERE o.state IS DISTINCT FROM 'cancelled'), 0) AS cost,
+           -- The intents recorded already (a retry): their share is not asked again.
+           (SELECT array_agg(intent_key) FROM outbox.operations
+            WHERE intent_key = ANY(CAST(:intent_keys AS text[]))) AS recorded
     FROM wanted AS w CROSS JOIN now
     LEFT JOIN outbox.budget_usage AS u
            ON u.budget = w.budget AND u.key = w.key
@@ -125,17 +136,31 @@ _COUNT_USAGE = text(
 
 
 def count_usage(
-    executor: Executor, *, budgets: Sequence[str], keys: Sequence[str], windows: Sequence[float]
-) -> list[KeyUsage]:
+    executor: Executor,
+    *,
+    budgets: Sequence[str],
+    keys: Sequence[str],
+    windows: Sequence[float],
+    intent_keys: Sequence[str] = (),
+) -> Counted:
     """What each (budget, key) used inside its window (database clock), deleting its rows
-    that left the window. Run it in a statement after the keys' locks were granted."""
+    that left the window, and which of ``intent_keys`` name operations already. Run it in a
+    statement after the keys' locks were granted."""
     rows = executor.execute(
-        _COUNT_USAGE, {"budgets": list(budgets), "keys": list(keys), "windows": list(windows)}
+        _COUNT_USAGE,
+        {
+            "budgets": list(budgets),
+            "keys": list(keys),
+            "windows": list(windows),
+            "intent_keys": list(intent_keys),
+        },
     ).mappings()
-    return [
-        KeyUsage(row["budget"], row["key"], int(row["operations"]), float(row["cost"]))
+    found = [
+        (KeyUsage(row["budget"], row["key"], int(row["operations"]), float(row["cost"])), row)
         for row in rows
     ]
+    recorded = frozenset(found[0][1]["recorded"] or ()) if found else frozenset()
+    return Counted([usage for usage, _row in found], recorded)
 
 
 _MARK_EXHAUSTED = text(

@@ -14,6 +14,7 @@ from sqlalchemy import bindparam, select, text
 from outbox.driver import DriverStatement
 from outbox.models import Event, Executor, Operation, PrunedIntent
 from outbox.schema import events, operations, pruned_intents
+from outbox.sql.budgets import BudgetDefinition
 from outbox.states import State
 
 _INSERT_INTENT = DriverStatement.of(
@@ -66,7 +67,15 @@ _INSERT_INTENT = DriverStatement.of(
            (SELECT pg_notify('outbox_planned', '')
             WHERE inserted.state = 'planned' AND EXISTS (SELECT FROM outbox.relays WHERE idle))
              AS rang,
-           new.budgeted
+           new.budgeted,
+           -- What the budget path needs first, in this round trip (budgeted tools only).
+           CASE WHEN new.budgeted THEN
+             (SELECT json_agg(json_build_object(
+                         'name', b.name, 'tools', b.tools, 'counted_by', b.counted_by,
+                         'window_s', b.window_s, 'max_operations', b.max_operations,
+                         'cost_path', b.cost_path, 'max_cost', b.max_cost) ORDER BY b.name)
+              FROM outbox.budgets AS b WHERE :tool = ANY(b.tools))
+           END AS budgets
     FROM new LEFT JOIN inserted ON inserted.id = new.id
     """
     ),
@@ -80,6 +89,7 @@ _INSERT_INTENT = DriverStatement.of(
         "approval_expires_at",
         "rang",
         "budgeted",
+        "budgets",
     ],
 )
 
@@ -87,6 +97,9 @@ _INSERT_INTENT = DriverStatement.of(
 @dataclass(frozen=True, slots=True)
 class Budgeted:
     """The intent's tool has budgets: nothing was inserted; the budget path inserts it."""
+
+    #: The published budgets covering the tool, by name.
+    definitions: list[BudgetDefinition]
 
 
 def insert_intent(
@@ -129,8 +142,10 @@ def insert_intent(
             "approval_ttl_s": approval_ttl_s,
         },
     )
-    if row is None or row["budgeted"]:
-        return Budgeted() if row is not None else None
+    if row is None:
+        return None
+    if row["budgeted"]:
+        return Budgeted([BudgetDefinition(**d) for d in row["budgets"] or []])
     if row["id"] is None:
         return None
     state = State(row["state"])
