@@ -291,7 +291,7 @@ def _insert_budgeted(
                 [(c.intent_key, ds) for c, ds in zip(checked, wanted, strict=True)],
             )
         except BudgetExceeded as exc:
-            budgets.refused(session, exc)
+            budgets.record_refusal_committed(session, exc)
             raise
     return sql.intents.insert_intents(
         session,

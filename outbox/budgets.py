@@ -323,7 +323,7 @@ def _n(value: float) -> str:
     return f"{value:g}"
 
 
-def refused(executor: Executor, exc: BudgetExceeded) -> None:
+def record_refusal_committed(executor: Executor, exc: BudgetExceeded) -> None:
     """Log a refusal and count it, with the ``budget_exhausted`` webhook once per key and
     window, in a transaction of its own on the caller's engine.
 
