@@ -359,6 +359,8 @@ budget_usage = Table(
     _timestamp("used_at", nullable=False, now=True),
     CheckConstraint("cost >= 0", name="cost_not_negative"),
     Index("ix_budget_usage_budget_key_used_at", "budget", "key", "used_at"),
+    # The expired rows of keys never counted again, dropped a few at a time by other keys.
+    Index("ix_budget_usage_budget_used_at", "budget", "used_at"),
 )
 
 #: When each budget key was last found exhausted (migration 0018): the ``budget_exhausted``

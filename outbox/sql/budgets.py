@@ -111,11 +111,25 @@ _COUNT_USAGE = text(
         SELECT * FROM unnest(CAST(:budgets AS text[]), CAST(:keys AS text[]),
                              CAST(:windows AS double precision[])) AS w(budget, key, window_s)
     ),
-    -- Rows that left the window are dead weight: dropped here, under the key's lock.
+    -- Rows that left the window are dead weight: the key's are dropped here, under its lock;
+    -- and a few of other keys of the budget (a conversation's key is never counted again),
+    -- skipping rows another enqueuer is dropping: no wait between keys.
     gone AS (
         DELETE FROM outbox.budget_usage AS u USING wanted AS w, now
         WHERE u.budget = w.budget AND u.key = w.key
           AND u.used_at <= now.at - make_interval(secs => w.window_s)
+    ),
+    stale AS (
+        DELETE FROM outbox.budget_usage WHERE id IN (
+            SELECT u.id FROM outbox.budget_usage AS u, wanted AS w, now
+            WHERE u.budget = w.budget
+              AND u.used_at <= now.at - make_interval(secs => w.window_s)
+              AND NOT EXISTS (SELECT FROM wanted AS mine
+                              WHERE mine.budget = u.budget AND mine.key = u.key)
+            ORDER BY u.used_at
+            LIMIT 50
+            FOR UPDATE OF u SKIP LOCKED
+        )
     )
     SELECT w.budget, w.key,
            count(u.id) FILTER (WHERE o.state IS DISTINCT FROM 'cancelled') AS operations,

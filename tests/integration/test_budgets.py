@@ -128,19 +128,23 @@ def test_cost_budget_refuses_what_does_not_fit(engine: Engine) -> None:
 
 
 def test_window_slides_and_cancelled_operations_give_back(engine: Engine) -> None:
-    """Usage older than the window (database clock) no longer counts, nor does a cancelled
-    operation's."""
+    """Usage older than the window (database clock) no longer counts and is deleted (another
+    key's too), nor does a cancelled operation's count."""
     publish(engine, max_operations=1, window_s=60.0)
     first = charge(engine)
     with pytest.raises(BudgetExceeded):
         charge(engine)
+    charge(engine, by="gone")
     age_usage(engine, 61)
     second = charge(engine)
     with Session(engine) as session, session.begin():
         api.cancel(session, second.id)
     charge(engine)
     assert first.state is State.PLANNED
-    assert operation_count(engine) == 3
+    assert operation_count(engine) == 4
+    with engine.connect() as conn:
+        keys = conn.execute(text("SELECT key FROM outbox.budget_usage ORDER BY id")).scalars()
+        assert list(keys) == ["agent-a", "agent-a"]  # the expired rows of every key dropped
 
 
 def test_re_enqueue_of_a_recorded_intent_is_never_refused_nor_counted(engine: Engine) -> None:

@@ -75,6 +75,12 @@ def upgrade() -> None:
         ["budget", "key", "used_at"],
         schema="outbox",
     )
+    op.create_index(
+        "ix_budget_usage_budget_used_at",
+        "budget_usage",
+        ["budget", "used_at"],
+        schema="outbox",
+    )
     op.create_table(
         "budget_alerts",
         sa.Column("budget", sa.Text(), nullable=False),
