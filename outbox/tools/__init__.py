@@ -15,6 +15,7 @@ the total deadline and turn every surprise into a conservative result.
 
 from outbox.contracts import DedupContract as Dedup
 from outbox.contracts import ToolContract
+from outbox.guards import Breaker, Concurrency, Rate
 from outbox.tools.base import Tool, ToolCall
 from outbox.tools.http import HttpTool, HttpToolSpec, load_http_tools
 from outbox.tools.invoke import close_thread_loop, run_dispatch, run_lookup
@@ -36,6 +37,8 @@ __all__ = [
     "REGISTRY",
     "Ambiguous",
     "Applied",
+    "Breaker",
+    "Concurrency",
     "Dedup",
     "DispatchResult",
     "FailedRemotely",
@@ -46,6 +49,7 @@ __all__ = [
     "NotApplied",
     "NotDelivered",
     "PythonTool",
+    "Rate",
     "Rejected",
     "Tool",
     "ToolCall",
