@@ -67,37 +67,53 @@ def admit(
 ) -> Hold | None:
     """Whether an attempt of ``operation_id`` may be sent now, in the caller's transaction
     (the one that commits ``sent``; never commits). ``None``: send (a probe claimed, a token
-    taken); else the :class:`Hold`: the caller rolls back and holds the operation."""
-    if contract.breaker is not None:
-        held = _breaker_admits(conn, contract, contract.breaker, operation_id, target)
-        if held is not None:
-            return held
-    if (cap := contract.concurrency) is not None:
-        key = GuardKey.of(contract.name, target, cap.per)
-        in_flight = sql.count_in_flight_locked(conn, str(key), key.tool, key.target)
-        if in_flight >= cap.max_in_flight:
-            reason = (
-                f"held: {in_flight} attempts of {key} in flight (max_in_flight {cap.max_in_flight})"
-            )
-            return Hold("concurrency", key, cap.retry_s * (1 + random.random()), reason)  # noqa: S311 -- jitter
-    if (rate := contract.rate) is not None:
-        key = GuardKey.of(contract.name, target, rate.per)
-        wait = sql.take_token(
-            conn, key.tool, key.target, interval_s=rate.interval_s, burst=rate.burst
+    taken); else the :class:`Hold`: the caller rolls back and holds the operation.
+
+    Two statements at most (:func:`outbox.sql.guards.admit_first`, ``admit_second``), and a
+    third only while a breaker is not closed (its probe's claim)."""
+    breaker, cap, rate = contract.breaker, contract.concurrency, contract.rate
+    b_key = GuardKey.of(contract.name, target, breaker.per) if breaker else None
+    c_key = GuardKey.of(contract.name, target, cap.per) if cap else None
+    if b_key is not None or c_key is not None:
+        seen = sql.admit_first(
+            conn,
+            breaker=(b_key.tool, b_key.target) if b_key else None,
+            lock_key=str(c_key) if c_key else None,
         )
-        if wait is not None:
-            reason = f"held: rate of {key} ({rate.per_second:g}/s) reached"
-            return Hold("rate", key, max(wait, 0.001), reason)
+        if b_key is not None and seen.state not in (None, BreakerState.CLOSED):
+            held = _breaker_admits(conn, contract, b_key, seen, operation_id)
+            if held is not None:
+                return held
+    if cap is None and rate is None:
+        return None
+    r_key = GuardKey.of(contract.name, target, rate.per) if rate else None
+    admitted = sql.admit_second(
+        conn,
+        cap=(c_key.tool, c_key.target, cap.max_in_flight) if cap and c_key else None,
+        rate=(r_key.tool, r_key.target, rate.interval_s, rate.burst) if rate and r_key else None,
+    )
+    in_flight = admitted.in_flight
+    if cap is not None and c_key is not None and (in_flight or 0) >= cap.max_in_flight:
+        reason = (
+            f"held: {in_flight} attempts of {c_key} in flight (max_in_flight {cap.max_in_flight})"
+        )
+        delay = cap.retry_s * (1 + random.random())  # noqa: S311 -- jitter
+        return Hold("concurrency", c_key, delay, reason)
+    if rate is not None and r_key is not None and not admitted.token:
+        reason = f"held: rate of {r_key} ({rate.per_second:g}/s) reached"
+        return Hold("rate", r_key, max(admitted.wait_s, 0.001), reason)
     return None
 
 
 def _breaker_admits(
-    conn: Executor, contract: ToolContract, breaker: Breaker, operation_id: UUID, target: str
+    conn: Executor,
+    contract: ToolContract,
+    key: GuardKey,
+    seen: sql.BreakerSeen,
+    operation_id: UUID,
 ) -> Hold | None:
-    key = GuardKey.of(contract.name, target, breaker.per)
-    row = sql.read_breaker(conn, DISPATCH, key.tool, key.target)
-    if row is None or row.state == BreakerState.CLOSED:
-        return None
+    """A breaker that is not closed: this attempt is its probe (one across every worker,
+    once the open spell is over), or it is held."""
     probe_s = contract.send_deadline_s + contract.timeout_s + PROBE_MARGIN_S
     if sql.claim_probe(
         conn, DISPATCH, key.tool, key.target, operation_id=operation_id, probe_s=probe_s
@@ -109,9 +125,9 @@ def _breaker_admits(
             extra={"action": Action.GUARD_PROBE, "guard_key": str(key)},
         )
         return None
-    if row.state == BreakerState.OPEN and row.open_until is not None and row.open_until > row.now:
-        wait = (row.open_until - row.now).total_seconds() + random.random()  # noqa: S311 -- jitter
-        return Hold("breaker", key, wait, f"held: circuit of {key} open until {row.open_until}")
+    if seen.state == BreakerState.OPEN and seen.open_until and seen.open_until > seen.now:
+        wait = (seen.open_until - seen.now).total_seconds() + random.random()  # noqa: S311
+        return Hold("breaker", key, wait, f"held: circuit of {key} open until {seen.open_until}")
     return Hold("breaker", key, WAIT_FOR_PROBE_S, f"held: circuit of {key} half-open, probe out")
 
 
@@ -163,10 +179,10 @@ def record_outcome_committed(
     ):
         conn.commit()
     if verdict is Verdict.SUCCESS and breaker.ratio is None:
-        seen = sql.read_breaker(conn, scope, key.tool, key.target)
+        quiet = sql.breaker_quiet(conn, scope, key.tool, key.target)
         if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
             conn.commit()
-        if seen is None or (seen.state == BreakerState.CLOSED and seen.failures == 0):
+        if quiet:
             return None
     with _transaction(conn):
         read = sql.lock_breaker(conn, scope, key.tool, key.target)

@@ -127,10 +127,6 @@ operations = Table(
         "approval_expires_at",
         postgresql_where=text("state = 'awaiting_approval'"),
     ),
-    # The concurrency guard counts a tool's (and target's) attempts in `sent` (docs/guards.md).
-    Index(
-        "ix_operations_sent_tool_target", "tool", "target", postgresql_where=text("state = 'sent'")
-    ),
     # Retention (`outbox db prune`): terminal rows by age, so a prune reads only what it deletes.
     Index(
         "ix_operations_resolved_at",

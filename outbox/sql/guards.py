@@ -11,6 +11,7 @@ from uuid import UUID
 
 from sqlalchemy import text
 
+from outbox.driver import DriverStatement
 from outbox.models import Executor
 
 # --- circuit breakers ------------------------------------------------------------------------
@@ -32,11 +33,6 @@ class BreakerRead:
     now: datetime
 
 
-_READ_BREAKER = text(
-    "SELECT state, failures, window_started_at, window_calls, window_failures, opened_at, "
-    "open_until, probe_operation_id, probe_until, clock_timestamp() AS now "
-    "FROM outbox.guard_breakers WHERE scope = :scope AND tool = :tool AND target = :target"
-)
 _ENSURE_BREAKER = text(
     "INSERT INTO outbox.guard_breakers (scope, tool, target) VALUES (:scope, :tool, :target) "
     "ON CONFLICT (scope, tool, target) DO NOTHING"
@@ -109,10 +105,20 @@ def _breaker(row: Any) -> BreakerRead:
     )
 
 
-def read_breaker(executor: Executor, scope: str, tool: str, target: str) -> BreakerRead | None:
-    """The breaker's row without a lock, or ``None`` (never written: closed)."""
-    row = executor.execute(_READ_BREAKER, _key(scope, tool, target)).one_or_none()
-    return _breaker(row) if row is not None else None
+# The success fast path (every confirmed attempt of a tool with a breaker): one indexed read.
+_BREAKER_QUIET = DriverStatement.of(
+    text(
+        "SELECT state = 'closed' AND failures = 0 AS quiet FROM outbox.guard_breakers "
+        "WHERE scope = :scope AND tool = :tool AND target = :target"
+    ),
+    ["quiet"],
+)
+
+
+def breaker_quiet(executor: Executor, scope: str, tool: str, target: str) -> bool:
+    """Whether the breaker is closed with no failure counted (or was never written)."""
+    row = _BREAKER_QUIET.fetch_one(executor, _key(scope, tool, target))
+    return row is None or bool(row["quiet"])
 
 
 def lock_breaker(executor: Executor, scope: str, tool: str, target: str) -> BreakerRead:
@@ -169,42 +175,9 @@ def close_breaker(executor: Executor, scope: str, tool: str, target: str) -> dat
 
 # --- rate limits (GCRA) ----------------------------------------------------------------------
 
-# A send is allowed if max(tat, now) + T <= now + burst * T; it moves tat to max(tat, now) + T
-# (outbox.guards.gcra is the same arithmetic in Python). The row lock of ON CONFLICT makes it
-# exact across processes: the WHERE is judged on the newest tat.
-_TAKE_TOKEN = text(
-    """
-    INSERT INTO outbox.guard_buckets AS b (tool, target, tat)
-    VALUES (:tool, :target, statement_timestamp() + make_interval(secs => :interval_s))
-    ON CONFLICT (tool, target) DO UPDATE
-    SET tat = greatest(b.tat, statement_timestamp()) + make_interval(secs => :interval_s)
-    WHERE greatest(b.tat, statement_timestamp()) + make_interval(secs => :interval_s)
-          <= statement_timestamp() + make_interval(secs => :interval_s * :burst)
-    RETURNING tat
-    """
-)
-_NEXT_SLOT = text(
-    """
-    SELECT extract(epoch FROM tat - make_interval(secs => :interval_s * (:burst - 1))
-                              - statement_timestamp())::float8 AS wait_s
-    FROM outbox.guard_buckets WHERE tool = :tool AND target = :target
-    """
-)
 _CLEAR_BUCKET = text(
     "DELETE FROM outbox.guard_buckets WHERE tool = :tool AND target = :target RETURNING tat"
 )
-
-
-def take_token(
-    executor: Executor, tool: str, target: str, *, interval_s: float, burst: int
-) -> float | None:
-    """Take one send from the bucket: ``None`` if allowed, else the seconds until the next
-    slot (read in a second statement, only when refused)."""
-    params = {"tool": tool, "target": target, "interval_s": interval_s, "burst": burst}
-    if executor.execute(_TAKE_TOKEN, params).one_or_none() is not None:
-        return None
-    wait = executor.execute(_NEXT_SLOT, params).scalar_one_or_none()
-    return max(float(wait or 0.0), 0.0)
 
 
 def clear_bucket(executor: Executor, tool: str, target: str) -> bool:
@@ -213,25 +186,139 @@ def clear_bucket(executor: Executor, tool: str, target: str) -> bool:
     return executor.execute(_CLEAR_BUCKET, params).one_or_none() is not None
 
 
-# --- concurrency caps ------------------------------------------------------------------------
+# --- the admission, folded: two statements in the `sent` commit's transaction ------------------
 
-# A transaction-scoped advisory lock per key, so that counting the `sent` rows and the `sent`
-# move that follows are one step for every dispatcher of the key; the count runs after the lock
-# was granted (its own statement: its snapshot must see the previous holder's commit).
-_LOCK_IN_FLIGHT = text(
-    "SELECT pg_advisory_xact_lock(hashtextextended('outbox.guards.concurrency:' || :key, 0))"
+
+@dataclass(frozen=True, slots=True)
+class BreakerSeen:
+    """A breaker as the admission saw it (``state`` ``None``: never written, closed)."""
+
+    state: str | None
+    open_until: datetime | None
+    now: datetime
+
+
+# First: the breaker's row (no lock: a closed one is all most calls see) and, for a capped
+# key, the key's transaction lock, held until the `sent` move commits. An absent guard's
+# parameters are NULL: no row read, no lock taken.
+_ADMIT_FIRST = DriverStatement.of(
+    text(
+        """
+        SELECT CASE WHEN CAST(:lock_key AS text) IS NULL THEN NULL
+                    ELSE pg_advisory_xact_lock(
+                        hashtextextended('outbox.guards.concurrency:' || :lock_key, 0))::text
+               END AS locked,
+               b.state, b.open_until, clock_timestamp() AS now
+        FROM (SELECT 1) AS one
+        LEFT JOIN outbox.guard_breakers AS b
+          ON b.scope = 'dispatch' AND b.tool = CAST(:b_tool AS text)
+         AND b.target = CAST(:b_target AS text)
+        """
+    ),
+    ["locked", "state", "open_until", "now"],
 )
-_COUNT_IN_FLIGHT = text(
-    "SELECT count(*) FROM outbox.operations "
-    "WHERE state = 'sent' AND tool = :tool AND (CAST(:target AS text) = '' OR target = :target)"
+
+
+def admit_first(
+    executor: Executor,
+    *,
+    breaker: tuple[str, str] | None,
+    lock_key: str | None,
+) -> BreakerSeen:
+    """Read the dispatch breaker of ``breaker`` (tool, target) and take the concurrency lock
+    of ``lock_key``, each only if given; one round trip."""
+    row = _ADMIT_FIRST.fetch_one(
+        executor,
+        {
+            "lock_key": lock_key,
+            "b_tool": breaker[0] if breaker else None,
+            "b_target": breaker[1] if breaker else None,
+        },
+    )
+    assert row is not None  # noqa: S101 -- one row by construction
+    return BreakerSeen(row["state"], row["open_until"], row["now"])
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The second statement's answer: the attempts in flight (``None``: no cap), whether a
+    token was taken (``None``: no rate), and else the seconds to the next slot."""
+
+    in_flight: int | None
+    token: bool | None
+    wait_s: float
+
+
+# Second, after the lock: a fresh snapshot counts the `sent` rows of a capped key; under the
+# cap, one GCRA step (the row lock of ON CONFLICT makes it exact: its WHERE is judged on the
+# newest tat). A refusal by the cap takes no token. The next slot is read from this
+# statement's snapshot (at worst a little early: the row is then held again).
+_ADMIT_SECOND = DriverStatement.of(
+    text(
+        """
+        WITH in_flight AS (
+            SELECT count(*) AS n FROM outbox.operations
+            WHERE CAST(:cap AS integer) IS NOT NULL AND state = 'sent'
+              AND tool = CAST(:c_tool AS text)
+              AND (CAST(:c_target AS text) = '' OR target = CAST(:c_target AS text))
+        ), token AS (
+            INSERT INTO outbox.guard_buckets AS b (tool, target, tat)
+            SELECT CAST(:r_tool AS text), CAST(:r_target AS text),
+                   statement_timestamp()
+                   + make_interval(secs => CAST(:interval_s AS double precision))
+            WHERE CAST(:interval_s AS double precision) IS NOT NULL
+              AND (CAST(:cap AS integer) IS NULL OR (SELECT n FROM in_flight) < :cap)
+            ON CONFLICT (tool, target) DO UPDATE
+            SET tat = greatest(b.tat, statement_timestamp())
+                      + make_interval(secs => CAST(:interval_s AS double precision))
+            WHERE greatest(b.tat, statement_timestamp())
+                  + make_interval(secs => CAST(:interval_s AS double precision))
+                  <= statement_timestamp()
+                     + make_interval(secs => CAST(:interval_s AS double precision) * :burst)
+            RETURNING tat
+        )
+        SELECT CASE WHEN CAST(:cap AS integer) IS NULL THEN NULL
+                    ELSE (SELECT n FROM in_flight) END AS in_flight,
+               EXISTS (SELECT 1 FROM token) AS token,
+               coalesce((
+                   SELECT extract(epoch FROM g.tat - make_interval(
+                              secs => CAST(:interval_s AS double precision) * (:burst - 1))
+                          - statement_timestamp())::float8
+                   FROM outbox.guard_buckets AS g
+                   WHERE g.tool = CAST(:r_tool AS text) AND g.target = CAST(:r_target AS text)
+               ), 0) AS wait_s
+        """
+    ),
+    ["in_flight", "token", "wait_s"],
 )
 
 
-def count_in_flight_locked(executor: Executor, key: str, tool: str, target: str) -> int:
-    """The attempts of ``tool`` (and ``target``, unless ``''``) in ``sent``, counted under the
-    key's transaction lock (held until the caller's transaction ends)."""
-    executor.execute(_LOCK_IN_FLIGHT, {"key": key})
-    return int(executor.execute(_COUNT_IN_FLIGHT, {"tool": tool, "target": target}).scalar_one())
+def admit_second(
+    executor: Executor,
+    *,
+    cap: tuple[str, str, int] | None,
+    rate: tuple[str, str, float, int] | None,
+) -> Admitted:
+    """Count the in-flight attempts of ``cap`` (tool, target, max) and, under it, take a
+    token from ``rate`` (tool, target, interval_s, burst); one round trip."""
+    row = _ADMIT_SECOND.fetch_one(
+        executor,
+        {
+            "cap": cap[2] if cap else None,
+            "c_tool": cap[0] if cap else None,
+            "c_target": cap[1] if cap else None,
+            "r_tool": rate[0] if rate else None,
+            "r_target": rate[1] if rate else None,
+            "interval_s": rate[2] if rate else None,
+            "burst": rate[3] if rate else 1,
+        },
+    )
+    assert row is not None  # noqa: S101 -- one row by construction
+    return Admitted(
+        in_flight=row["in_flight"],
+        token=bool(row["token"]) if rate else None,
+        wait_s=max(float(row["wait_s"] or 0.0), 0.0),
+    )
 
 
 # --- holding an operation back ----------------------------------------------------------------

@@ -15,10 +15,12 @@ from outbox import guard_state
 from outbox.config import get_settings
 from outbox.contracts import ContractTable
 from outbox.guards import Breaker, Concurrency, Rate
+from outbox.metrics import OutboxCollector
 from outbox.states import State
 from outbox.tools import Applied, DispatchResult, NotDelivered, ToolCall, ToolRegistry, tool
 from outbox.workers.dispatch import Outcome, dispatch
 from tests.factories import make_operation, reload
+from tests.integration.test_metrics import scrape
 
 TOOL = "deploy.create_release"
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
@@ -216,3 +218,18 @@ def test_guards_reset_closes_and_is_audited(engine: Engine) -> None:
         ("breaker", "ada", "remote fixed"),
         ("rate", "ada", "remote fixed"),
     ]
+
+
+def test_metrics_show_breaker_state_bucket_and_in_flight_per_key(engine: Engine) -> None:
+    """A scrape reports an open breaker (1), a bucket ahead of now, and attempts in flight."""
+    registry, remote = guarded(breaker=Breaker(failures=1), rate=Rate(per_second=1, burst=1))
+    remote.answer = lambda call: NotDelivered("refused")
+    dispatch(make_operation(engine).id, engine=engine, registry=registry)
+    make_operation(engine, State.SENT, target="project-b")
+    collector = OutboxCollector(engine)
+    assert collector.baseline()
+    samples = scrape(collector)
+    key = f"{TOOL}:project-a"
+    assert samples("outbox_guard_breaker_state", scope="dispatch", key=key) == 1
+    assert 0 < samples("outbox_guard_rate_ahead_seconds", key=key) <= 1
+    assert samples("outbox_guard_in_flight", tool=TOOL, target="project-b") == 1

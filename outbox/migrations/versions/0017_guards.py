@@ -7,9 +7,9 @@ Create Date: 2026-12-02
 ``outbox.guard_breakers`` holds one circuit breaker per scope (``dispatch`` or ``lookup``),
 tool and target (``''``: the whole tool); ``outbox.guard_buckets`` the rate limits' GCRA
 state; ``outbox.guard_resets`` the audit of ``outbox guards reset``. The concurrency cap
-counts ``sent`` rows, by a new partial index on ``(tool, target)`` of the ``sent`` rows only
-(small: the rows in flight). New, empty tables otherwise: no lock on existing ones beyond the
-index build.
+counts ``sent`` rows through the existing partial index of the ``sent`` rows
+(``ix_operations_sent_since``: only the rows in flight). New, empty tables: no lock on
+existing ones.
 """
 
 from collections.abc import Sequence
@@ -88,17 +88,9 @@ def upgrade() -> None:
         ),
         schema="outbox",
     )
-    op.create_index(
-        "ix_operations_sent_tool_target",
-        "operations",
-        ["tool", "target"],
-        schema="outbox",
-        postgresql_where=sa.text("state = 'sent'"),
-    )
 
 
 def downgrade() -> None:
-    op.drop_index("ix_operations_sent_tool_target", "operations", schema="outbox")
     op.drop_table("guard_resets", schema="outbox")
     op.drop_table("guard_buckets", schema="outbox")
     op.drop_table("guard_breakers", schema="outbox")
