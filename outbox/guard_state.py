@@ -81,7 +81,7 @@ def admit(
             lock_key=str(c_key) if c_key else None,
         )
         if b_key is not None and seen.state not in (None, BreakerState.CLOSED):
-            held = _breaker_admits(conn, contract, b_key, seen, operation_id)
+            held = _breaker_admits(conn, contract, b_key, seen, operation_id, scope=DISPATCH)
             if held is not None:
                 return held
     if cap is None and rate is None:
@@ -111,12 +111,14 @@ def _breaker_admits(
     key: GuardKey,
     seen: sql.BreakerSeen,
     operation_id: UUID,
+    *,
+    scope: str,
 ) -> Hold | None:
     """A breaker that is not closed: this attempt is its probe (one across every worker,
     once the open spell is over), or it is held."""
     probe_s = contract.send_deadline_s + contract.timeout_s + PROBE_MARGIN_S
     if sql.claim_probe(
-        conn, DISPATCH, key.tool, key.target, operation_id=operation_id, probe_s=probe_s
+        conn, scope, key.tool, key.target, operation_id=operation_id, probe_s=probe_s
     ):
         log.info(
             "breaker %s half-open: %s is its probe",
@@ -129,6 +131,29 @@ def _breaker_admits(
         wait = (seen.open_until - seen.now).total_seconds() + random.random()  # noqa: S311
         return Hold("breaker", key, wait, f"held: circuit of {key} open until {seen.open_until}")
     return Hold("breaker", key, WAIT_FOR_PROBE_S, f"held: circuit of {key} half-open, probe out")
+
+
+def lookup_admit_committed(
+    conn: Connection, contract: ToolContract, *, operation_id: UUID, target: str
+) -> Hold | None:
+    """Whether a lookup of ``operation_id`` may ask the remote now, by the tool's lookup
+    breaker (keyed as its dispatch breaker, judged by inconclusive lookups); commits a
+    probe's claim. ``None``: ask; else the :class:`Hold` (the check is deferred)."""
+    breaker = contract.breaker
+    if breaker is None:
+        return None
+    key = GuardKey.of(contract.name, target, breaker.per)
+    with _transaction(conn):
+        seen = sql.breaker_seen(conn, LOOKUP, key.tool, key.target)
+        if seen is None or seen.state == BreakerState.CLOSED:
+            return None
+        return _breaker_admits(conn, contract, key, seen, operation_id, scope=LOOKUP)
+
+
+def lookup_verdict(applied_or_declared: bool) -> Verdict:
+    """A lookup that got an answer the tool declares (applied, not applied, failed) is a
+    success; an inconclusive one (an error, an unexpected answer) a failure."""
+    return Verdict.SUCCESS if applied_or_declared else Verdict.FAILURE
 
 
 def verdict_of(outcome: str) -> Verdict:

@@ -219,6 +219,18 @@ _ADMIT_FIRST = DriverStatement.of(
 )
 
 
+_READ_SEEN = text(
+    "SELECT state, open_until, clock_timestamp() AS now FROM outbox.guard_breakers "
+    "WHERE scope = :scope AND tool = :tool AND target = :target"
+)
+
+
+def breaker_seen(executor: Executor, scope: str, tool: str, target: str) -> BreakerSeen | None:
+    """A breaker's state and ``open_until`` with the database's now, or ``None`` (closed)."""
+    row = executor.execute(_READ_SEEN, _key(scope, tool, target)).one_or_none()
+    return BreakerSeen(row.state, row.open_until, row.now) if row is not None else None
+
+
 def admit_first(
     executor: Executor,
     *,

@@ -16,8 +16,17 @@ from outbox.config import get_settings
 from outbox.contracts import ContractTable
 from outbox.guards import Breaker, Concurrency, Rate
 from outbox.metrics import OutboxCollector
+from outbox.reconcilers.lookup import LookupOutcome, lookup
 from outbox.states import State
-from outbox.tools import Applied, DispatchResult, NotDelivered, ToolCall, ToolRegistry, tool
+from outbox.tools import (
+    Applied,
+    DispatchResult,
+    Inconclusive,
+    NotDelivered,
+    ToolCall,
+    ToolRegistry,
+    tool,
+)
 from outbox.workers.dispatch import Outcome, dispatch
 from tests.factories import make_operation, reload
 from tests.integration.test_metrics import scrape
@@ -233,3 +242,37 @@ def test_metrics_show_breaker_state_bucket_and_in_flight_per_key(engine: Engine)
     assert samples("outbox_guard_breaker_state", scope="dispatch", key=key) == 1
     assert 0 < samples("outbox_guard_rate_ahead_seconds", key=key) <= 1
     assert samples("outbox_guard_in_flight", tool=TOOL, target="project-b") == 1
+
+
+def test_lookup_breaker_defers_lookups_without_counting_them(engine: Engine) -> None:
+    """Inconclusive lookups open the lookup breaker (not the dispatch one); while open, a
+    lookup is deferred without asking the remote and without counting a check."""
+    registry = ToolRegistry(ContractTable())
+    charge = tool(
+        TOOL,
+        timeout=2,
+        send_deadline=2,
+        inflight_horizon=60,
+        max_attempts=9,
+        registry=registry,
+        breaker=Breaker(failures=2, open_s=60),
+    )(Remote())
+    asked: list[str] = []
+
+    @charge.lookup
+    def _lookup(call: ToolCall) -> Inconclusive:
+        asked.append(call.operation_id)
+        return Inconclusive("503")
+
+    ops = [make_operation(engine, State.UNKNOWN) for _ in range(3)]
+    outcomes = [lookup(op.id, engine=engine, registry=registry).outcome for op in ops]
+    assert outcomes == [LookupOutcome.RECHECK, LookupOutcome.RECHECK, LookupOutcome.DEFERRED]
+    assert len(asked) == 2
+    held = reload(engine, ops[2].id)
+    assert (held.state, held.checks) == (State.UNKNOWN, 0)
+    with engine.connect() as conn:
+        scopes = conn.execute(text("SELECT scope, state FROM outbox.guard_breakers")).all()
+    assert [tuple(r) for r in scopes] == [("lookup", "open")]
+    assert dispatch(make_operation(engine).id, engine=engine, registry=registry).outcome is (
+        Outcome.CONFIRMED
+    )
