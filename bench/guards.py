@@ -1,6 +1,6 @@
 """The guards' cost on the dispatcher's hot path: throughput with a breaker, a rate limit and a
 concurrency cap declared (none of them binding) against the same tool with none, side by side
-in each round.
+in each round; and a breaker with a rate limit, without a cap.
 
 Operations are enqueued first, then ``--threads`` threads each run :func:`dispatch` on them
 (the lock, the ``sent`` commit, the call, the outcome's commit: the worker's whole attempt,
@@ -49,6 +49,8 @@ failures = 5
 [tools."{name}".rate]
 per_second = 1000000
 burst = 100000
+"""
+CAP_TOML = """
 [tools."{name}".concurrency]
 max_in_flight = 10000
 """
@@ -60,13 +62,17 @@ GUARDS = {
 
 
 def _registry(service_url: str, workdir: Path) -> ToolRegistry:
-    """Four tools: HTTP and Python, each with and without guards."""
+    """Five tools: HTTP and Python, each with every guard and with none; and HTTP with a
+    breaker and a rate limit but no cap (whose admission needs no transaction)."""
     registry = ToolRegistry(ContractTable())
     config = workdir / "tools.toml"
     config.write_text(
         http_tool_toml(service_url, "http.plain", lookup=False)
         + http_tool_toml(service_url, "http.guarded", lookup=False)
-        + GUARDS_TOML.format(name="http.guarded"),
+        + GUARDS_TOML.format(name="http.guarded")
+        + CAP_TOML.format(name="http.guarded")
+        + http_tool_toml(service_url, "http.no_cap", lookup=False)
+        + GUARDS_TOML.format(name="http.no_cap"),
         encoding="utf-8",
     )
     for loaded in load_http_tools(config):
@@ -146,12 +152,14 @@ def main() -> int:
             for name, section in (
                 ("http.plain", "reference service (HTTP)"),
                 ("http.guarded", "reference service (HTTP)"),
+                ("http.no_cap", "reference service (HTTP)"),
                 ("python.plain", "no remote"),
                 ("python.guarded", "no remote"),
             )
         ]
         run_rounds(args.rounds, cases, results)
     results.ratio("guarded / plain, reference service", "http.guarded", "http.plain")
+    results.ratio("breaker + rate / plain, reference service", "http.no_cap", "http.plain")
     results.ratio("guarded / plain, no remote", "python.guarded", "python.plain")
     results.target(
         "guards declared >= 0.9x none (reference service)",

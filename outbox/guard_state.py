@@ -69,29 +69,29 @@ def admit(
     (the one that commits ``sent``; never commits). ``None``: send (a probe claimed, a token
     taken); else the :class:`Hold`: the caller rolls back and holds the operation.
 
-    Two statements at most (:func:`outbox.sql.guards.admit_first`, ``admit_second``), and a
-    third only while a breaker is not closed (its probe's claim)."""
+    One statement (:func:`outbox.sql.guards.admit`), after the key's lock with a cap
+    (:func:`~outbox.sql.guards.lock_in_flight`), and one more only while a breaker is not
+    closed (its probe's claim)."""
     breaker, cap, rate = contract.breaker, contract.concurrency, contract.rate
     b_key = GuardKey.of(contract.name, target, breaker.per) if breaker else None
     c_key = GuardKey.of(contract.name, target, cap.per) if cap else None
-    if b_key is not None or c_key is not None:
-        seen = sql.admit_first(
-            conn,
-            breaker=(b_key.tool, b_key.target) if b_key else None,
-            lock_key=str(c_key) if c_key else None,
-        )
-        if b_key is not None and seen.state not in (None, BreakerState.CLOSED):
-            held = _breaker_admits(conn, contract, b_key, seen, operation_id, scope=DISPATCH)
-            if held is not None:
-                return held
-    if cap is None and rate is None:
-        return None
     r_key = GuardKey.of(contract.name, target, rate.per) if rate else None
-    admitted = sql.admit_second(
+    if c_key is not None:
+        sql.lock_in_flight(conn, str(c_key))
+    admitted = sql.admit(
         conn,
+        breaker=(b_key.tool, b_key.target) if b_key else None,
         cap=(c_key.tool, c_key.target, cap.max_in_flight) if cap and c_key else None,
         rate=(r_key.tool, r_key.target, rate.interval_s, rate.burst) if rate and r_key else None,
     )
+    probe = False
+    if b_key is not None and admitted.breaker.state not in (None, BreakerState.CLOSED):
+        held = _breaker_admits(
+            conn, contract, b_key, admitted.breaker, operation_id, scope=DISPATCH
+        )
+        if held is not None:
+            return held
+        probe = True  # the one probe: sent whatever the rate says (no token was taken)
     in_flight = admitted.in_flight
     if cap is not None and c_key is not None and (in_flight or 0) >= cap.max_in_flight:
         reason = (
@@ -99,7 +99,7 @@ def admit(
         )
         delay = cap.retry_s * (1 + random.random())  # noqa: S311 -- jitter
         return Hold("concurrency", c_key, delay, reason)
-    if rate is not None and r_key is not None and not admitted.token:
+    if rate is not None and r_key is not None and not admitted.token and not probe:
         reason = f"held: rate of {r_key} ({rate.per_second:g}/s) reached"
         return Hold("rate", r_key, max(admitted.wait_s, 0.001), reason)
     return None

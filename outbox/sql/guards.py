@@ -198,24 +198,15 @@ class BreakerSeen:
     now: datetime
 
 
-# First: the breaker's row (no lock: a closed one is all most calls see) and, for a capped
-# key, the key's transaction lock, held until the `sent` move commits. An absent guard's
-# parameters are NULL: no row read, no lock taken.
-_ADMIT_FIRST = DriverStatement.of(
+# With a cap: the key's transaction lock, held until the `sent` move commits, taken before
+# the count (a statement of its own: the count's snapshot must see the last holder's commit).
+_LOCK_IN_FLIGHT = DriverStatement.of(
     text(
-        """
-        SELECT CASE WHEN CAST(:lock_key AS text) IS NULL THEN NULL
-                    ELSE pg_advisory_xact_lock(
-                        hashtextextended('outbox.guards.concurrency:' || :lock_key, 0))::text
-               END AS locked,
-               b.state, b.open_until, clock_timestamp() AS now
-        FROM (SELECT 1) AS one
-        LEFT JOIN outbox.guard_breakers AS b
-          ON b.scope = 'dispatch' AND b.tool = CAST(:b_tool AS text)
-         AND b.target = CAST(:b_target AS text)
-        """
+        "SELECT pg_advisory_xact_lock("
+        "hashtextextended('outbox.guards.concurrency:' || CAST(:lock_key AS text), 0))::text "
+        "AS locked"
     ),
-    ["locked", "state", "open_until", "now"],
+    ["locked"],
 )
 
 
@@ -231,44 +222,36 @@ def breaker_seen(executor: Executor, scope: str, tool: str, target: str) -> Brea
     return BreakerSeen(row.state, row.open_until, row.now) if row is not None else None
 
 
-def admit_first(
-    executor: Executor,
-    *,
-    breaker: tuple[str, str] | None,
-    lock_key: str | None,
-) -> BreakerSeen:
-    """Read the dispatch breaker of ``breaker`` (tool, target) and take the concurrency lock
-    of ``lock_key``, each only if given; one round trip."""
-    row = _ADMIT_FIRST.fetch_one(
-        executor,
-        {
-            "lock_key": lock_key,
-            "b_tool": breaker[0] if breaker else None,
-            "b_target": breaker[1] if breaker else None,
-        },
-    )
-    assert row is not None  # noqa: S101 -- one row by construction
-    return BreakerSeen(row["state"], row["open_until"], row["now"])
+def lock_in_flight(executor: Executor, lock_key: str) -> None:
+    """Take the concurrency lock of ``lock_key`` until the caller's transaction ends."""
+    _LOCK_IN_FLIGHT.fetch_one(executor, {"lock_key": lock_key})
 
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """The second statement's answer: the attempts in flight (``None``: no cap), whether a
-    token was taken (``None``: no rate), and else the seconds to the next slot."""
+    """The admission's answer: the attempts in flight (``None``: no cap), whether a token was
+    taken (``None``: no rate), else the seconds to the next slot, and the breaker as seen."""
 
     in_flight: int | None
     token: bool | None
     wait_s: float
+    breaker: BreakerSeen
 
 
-# Second, after the lock: a fresh snapshot counts the `sent` rows of a capped key; under the
-# cap, one GCRA step (the row lock of ON CONFLICT makes it exact: its WHERE is judged on the
-# newest tat). A refusal by the cap takes no token. The next slot is read from this
-# statement's snapshot (at worst a little early: the row is then held again).
-_ADMIT_SECOND = DriverStatement.of(
+# One statement (after the lock, if any: a fresh snapshot): the breaker's row (no lock: a
+# closed one is all most calls see), the `sent` rows of a capped key, and, with the breaker
+# closed and under the cap, one GCRA step (the row lock of ON CONFLICT makes it exact: its
+# WHERE is judged on the newest tat). A refusal by the breaker or the cap takes no token. The
+# next slot is read from this statement's snapshot (at worst a little early: held again).
+# An absent guard's parameters are NULL: nothing read or written for it.
+_ADMIT = DriverStatement.of(
     text(
         """
-        WITH in_flight AS (
+        WITH brk AS (
+            SELECT state, open_until FROM outbox.guard_breakers
+            WHERE scope = 'dispatch' AND tool = CAST(:b_tool AS text)
+              AND target = CAST(:b_target AS text)
+        ), in_flight AS (
             SELECT count(*) AS n FROM outbox.operations
             WHERE CAST(:cap AS integer) IS NOT NULL AND state = 'sent'
               AND tool = CAST(:c_tool AS text)
@@ -279,6 +262,7 @@ _ADMIT_SECOND = DriverStatement.of(
                    statement_timestamp()
                    + make_interval(secs => CAST(:interval_s AS double precision))
             WHERE CAST(:interval_s AS double precision) IS NOT NULL
+              AND NOT EXISTS (SELECT 1 FROM brk WHERE state <> 'closed')
               AND (CAST(:cap AS integer) IS NULL OR (SELECT n FROM in_flight) < :cap)
             ON CONFLICT (tool, target) DO UPDATE
             SET tat = greatest(b.tat, statement_timestamp())
@@ -298,24 +282,31 @@ _ADMIT_SECOND = DriverStatement.of(
                           - statement_timestamp())::float8
                    FROM outbox.guard_buckets AS g
                    WHERE g.tool = CAST(:r_tool AS text) AND g.target = CAST(:r_target AS text)
-               ), 0) AS wait_s
+               ), 0) AS wait_s,
+               (SELECT state FROM brk) AS breaker_state,
+               (SELECT open_until FROM brk) AS open_until,
+               clock_timestamp() AS now
         """
     ),
-    ["in_flight", "token", "wait_s"],
+    ["in_flight", "token", "wait_s", "breaker_state", "open_until", "now"],
 )
 
 
-def admit_second(
+def admit(
     executor: Executor,
     *,
+    breaker: tuple[str, str] | None,
     cap: tuple[str, str, int] | None,
     rate: tuple[str, str, float, int] | None,
 ) -> Admitted:
-    """Count the in-flight attempts of ``cap`` (tool, target, max) and, under it, take a
+    """Read the dispatch breaker of ``breaker`` (tool, target), count the in-flight attempts
+    of ``cap`` (tool, target, max) and, with the breaker closed and under the cap, take a
     token from ``rate`` (tool, target, interval_s, burst); one round trip."""
-    row = _ADMIT_SECOND.fetch_one(
+    row = _ADMIT.fetch_one(
         executor,
         {
+            "b_tool": breaker[0] if breaker else None,
+            "b_target": breaker[1] if breaker else None,
             "cap": cap[2] if cap else None,
             "c_tool": cap[0] if cap else None,
             "c_target": cap[1] if cap else None,
@@ -330,6 +321,7 @@ def admit_second(
         in_flight=row["in_flight"],
         token=bool(row["token"]) if rate else None,
         wait_s=max(float(row["wait_s"] or 0.0), 0.0),
+        breaker=BreakerSeen(row["breaker_state"], row["open_until"], row["now"]),
     )
 
 

@@ -358,12 +358,23 @@ def _commit_sent(
 def _mark_sent(
     conn: Connection, op: Operation, contract: ToolContract
 ) -> Moved | guard_state.Hold | Exception:
-    """The `sent` move, one statement; for a tool with guards, one transaction with them."""
+    """The `sent` move, one statement.
+
+    With a concurrency cap, the guards and the move are one transaction: the count of `sent`
+    rows must not change between the count and the move. Without one, the breaker's read
+    and the rate's token are each committed on their own just before the move (one
+    statement each, no transaction around the move): a move that then misses (a duplicate
+    message) has used a token or a probe's lease for nothing, which only ever sends less.
+    """
     move = transitions.mark_sent(
         op.id, attempt=op.attempts, reason=f"dispatching attempt {op.attempts + 1}"
     )
     if not contract.guarded:
         return transitions.apply_and_commit(conn, move)
+    if contract.concurrency is None:
+        held = guard_state.admit(conn, contract, operation_id=op.id, target=op.target)
+        conn.commit()  # each statement committed itself (AUTOCOMMIT): ends SQLAlchemy's
+        return held if held is not None else transitions.apply_and_commit(conn, move)
     return transitions.apply_guarded_and_commit(
         conn,
         move,
