@@ -396,10 +396,12 @@ def reset(
     at: datetime | None = None
     with _transaction(conn):
         for scope, guard in ((DISPATCH, "breaker"), (LOOKUP, "lookup_breaker")):
+            seen = sql.breaker_seen(conn, scope, key.tool, key.target)
             closed_at = sql.close_breaker(conn, scope, key.tool, key.target)
             if closed_at is not None:
                 done.append(guard)
-                _announce(conn, scope, key, CLOSED_ROW, closed_at)
+                if seen is not None and seen.state != BreakerState.CLOSED:
+                    _announce(conn, scope, key, CLOSED_ROW, closed_at)
         if sql.clear_bucket(conn, key.tool, key.target):
             done.append("rate")
         for guard in done or ["breaker"]:
