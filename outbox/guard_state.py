@@ -52,6 +52,14 @@ PROBE_MARGIN_S = 5.0
 WAIT_FOR_PROBE_S = 1.0
 
 
+@dataclass
+class Observed:
+    """What an admission saw that counting the attempt's outcome may reuse: a breaker that
+    was quiet (closed, no failure counted) needs no read after a success."""
+
+    breaker_quiet: bool = False
+
+
 @dataclass(frozen=True)
 class Hold:
     """Why an operation may not be sent now, and in how many seconds to try again."""
@@ -63,7 +71,12 @@ class Hold:
 
 
 def admit(
-    conn: Executor, contract: ToolContract, *, operation_id: UUID, target: str
+    conn: Executor,
+    contract: ToolContract,
+    *,
+    operation_id: UUID,
+    target: str,
+    observed: Observed | None = None,
 ) -> Hold | None:
     """Whether an attempt of ``operation_id`` may be sent now, in the caller's transaction
     (the one that commits ``sent``; never commits). ``None``: send (a probe claimed, a token
@@ -84,6 +97,8 @@ def admit(
         cap=(c_key.tool, c_key.target, cap.max_in_flight) if cap and c_key else None,
         rate=(r_key.tool, r_key.target, rate.interval_s, rate.burst) if rate and r_key else None,
     )
+    if observed is not None:
+        observed.breaker_quiet = admitted.breaker_quiet
     probe = False
     if b_key is not None and admitted.breaker.state not in (None, BreakerState.CLOSED):
         held = _breaker_admits(
@@ -192,10 +207,13 @@ def record_outcome_committed(
     key: GuardKey,
     verdict: Verdict,
     operation_id: UUID,
+    quiet_at_admission: bool = False,
 ) -> BreakerState | None:
     """Count ``verdict`` against the breaker of ``key`` and commit; the state it moved into,
     or ``None`` if it stayed where it was. A success on a closed breaker with no failures
-    and no ratio writes nothing (one indexed read)."""
+    and no ratio writes nothing: one indexed read, or none when the admission saw it so
+    (``quiet_at_admission``; a failure counted by another worker meanwhile is then reset by
+    the next success that reads it, not by this one)."""
     if verdict is Verdict.NEUTRAL:
         return None
     if (
@@ -204,6 +222,8 @@ def record_outcome_committed(
     ):
         conn.commit()
     if verdict is Verdict.SUCCESS and breaker.ratio is None:
+        if quiet_at_admission:
+            return None
         quiet = sql.breaker_quiet(conn, scope, key.tool, key.target)
         if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
             conn.commit()

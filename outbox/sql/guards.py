@@ -236,6 +236,8 @@ class Admitted:
     token: bool | None
     wait_s: float
     breaker: BreakerSeen
+    #: The breaker was closed with no failure counted (or never written).
+    breaker_quiet: bool
 
 
 # One statement (after the lock, if any: a fresh snapshot): the breaker's row (no lock: a
@@ -248,7 +250,7 @@ _ADMIT = DriverStatement.of(
     text(
         """
         WITH brk AS (
-            SELECT state, open_until FROM outbox.guard_breakers
+            SELECT state, open_until, failures FROM outbox.guard_breakers
             WHERE scope = 'dispatch' AND tool = CAST(:b_tool AS text)
               AND target = CAST(:b_target AS text)
         ), in_flight AS (
@@ -285,10 +287,11 @@ _ADMIT = DriverStatement.of(
                ), 0) AS wait_s,
                (SELECT state FROM brk) AS breaker_state,
                (SELECT open_until FROM brk) AS open_until,
+               coalesce((SELECT state = 'closed' AND failures = 0 FROM brk), true) AS quiet,
                clock_timestamp() AS now
         """
     ),
-    ["in_flight", "token", "wait_s", "breaker_state", "open_until", "now"],
+    ["in_flight", "token", "wait_s", "breaker_state", "open_until", "quiet", "now"],
 )
 
 
@@ -322,6 +325,7 @@ def admit(
         token=bool(row["token"]) if rate else None,
         wait_s=max(float(row["wait_s"] or 0.0), 0.0),
         breaker=BreakerSeen(row["breaker_state"], row["open_until"], row["now"]),
+        breaker_quiet=bool(row["quiet"]),
     )
 
 

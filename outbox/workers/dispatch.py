@@ -161,7 +161,8 @@ def _attempt(
     if isinstance(ready, DispatchReport):
         return ready
     op, tool = ready
-    committed = _commit_sent(conn, op, tool.contract, config, finish_by)
+    observed = guard_state.Observed()
+    committed = _commit_sent(conn, op, tool.contract, config, finish_by, observed=observed)
     if isinstance(committed, DispatchReport):
         return committed
     sent, send_by = committed
@@ -194,7 +195,9 @@ def _attempt(
             report = _settle(fresh, sent, result, tool.contract, config)
     faults.point("after_outcome_commit")
     if tool.contract.breaker is not None:
-        _count_for_breaker(engine, conn, sent, tool.contract, report)
+        _count_for_breaker(
+            engine, conn, sent, tool.contract, report, quiet_at_admission=observed.breaker_quiet
+        )
     return report
 
 
@@ -204,12 +207,14 @@ def _count_for_breaker(
     sent: Operation,
     contract: ToolContract,
     report: DispatchReport,
+    *,
+    quiet_at_admission: bool,
 ) -> None:
     """Count the attempt's outcome against its breaker, after the outcome's own commit.
 
-    Bookkeeping that never changes the outcome: a failure here is logged, and the worst it
-    does is one outcome not counted (a probe whose success is lost is replaced when its lease
-    runs out)."""
+    Bookkeeping that never changes the outcome (already committed): a lost connection is
+    retried on a fresh one; a worker killed here loses one count (a probe whose success is
+    lost is replaced when its lease runs out)."""
     breaker = contract.breaker
     assert breaker is not None  # noqa: S101 -- the caller checked
     verdict = guard_state.verdict_of(report.outcome.value)
@@ -222,6 +227,7 @@ def _count_for_breaker(
             key=key,
             verdict=verdict,
             operation_id=sent.id,
+            quiet_at_admission=quiet_at_admission,
         )
     except DBAPIError as exc:
         if not exc.connection_invalidated:
@@ -309,6 +315,8 @@ def _commit_sent(
     contract: ToolContract,
     config: DispatchConfig,
     finish_by: float | None,
+    *,
+    observed: guard_state.Observed,
 ) -> tuple[Operation, float] | DispatchReport:
     """Compare-and-set `planned -> sent`, durably committed before anything is sent: the
     operation as sent and the monotonic instant its first byte must leave by.
@@ -329,7 +337,7 @@ def _commit_sent(
         try:
             # One statement, committed by itself with synchronous_commit=on (checked with
             # the lock): when it returns, the row says `sent` on disk.
-            moved = _mark_sent(conn, op, contract)
+            moved = _mark_sent(conn, op, contract, observed)
         except DBAPIError as exc:
             if not sql.locks.is_row_lock_busy(exc):
                 raise
@@ -356,7 +364,7 @@ def _commit_sent(
 
 
 def _mark_sent(
-    conn: Connection, op: Operation, contract: ToolContract
+    conn: Connection, op: Operation, contract: ToolContract, observed: guard_state.Observed
 ) -> Moved | guard_state.Hold | Exception:
     """The `sent` move, one statement.
 
@@ -372,13 +380,17 @@ def _mark_sent(
     if not contract.guarded:
         return transitions.apply_and_commit(conn, move)
     if contract.concurrency is None:
-        held = guard_state.admit(conn, contract, operation_id=op.id, target=op.target)
+        held = guard_state.admit(
+            conn, contract, operation_id=op.id, target=op.target, observed=observed
+        )
         conn.commit()  # each statement committed itself (AUTOCOMMIT): ends SQLAlchemy's
         return held if held is not None else transitions.apply_and_commit(conn, move)
     return transitions.apply_guarded_and_commit(
         conn,
         move,
-        lambda tx: guard_state.admit(tx, contract, operation_id=op.id, target=op.target),
+        lambda tx: guard_state.admit(
+            tx, contract, operation_id=op.id, target=op.target, observed=observed
+        ),
     )
 
 
