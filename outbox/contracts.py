@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outbox.errors import ConfigError
+from outbox.guards import Breaker, Concurrency, Rate
 from outbox.payloads import schema_problem
 
 #: Slack between "the last byte a dispatcher may send" and "a request can no longer land":
@@ -77,6 +78,17 @@ class ToolContract:
     #: What the action does, in a sentence or two for the models and people choosing it (the
     #: MCP server and the framework adapters put it first in the tool's description).
     description: str | None = None
+    #: The circuit breaker (docs/guards.md), or ``None``: no breaker.
+    breaker: Breaker | None = None
+    #: The rate limit of sends, or ``None``: no limit.
+    rate: Rate | None = None
+    #: The cap on attempts in ``sent`` at once, or ``None``: no cap.
+    concurrency: Concurrency | None = None
+
+    @property
+    def guarded(self) -> bool:
+        """Whether any guard is declared (the dispatcher's hot path skips them all if not)."""
+        return self.breaker is not None or self.rate is not None or self.concurrency is not None
 
     def __post_init__(self) -> None:
         for problem in self._problems():
@@ -102,6 +114,9 @@ class ToolContract:
                 "before that a request may still be on its way"
             )
         yield from self._dedup_problems()
+        for guard in (self.breaker, self.rate, self.concurrency):
+            if guard is not None:
+                yield from guard.problems()
         if self.input_schema is not None:
             problem = schema_problem(self.input_schema)
             if problem is not None:

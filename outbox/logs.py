@@ -24,6 +24,11 @@ from structlog.typing import EventDict, Processor
 class Action(enum.StrEnum):
     """Every ``action`` a log line can carry; the value is what operators grep for."""
 
+    # Guards (outbox.guard_state): circuit breakers, rate limits, concurrency caps
+    GUARD_PROBE = "guard_probe"  #: a half-open breaker let one probe through
+    GUARD_OPENED = "guard_opened"
+    GUARD_CLOSED = "guard_closed"
+    GUARD_RESET = "guard_reset"
     # Relay (outbox.relay, outbox relay)
     RELAY_STARTED = "relay_started"
     RELAY_STOPPING = "relay_stopping"  #: asked to stop: finishes the batch in hand
@@ -36,6 +41,7 @@ class Action(enum.StrEnum):
     WORKER_REFUSED = "worker_refused"  #: a worker refused to start (bad configuration)
     TOOLS_LOADED = "tools_loaded"
     DISPATCH_SENT = "dispatch_sent"
+    DISPATCH_HELD = "dispatch_held"  #: a guard held it back: still planned, no attempt
     DISPATCH_CONFIRMED = "dispatch_confirmed"
     DISPATCH_FAILED = "dispatch_failed"
     DISPATCH_UNKNOWN = "dispatch_unknown"

@@ -130,6 +130,14 @@ class _Snapshot:
     webhooks: dict[str, tuple[int, int]] | None = None
     events_behind: int | None = None
     budgets: list[BudgetTotals] | None = None
+    #: The guards' stored state (docs/guards.md).
+    breakers: list[sql.guards.BreakerListed] | None = None
+    buckets: list[sql.guards.BucketListed] | None = None
+    in_flight: list[sql.guards.InFlight] | None = None
+
+
+#: ``outbox_guard_breaker_state``'s value per breaker state.
+BREAKER_STATE_VALUES = {"closed": 0.0, "open": 1.0, "half_open": 2.0}
 
 
 class OutboxCollector:
@@ -282,6 +290,9 @@ class OutboxCollector:
             }
             # Per budget, never per key: keys (requesters, conversations) are unbounded.
             snapshot.budgets = sql.budgets.totals(conn)
+            snapshot.breakers = sql.guards.list_breakers(conn)
+            snapshot.buckets = sql.guards.list_buckets(conn)
+            snapshot.in_flight = sql.guards.list_in_flight(conn)
             # Last: the only read that scans a whole table, so its timeout loses nothing else.
             snapshot.operations = [
                 (count.state, count.tool, count.n) for count in sql.metrics.operation_counts(conn)
@@ -431,6 +442,24 @@ def _families() -> dict[str, Any]:
             "Enqueues each budget refused (BudgetExceeded), as recorded in the database.",
             labels=["budget"],
         ),
+        "breaker_state": GaugeMetricFamily(
+            "outbox_guard_breaker_state",
+            "A circuit breaker's state: 0 closed, 1 open, 2 half-open (one probe out), by "
+            "scope (dispatch, lookup) and key (tool or tool:target); a key appears once it "
+            "has counted a failure.",
+            labels=["scope", "key"],
+        ),
+        "rate_ahead": GaugeMetricFamily(
+            "outbox_guard_rate_ahead_seconds",
+            "How far a rate limit's bucket (GCRA theoretical arrival time) is ahead of now: "
+            "0 when its whole burst is free; past (burst - 1) / per_second sends are held.",
+            labels=["key"],
+        ),
+        "in_flight": GaugeMetricFamily(
+            "outbox_guard_in_flight",
+            "Attempts in sent now, by tool and target (what a concurrency cap counts).",
+            labels=["tool", "target"],
+        ),
         "events_behind": GaugeMetricFamily(
             "outbox_exporter_events_behind",
             "Events committed but not yet folded into the counters (a burst beyond one batch).",
@@ -438,7 +467,20 @@ def _families() -> dict[str, Any]:
     }
 
 
+def _add_guards(families: dict[str, Any], snapshot: _Snapshot) -> None:
+    for breaker in snapshot.breakers or []:
+        key = f"{breaker.tool}:{breaker.target}" if breaker.target else breaker.tool
+        value = BREAKER_STATE_VALUES.get(breaker.state, -1.0)
+        families["breaker_state"].add_metric([breaker.scope, key], value)
+    for bucket in snapshot.buckets or []:
+        key = f"{bucket.tool}:{bucket.target}" if bucket.target else bucket.tool
+        families["rate_ahead"].add_metric([key], bucket.tat_ahead_s)
+    for flight in snapshot.in_flight or []:
+        families["in_flight"].add_metric([flight.tool, flight.target], float(flight.in_flight))
+
+
 def _add_snapshot(families: dict[str, Any], snapshot: _Snapshot) -> None:
+    _add_guards(families, snapshot)
     if snapshot.events_behind is not None:
         families["events_behind"].add_metric([], float(snapshot.events_behind))
     for budget in snapshot.budgets or []:

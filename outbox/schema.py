@@ -321,6 +321,53 @@ signin_failures = Table(
     Index("ix_signin_failures_failed_at", "failed_at"),
 )
 
+#: The circuit breakers (:mod:`outbox.guards`): one row per scope (``dispatch`` or ``lookup``),
+#: tool and target (``''``: the whole tool), written by the first outcome that counts; no row
+#: means closed. Shared by every process; judged by the database's clock.
+guard_breakers = Table(
+    "guard_breakers",
+    metadata,
+    Column("scope", Text, primary_key=True),
+    Column("tool", Text, primary_key=True),
+    Column("target", Text, primary_key=True),
+    Column("state", Text, nullable=False, server_default=text("'closed'")),
+    Column("failures", Integer, nullable=False, server_default=text("0")),
+    _timestamp("window_started_at"),
+    Column("window_calls", Integer, nullable=False, server_default=text("0")),
+    Column("window_failures", Integer, nullable=False, server_default=text("0")),
+    _timestamp("opened_at"),
+    _timestamp("open_until"),
+    Column("probe_operation_id", UUID(as_uuid=True)),
+    _timestamp("probe_until"),
+    _timestamp("updated_at", nullable=False, now=True),
+    CheckConstraint("scope IN ('dispatch', 'lookup')", name="scope_known"),
+    CheckConstraint("state IN ('closed', 'open', 'half_open')", name="state_known"),
+    CheckConstraint("state = 'closed' OR open_until IS NOT NULL", name="open_has_until"),
+)
+
+#: The rate limits' buckets (GCRA): the theoretical arrival time per tool and target.
+guard_buckets = Table(
+    "guard_buckets",
+    metadata,
+    Column("tool", Text, primary_key=True),
+    Column("target", Text, primary_key=True),
+    _timestamp("tat", nullable=False),
+)
+
+#: Who reset a guard, when and why (`outbox guards reset`): append-only.
+guard_resets = Table(
+    "guard_resets",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("guard", Text, nullable=False),
+    Column("tool", Text, nullable=False),
+    Column("target", Text, nullable=False),
+    Column("reset_by", Text, nullable=False),
+    Column("note", Text, nullable=False),
+    _timestamp("reset_at", nullable=False, now=True),
+    CheckConstraint("guard IN ('breaker', 'lookup_breaker', 'rate')", name="guard_known"),
+)
+
 #: Declared budgets (migration 0018), upserted by every worker at start from its loaded
 #: declarations (``[budgets."name"]`` in ``OUTBOX_CONFIG``, ``outbox.tools.budget``):
 #: ``enqueue`` reads them, since an agent process usually loads no configuration.

@@ -24,11 +24,11 @@ typed error and writes nothing. The rule for evidence that arrives after the row
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 from sqlalchemy import Connection
@@ -41,6 +41,7 @@ from outbox.errors import (
     StaleTransition,
 )
 from outbox.models import Executor, Operation
+from outbox.sql import guards as guard_sql
 from outbox.sql import intents
 from outbox.sql import moves as sql
 from outbox.states import (
@@ -58,6 +59,7 @@ __all__ = [
     "Moved",
     "apply",
     "apply_and_commit",
+    "apply_guarded_and_commit",
     "approve",
     "await_approval",
     "cancel",
@@ -65,6 +67,7 @@ __all__ = [
     "escalate",
     "expire_approval",
     "fail",
+    "hold_and_commit",
     "keep_late_evidence_and_commit",
     "mark_sent",
     "mark_unknown",
@@ -465,8 +468,43 @@ def apply_and_commit(conn: Connection, move: Move) -> Moved | StaleTransition:
         return missed
 
 
+Refusal = TypeVar("Refusal")
+
+
+def apply_guarded_and_commit(
+    conn: Connection, move: Move, admit: Callable[[Connection], Refusal | None]
+) -> Moved | StaleTransition | Refusal:
+    """As :func:`apply_and_commit`, with ``admit`` (the tool's guards) asked first in the
+    same transaction: a refusal it returns rolls everything back (no token taken, no probe
+    claimed) and is returned; otherwise the move and the guards' writes commit together.
+    Always a real transaction, even on an AUTOCOMMIT connection."""
+    try:
+        with _own_transaction(conn, move, force=True):
+            refused = admit(conn)
+            if refused is not None:
+                conn.rollback()
+                return refused
+            return apply(conn, move)
+    except StaleTransition as missed:
+        return missed
+
+
+def hold_and_commit(
+    conn: Connection, operation_id: UUID, *, attempt: int, delay_s: float, reason: str
+) -> bool:
+    """Keep a ``planned`` operation ``planned`` and push its ``available_at`` ``delay_s`` out
+    (a guard held it): not a move, no attempt, no event; ``published_at`` is cleared so the
+    relay publishes it again when due. Whether the row was still ``planned`` at ``attempt``.
+    ``conn`` must have no transaction open."""
+    with _own_transaction(conn, None):
+        held = guard_sql.hold(
+            conn, operation_id, attempt=attempt, delay_s=delay_s, reason=storable.text(reason)
+        )
+    return held is not None
+
+
 @contextmanager
-def _own_transaction(conn: Connection, move: Move) -> Iterator[None]:
+def _own_transaction(conn: Connection, move: Move | None, *, force: bool = False) -> Iterator[None]:
     """The transaction ``move`` commits in, on ``conn``.
 
     A connection in AUTOCOMMIT mode (the dispatcher's lock connection: one round trip per
@@ -478,7 +516,10 @@ def _own_transaction(conn: Connection, move: Move) -> Iterator[None]:
     the only place the isolation level changes, and it depends on those settings on purpose.
     """
     autocommit = conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
-    if autocommit and webhooks.subscribed_events(move.from_state, move.to_state, move.actor):
+    subscribed = move is not None and webhooks.subscribed_events(
+        move.from_state, move.to_state, move.actor
+    )
+    if autocommit and (force or subscribed):
         conn.commit()  # ends SQLAlchemy's autobegun (autocommit) transaction: nothing to send
         conn.execution_options(isolation_level=conn.default_isolation_level)
         try:

@@ -23,16 +23,23 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, sql, transitions
+from outbox import faults, guard_state, sql, transitions
 from outbox.backoff import exponential_s, jittered
 from outbox.contracts import ToolContract
+from outbox.guards import GuardKey
 from outbox.logs import Action as LogAction
 from outbox.reconcilers.decide import Action, decide, usable_window_s
 from outbox.reconcilers.route import apply_decision_and_commit, escalate_unroutable_and_commit
 from outbox.sql.reconcile import ReconcileFacts
 from outbox.states import Actor, State
 from outbox.tools import REGISTRY, Tool, ToolCall, ToolRegistry, run_lookup
-from outbox.tools.results import Applied, FailedRemotely, LookupResult, NotApplied
+from outbox.tools.results import (
+    Applied,
+    FailedRemotely,
+    Inconclusive,
+    LookupResult,
+    NotApplied,
+)
 from outbox.workers.locking import operation_lock
 
 log = logging.getLogger(__name__)
@@ -49,6 +56,7 @@ class LookupOutcome(enum.StrEnum):
     REPLANNED = "replanned"  #: not applied after the horizon: replay with the same key
     WAITING = "waiting"  #: not applied before the horizon: check again after it
     RECHECK = "recheck"  #: inconclusive: check again later
+    DEFERRED = "deferred"  #: the tool's lookup breaker is open: asked later, not a check
     ROUTED = "routed"  #: lookups exhausted or impossible: the decision table took over
     LATE = "late"  #: someone decided while we asked; our evidence is an event
 
@@ -135,6 +143,17 @@ def _inspect(
     if decision.action is not Action.LOOKUP:
         apply_decision_and_commit(conn, facts, decision)
         return LookupReport(op_id, LookupOutcome.ROUTED, decision.reason)
+    return _ask(conn, facts, tool, config)
+
+
+def _ask(conn: Connection, facts: ReconcileFacts, tool: Tool, config: LookupConfig) -> LookupReport:
+    """Ask the remote (unless the tool's lookup breaker defers it) and record the answer."""
+    op_id = facts.operation.id
+    held = guard_state.lookup_admit_committed(
+        conn, tool.contract, operation_id=op_id, target=facts.operation.target
+    )
+    if held is not None:
+        return _deferred(conn, facts, held)
     result = run_lookup(tool, _call(facts, tool))
     faults.point("lookup_after_call")
     try:
@@ -144,7 +163,42 @@ def _inspect(
             raise  # the lock went with the connection; the lookup's lease asks again
         report = _unrecordable(conn, facts, tool.contract, exc, config)
     faults.point("lookup_after_commit")
+    _count_for_breaker(conn, facts, tool.contract, result)
     return report
+
+
+def _deferred(conn: Connection, facts: ReconcileFacts, held: guard_state.Hold) -> LookupReport:
+    """The lookup breaker is open: check again when it may half-open; not counted."""
+    op = facts.operation
+    with conn.begin():
+        sql.reconcile.schedule_check(
+            conn,
+            op.id,
+            attempt=op.attempts,
+            delay_s=held.delay_s,
+            count_check=False,
+            last_error=held.reason.replace("held: circuit", "lookup deferred: circuit", 1),
+        )
+    return LookupReport(op.id, LookupOutcome.DEFERRED, held.reason)
+
+
+def _count_for_breaker(
+    conn: Connection, facts: ReconcileFacts, contract: ToolContract, result: LookupResult
+) -> None:
+    """Count the lookup's answer against the tool's lookup breaker, after the verdict's own
+    commit (bookkeeping: it never changes the verdict)."""
+    breaker = contract.breaker
+    if breaker is None:
+        return
+    op = facts.operation
+    guard_state.record_outcome_committed(
+        conn,
+        breaker,
+        scope=guard_state.LOOKUP,
+        key=GuardKey.of(op.tool, op.target, breaker.per),
+        verdict=guard_state.lookup_verdict(not isinstance(result, Inconclusive)),
+        operation_id=op.id,
+    )
 
 
 def _call(facts: ReconcileFacts, tool: Tool) -> ToolCall:

@@ -18,6 +18,7 @@ conservative result.
 from outbox.budgets import Budget
 from outbox.contracts import DedupContract as Dedup
 from outbox.contracts import ToolContract
+from outbox.guards import Breaker, Concurrency, Rate
 from outbox.tools.base import Tool, ToolCall
 from outbox.tools.budgets import budget
 from outbox.tools.http import HttpTool, HttpToolSpec, load_http_tools
@@ -40,7 +41,9 @@ __all__ = [
     "REGISTRY",
     "Ambiguous",
     "Applied",
+    "Breaker",
     "Budget",
+    "Concurrency",
     "Dedup",
     "DispatchResult",
     "FailedRemotely",
@@ -51,6 +54,7 @@ __all__ = [
     "NotApplied",
     "NotDelivered",
     "PythonTool",
+    "Rate",
     "Rejected",
     "Tool",
     "ToolCall",

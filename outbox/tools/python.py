@@ -22,6 +22,7 @@ from typing import Any, TypeVar, overload
 
 from outbox.contracts import DedupContract, ToolContract, approval_required
 from outbox.errors import ConfigError
+from outbox.guards import Breaker, Concurrency, Rate
 from outbox.tools.base import Tool, ToolCall, check_tool_name
 from outbox.tools.registry import REGISTRY, ToolRegistry
 from outbox.tools.results import DispatchResult, LookupResult
@@ -131,6 +132,9 @@ def tool(
     approval_ttl_s: float = ToolContract.approval_ttl_s,
     input_schema: Mapping[str, Any] | None = None,
     description: str | None = None,
+    breaker: Breaker | None = None,
+    rate: Rate | None = None,
+    concurrency: Concurrency | None = None,
     registry: ToolRegistry | None = None,
 ) -> Callable[[DispatchFn], PythonTool]:
     """Register the decorated function as the dispatch of tool ``name``.
@@ -145,7 +149,8 @@ def tool(
     at most ``approval_ttl_s`` seconds (then it is cancelled). ``input_schema`` is the JSON
     Schema every payload must match (checked at enqueue where the tool is known; shown to
     models as the payload's parameters). ``description`` tells models what the action does
-    (default: the function's docstring). The function receives a
+    (default: the function's docstring). ``breaker``, ``rate`` and ``concurrency`` are the
+    tool's guards (:mod:`outbox.guards`, docs/guards.md). The function receives a
     :class:`ToolCall`, sends one request with ``call.operation_id`` as idempotency key, and
     returns a :data:`DispatchResult`; it may be ``async def``.
 
@@ -164,6 +169,9 @@ def tool(
         approval_ttl_s=approval_ttl_s,
         input_schema=input_schema,
         description=description,
+        breaker=breaker,
+        rate=rate,
+        concurrency=concurrency,
     )
     target = registry if registry is not None else REGISTRY
 

@@ -39,11 +39,12 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, sql, transitions
+from outbox import faults, guard_state, sql, transitions
 from outbox.backoff import exponential_s, jittered
 from outbox.canonical import canonical_json, intent_hash, payload_hash
 from outbox.contracts import ToolContract
 from outbox.errors import ReplayDeadlinePassed
+from outbox.guards import GuardKey
 from outbox.logs import Action
 from outbox.models import Operation
 from outbox.sql.locks import DispatchView
@@ -71,6 +72,7 @@ class Outcome(enum.StrEnum):
     DEFERRED = "deferred"  #: no time left in this message for a whole attempt: nothing written
     GONE = "gone"  #: no such operation (another deployment's, or deleted): logged, counted
     NOT_DUE = "not_due"  #: still backing off; the relay publishes it again when due
+    HELD = "held"  #: a guard (breaker, rate, concurrency) held it: still planned, no attempt
     NOT_PLANNED = "not_planned"  #: a duplicate message: someone already moved it on
     DISPATCHER_LOST = "dispatcher_lost"  #: found in `sent`: moved to `unknown`, not called
     NEEDS_HUMAN = "needs_human"  #: cannot be dispatched (unknown tool, limits, deadline)
@@ -159,7 +161,8 @@ def _attempt(
     if isinstance(ready, DispatchReport):
         return ready
     op, tool = ready
-    committed = _commit_sent(conn, op, tool.contract, config, finish_by)
+    observed = guard_state.Observed()
+    committed = _commit_sent(conn, op, tool.contract, config, finish_by, observed=observed)
     if isinstance(committed, DispatchReport):
         return committed
     sent, send_by = committed
@@ -191,7 +194,53 @@ def _attempt(
         with engine.connect() as fresh:
             report = _settle(fresh, sent, result, tool.contract, config)
     faults.point("after_outcome_commit")
+    if tool.contract.breaker is not None:
+        _count_for_breaker(
+            engine, conn, sent, tool.contract, report, quiet_at_admission=observed.breaker_quiet
+        )
     return report
+
+
+def _count_for_breaker(
+    engine: Engine,
+    conn: Connection,
+    sent: Operation,
+    contract: ToolContract,
+    report: DispatchReport,
+    *,
+    quiet_at_admission: bool,
+) -> None:
+    """Count the attempt's outcome against its breaker, after the outcome's own commit.
+
+    Bookkeeping that never changes the outcome (already committed): a lost connection is
+    retried on a fresh one; a worker killed here loses one count (a probe whose success is
+    lost is replaced when its lease runs out)."""
+    breaker = contract.breaker
+    assert breaker is not None  # noqa: S101 -- the caller checked
+    verdict = guard_state.verdict_of(report.outcome.value)
+    key = GuardKey.of(sent.tool, sent.target, breaker.per)
+    try:
+        guard_state.record_outcome_committed(
+            conn,
+            breaker,
+            scope=guard_state.DISPATCH,
+            key=key,
+            verdict=verdict,
+            operation_id=sent.id,
+            quiet_at_admission=quiet_at_admission,
+        )
+    except DBAPIError as exc:
+        if not exc.connection_invalidated:
+            raise
+        with engine.connect() as fresh:
+            guard_state.record_outcome_committed(
+                fresh,
+                breaker,
+                scope=guard_state.DISPATCH,
+                key=key,
+                verdict=verdict,
+                operation_id=sent.id,
+            )
 
 
 def _settle(
@@ -266,6 +315,8 @@ def _commit_sent(
     contract: ToolContract,
     config: DispatchConfig,
     finish_by: float | None,
+    *,
+    observed: guard_state.Observed,
 ) -> tuple[Operation, float] | DispatchReport:
     """Compare-and-set `planned -> sent`, durably committed before anything is sent: the
     operation as sent and the monotonic instant its first byte must leave by.
@@ -286,12 +337,7 @@ def _commit_sent(
         try:
             # One statement, committed by itself with synchronous_commit=on (checked with
             # the lock): when it returns, the row says `sent` on disk.
-            moved = transitions.apply_and_commit(
-                conn,
-                transitions.mark_sent(
-                    op.id, attempt=op.attempts, reason=f"dispatching attempt {op.attempts + 1}"
-                ),
-            )
+            moved = _mark_sent(conn, op, contract, observed)
         except DBAPIError as exc:
             if not sql.locks.is_row_lock_busy(exc):
                 raise
@@ -300,6 +346,8 @@ def _commit_sent(
                 return DispatchReport(op.id, Outcome.LOCK_BUSY, op.attempts, reason)
             continue
         break
+    if isinstance(moved, guard_state.Hold):
+        return _held(conn, op, moved)
     if isinstance(moved, ReplayDeadlinePassed):
         return _to_human(conn, op, _deadline_reason(op))
     if not isinstance(moved, Moved):
@@ -313,6 +361,60 @@ def _commit_sent(
         extra={"action": Action.DISPATCH_SENT, "operation_id": str(op.id), "tool": op.tool},
     )
     return sent, started + contract.send_deadline_s
+
+
+def _mark_sent(
+    conn: Connection, op: Operation, contract: ToolContract, observed: guard_state.Observed
+) -> Moved | guard_state.Hold | Exception:
+    """The `sent` move, one statement.
+
+    With a concurrency cap, the guards and the move are one transaction: the count of `sent`
+    rows must not change between the count and the move. Without one, the breaker's read
+    and the rate's token are each committed on their own just before the move (one
+    statement each, no transaction around the move): a move that then misses (a duplicate
+    message) has used a token or a probe's lease for nothing, which only ever sends less.
+    """
+    move = transitions.mark_sent(
+        op.id, attempt=op.attempts, reason=f"dispatching attempt {op.attempts + 1}"
+    )
+    if not contract.guarded:
+        return transitions.apply_and_commit(conn, move)
+    if contract.concurrency is None:
+        held = guard_state.admit(
+            conn, contract, operation_id=op.id, target=op.target, observed=observed
+        )
+        conn.commit()  # each statement committed itself (AUTOCOMMIT): ends SQLAlchemy's
+        return held if held is not None else transitions.apply_and_commit(conn, move)
+    return transitions.apply_guarded_and_commit(
+        conn,
+        move,
+        lambda tx: guard_state.admit(
+            tx, contract, operation_id=op.id, target=op.target, observed=observed
+        ),
+    )
+
+
+def _held(conn: Connection, op: Operation, hold: guard_state.Hold) -> DispatchReport:
+    """A guard refused the attempt: the operation stays `planned`, due again when the guard
+    may let it through; not an attempt, not an escalation."""
+    if not transitions.hold_and_commit(
+        conn, op.id, attempt=op.attempts, delay_s=hold.delay_s, reason=hold.reason
+    ):
+        return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, "moved on while held")
+    log.info(
+        "%s held by the %s guard of %s for %.3fs",
+        op.id,
+        hold.guard,
+        hold.key,
+        hold.delay_s,
+        extra={
+            "action": Action.DISPATCH_HELD,
+            "operation_id": str(op.id),
+            "guard": hold.guard,
+            "guard_key": str(hold.key),
+        },
+    )
+    return DispatchReport(op.id, Outcome.HELD, op.attempts, hold.reason)
 
 
 def _row_freed(conn: Connection, op_id: UUID, timeout_s: float) -> bool:

@@ -1,5 +1,5 @@
 """The benchmarks still run: ``bench/pipeline.py``, ``bench/limits.py``, ``bench/aio.py`` and
-``bench/api.py`` with ``--smoke``.
+``bench/api.py`` and ``bench/guards.py`` with ``--smoke``.
 
 Each is a real run of a few seconds against the test server (a throw-away ``bench_*``
 database, dropped at the end; RabbitMQ on a throw-away vhost when one is up, else the
@@ -89,4 +89,16 @@ def test_api_smoke(admin_url: str) -> None:
         assert row in result.stdout, result.stdout
     assert re.search(
         r"target API >= 0\.5x direct enqueue \(8\): .* (met|NOT met)", result.stdout
+    ), result.stdout
+
+
+@pytest.mark.timeout(110)
+def test_guards_smoke(admin_url: str) -> None:
+    result = _smoke("guards.py", admin_url)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    for row in ("http.plain", "http.guarded", "python.guarded", "guarded / plain, no remote"):
+        assert row in result.stdout, result.stdout
+    assert re.search(
+        r"target guards declared >= 0\.9x none \(reference service\): .* (met|NOT met)",
+        result.stdout,
     ), result.stdout

@@ -59,7 +59,7 @@ class ServedService(Protocol):
     def ledger(self) -> list[Effect]:
         """Every effect, in order."""
 
-    def handling(self, key: str) -> AbstractContextManager[None]:
+    def handling(self, key: str, target: str = "") -> AbstractContextManager[None]:
         """Count a create request for ``key`` as in flight while the block runs."""
 
     def note_arrival(self, key: str) -> None:
@@ -228,7 +228,7 @@ class _Handler(BaseHTTPRequestHandler):
             service.stats.add("rejected.missing_key")
             raise _HttpError(400, f"missing {service.idempotency_header} header")
         service.note_arrival(key)
-        with service.handling(key):
+        with service.handling(key, target):
             return self._create_keyed(service, target, key, body)
 
     def _create_keyed(self, service: ServedService, target: str, key: str, body: bytes) -> _Reply:

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Self
 
@@ -20,6 +21,18 @@ from outbox.dev.service.ledger import Effect, Ledger
 from outbox.dev.service.stats import Stats
 
 DEFAULT_PORT = 8900
+
+
+@dataclass(frozen=True)
+class RequestSpan:
+    """One create request as the service saw it: key, target, wall-clock start and end."""
+
+    key: str
+    target: str
+    started: float
+    ended: float
+
+
 DEFAULT_FAULT_DELAY_S = 30.0
 
 
@@ -32,6 +45,8 @@ class DeployService:
     keeps the ledger in an SQLite file that a later service (or process) reopens.
     ``record_arrivals`` keeps the wall-clock time (``time.time()``) at which the first create
     request of each key arrived, for :meth:`arrivals` (benchmarks measure latency with it).
+    ``record_requests`` keeps every create request's key, target and wall-clock span, for
+    :meth:`requests` (tests measure concurrency and rate per target with it).
     """
 
     def __init__(
@@ -48,6 +63,7 @@ class DeployService:
         fault_delay_s: float = DEFAULT_FAULT_DELAY_S,
         log_requests: bool = False,
         record_arrivals: bool = False,
+        record_requests: bool = False,
     ) -> None:
         if not 0 <= port <= 65535:
             raise DeployServiceError(f"port must be in 0..65535, got {port}")
@@ -65,6 +81,8 @@ class DeployService:
         self.idempotency_header = idempotency_header
         self.log_requests = log_requests
         self.record_arrivals = record_arrivals
+        self.record_requests = record_requests
+        self._requests: list[RequestSpan] = []
         self._arrivals: dict[str, float] = {}
         self.faults = Faults(fault_rates or {}, seed, fault_delay_s)
         self.stats = Stats()
@@ -146,8 +164,10 @@ class DeployService:
             return [key for key, count in self._in_flight.items() if count > 0]
 
     @contextmanager
-    def handling(self, key: str) -> Iterator[None]:
-        """Count a create request for ``key`` as in flight while the block runs."""
+    def handling(self, key: str, target: str = "") -> Iterator[None]:
+        """Count a create request for ``key`` as in flight while the block runs (and log its
+        span, with ``record_requests``)."""
+        started = time.time()
         with self._in_flight_lock:
             self._in_flight[key] += 1
         try:
@@ -157,6 +177,13 @@ class DeployService:
                 self._in_flight[key] -= 1
                 if self._in_flight[key] <= 0:
                     del self._in_flight[key]
+                if self.record_requests:
+                    self._requests.append(RequestSpan(key, target, started, time.time()))
+
+    def requests(self) -> list[RequestSpan]:
+        """Every create request handled so far (with ``record_requests``), in end order."""
+        with self._in_flight_lock:
+            return list(self._requests)
 
     def effects_by_key(self) -> dict[str, int]:
         """How many effects each idempotency key produced."""

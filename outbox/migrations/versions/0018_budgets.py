@@ -1,7 +1,7 @@
 """Budgets: their declarations, the usage ledger and the exhaustion alerts.
 
 Revision ID: 0018
-Revises: 0016
+Revises: 0017
 Create Date: 2026-12-02
 
 ``outbox.budgets`` holds each declared budget (``[budgets."name"]``), upserted by every worker
@@ -20,7 +20,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision: str = "0018"
-down_revision: str | None = "0016"
+down_revision: str | None = "0017"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

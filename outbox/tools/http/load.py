@@ -16,7 +16,13 @@ from pydantic import ValidationError
 
 from outbox.errors import ConfigError
 from outbox.tools.base import check_tool_name
-from outbox.tools.http.spec import HEADER_VALUE, HttpToolSpec
+from outbox.tools.http.spec import (
+    HEADER_VALUE,
+    BreakerSpec,
+    ConcurrencySpec,
+    HttpToolSpec,
+    RateSpec,
+)
 from outbox.tools.http.tool import HttpTool
 
 
@@ -95,6 +101,14 @@ def _environment_headers(
     return headers
 
 
+#: The guard sub-tables of a tool's table, whose own keys an unknown key's error lists.
+_GUARD_TABLES: dict[str, type[BreakerSpec | RateSpec | ConcurrencySpec]] = {
+    "breaker": BreakerSpec,
+    "rate": RateSpec,
+    "concurrency": ConcurrencySpec,
+}
+
+
 def _describe(where: str, error: dict[str, Any]) -> str:
     location = where
     for part in error.get("loc", ()):
@@ -103,7 +117,10 @@ def _describe(where: str, error: dict[str, Any]) -> str:
         location += f"[{part}]" if isinstance(part, int) else f".{part}"
     kind = error.get("type")
     if kind == "extra_forbidden":
-        return f"{location}: unknown key; allowed keys: {', '.join(HttpToolSpec.model_fields)}"
+        loc = error.get("loc", ())
+        sub = _GUARD_TABLES.get(str(loc[0])) if len(loc) > 1 else None
+        allowed = sub.model_fields if sub is not None else HttpToolSpec.model_fields
+        return f"{location}: unknown key; allowed keys: {', '.join(allowed)}"
     if kind == "missing":
         return f"{location}: required key is missing"
     message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from yarl import URL
 
 from outbox.contracts import DedupContract, ToolContract
+from outbox.guards import Breaker, Concurrency, Rate
 
 #: Values a URL may interpolate, each percent-encoded as one path segment or query value.
 PLACEHOLDERS = frozenset({"target", "operation_id", "intent_key"})
@@ -30,6 +31,39 @@ _PLAIN_HOST = re.compile(r"(?:[a-z0-9-]+\.)*[a-z0-9-]+")
 KEY_IN_USE = 409
 
 HttpStatus = Annotated[int, Field(ge=100, le=599)]
+Per = Literal["tool", "target"]
+
+
+class BreakerSpec(BaseModel):
+    """``[tools."name".breaker]``: the keys of :class:`outbox.guards.Breaker`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    failures: int = Breaker.failures
+    open_s: float = Breaker.open_s
+    per: Per = "target"
+    ratio: float | None = None
+    window_s: float = Breaker.window_s
+    min_calls: int = Breaker.min_calls
+
+
+class RateSpec(BaseModel):
+    """``[tools."name".rate]``: the keys of :class:`outbox.guards.Rate`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    per_second: float
+    burst: int = Rate.burst
+    per: Per = "target"
+
+
+class ConcurrencySpec(BaseModel):
+    """``[tools."name".concurrency]``: the keys of :class:`outbox.guards.Concurrency`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    max_in_flight: int
+    per: Per = "target"
 
 
 class HttpToolSpec(BaseModel):
@@ -63,6 +97,10 @@ class HttpToolSpec(BaseModel):
     input_schema: dict[str, Any] | None = None
     #: What the action does, for models and people (the MCP server and adapters show it).
     description: str | None = None
+    #: The guards (docs/guards.md): sub-tables of the tool's table.
+    breaker: BreakerSpec | None = None
+    rate: RateSpec | None = None
+    concurrency: ConcurrencySpec | None = None
 
     @field_validator("method")
     @classmethod
@@ -239,6 +277,9 @@ class HttpToolSpec(BaseModel):
             approval_required=self.approval == "required",
             input_schema=self.input_schema,
             description=self.description,
+            breaker=Breaker(**self.breaker.model_dump()) if self.breaker else None,
+            rate=Rate(**self.rate.model_dump()) if self.rate else None,
+            concurrency=Concurrency(**self.concurrency.model_dump()) if self.concurrency else None,
             **knobs,
         )
 

@@ -1,0 +1,88 @@
+"""``outbox guards``: the declared guard rails (breakers, rate limits, concurrency caps) and
+their state in the database; ``reset`` closes a breaker or clears a bucket, audited.
+
+The output is in sections (``{"guards": [...]}`` with ``--json``, a titled table otherwise),
+so another kind of guard rail (budgets) adds a section without changing this one.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from outbox import guard_state
+from outbox.cli.common import connected
+from outbox.cli.extras import needs_extra
+from outbox.cli.output import console, fail, print_json
+from outbox.config import get_settings
+from outbox.contracts import CONTRACTS, ToolContract
+
+app = typer.Typer(
+    help="Guard rails per tool and target: circuit breakers, rate limits, concurrency caps.",
+    no_args_is_help=True,
+)
+
+
+def _declared() -> list[ToolContract]:
+    """The contracts of the configured tools (OUTBOX_TOOLS, OUTBOX_CONFIG), loaded as the
+    workers load them."""
+    with needs_extra("worker", "guards"):
+        from outbox.tools import load_tools  # noqa: PLC0415 -- the [worker] extra
+
+        load_tools(get_settings())
+    contracts = (CONTRACTS.get(name) for name in CONTRACTS.names())
+    return [c for c in contracts if c is not None and c.guarded]
+
+
+def _sections(rows: list[guard_state.GuardStatus]) -> dict[str, Any]:
+    return {"guards": [row.as_json() for row in rows]}
+
+
+@app.command("list")
+def list_guards(
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON object.")] = False,
+) -> None:
+    """Every declared guard key with its state (a key per target once it has state)."""
+    contracts = _declared()
+    with connected() as engine, engine.connect() as conn:
+        rows = guard_state.report(conn, contracts)
+    if as_json:
+        print_json(_sections(rows))
+        return
+    if not rows:
+        console.print("no guards declared (see docs/guards.md)")
+        return
+    table = Table(title="guards")
+    for header in ("guard", "key", "declared", "state"):
+        table.add_column(header)
+    for row in rows:
+        table.add_row(row.guard, row.key, _pairs(row.declared), _pairs(row.state))
+    console.print(table)
+
+
+def _pairs(values: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in values.items() if v is not None)
+
+
+@app.command("reset", no_args_is_help=True)
+def reset_guard(
+    key: Annotated[str, typer.Argument(help="The guard key: TOOL or TOOL:TARGET.")],
+    by: Annotated[str, typer.Option("--by", help="Who resets it (recorded).")],
+    note: Annotated[str, typer.Option("--note", help="Why (recorded).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON object.")] = False,
+) -> None:
+    """Close the breakers of KEY and clear its rate bucket; who, when and why are recorded."""
+    if not by.strip() or not note.strip():
+        fail("--by and --note must not be empty", code=2)
+    contracts = _declared()
+    with connected() as engine, engine.connect() as conn:
+        done = guard_state.reset(conn, key, by=by, note=note, contracts=contracts)
+    if as_json:
+        print_json(
+            {"key": done.key, "reset": done.guards, "at": done.at.isoformat() if done.at else None}
+        )
+        return
+    what = ", ".join(done.guards) or "nothing was stored (already closed and full)"
+    console.print(f"{done.key}: reset {what} (by {by})")
