@@ -1,8 +1,9 @@
 """``outbox guards``: the declared guard rails (breakers, rate limits, concurrency caps) and
-their state in the database; ``reset`` closes a breaker or clears a bucket, audited.
+their state in the database, and the budgets' use; ``reset`` closes a breaker or clears a
+bucket, audited.
 
-The output is in sections (``{"guards": [...]}`` with ``--json``, a titled table otherwise),
-so another kind of guard rail (budgets) adds a section without changing this one.
+The output is in sections (``{"guards": [...], "budgets": [...]}`` with ``--json``, a titled
+table each otherwise).
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from outbox import guard_state
+from outbox import budgets, guard_state
 from outbox.cli.common import connected
 from outbox.cli.extras import needs_extra
 from outbox.cli.output import console, fail, print_json
 from outbox.config import get_settings
 from outbox.contracts import CONTRACTS, ToolContract
+from outbox.sql.budgets import BudgetUsage
 
 app = typer.Typer(
-    help="Guard rails per tool and target: circuit breakers, rate limits, concurrency caps.",
+    help="Guard rails per tool and target: circuit breakers, rate limits, concurrency caps; "
+    "and the budgets' use.",
     no_args_is_help=True,
 )
 
@@ -36,30 +39,65 @@ def _declared() -> list[ToolContract]:
     return [c for c in contracts if c is not None and c.guarded]
 
 
-def _sections(rows: list[guard_state.GuardStatus]) -> dict[str, Any]:
-    return {"guards": [row.as_json() for row in rows]}
+def _sections(rows: list[guard_state.GuardStatus], used: list[BudgetUsage]) -> dict[str, Any]:
+    return {
+        "guards": [row.as_json() for row in rows],
+        "budgets": [
+            {
+                "budget": u.budget,
+                "key": u.key,
+                "window_s": u.window_s,
+                "operations": u.operations,
+                "max_operations": u.max_operations,
+                "cost": u.cost,
+                "max_cost": u.max_cost,
+                "exhausted_at": u.exhausted_at.isoformat() if u.exhausted_at else None,
+            }
+            for u in used
+        ],
+    }
 
 
 @app.command("list")
 def list_guards(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON object.")] = False,
 ) -> None:
-    """Every declared guard key with its state (a key per target once it has state)."""
+    """Every declared guard key with its state (a key per target once it has state), then
+    every budget key used inside its window (the published budgets, docs/budgets.md)."""
     contracts = _declared()
     with connected() as engine, engine.connect() as conn:
         rows = guard_state.report(conn, contracts)
+        used = budgets.usage(conn)
     if as_json:
-        print_json(_sections(rows))
+        print_json(_sections(rows, used))
         return
     if not rows:
         console.print("no guards declared (see docs/guards.md)")
-        return
-    table = Table(title="guards")
-    for header in ("guard", "key", "declared", "state"):
+    else:
+        table = Table(title="guards")
+        for header in ("guard", "key", "declared", "state"):
+            table.add_column(header)
+        for row in rows:
+            table.add_row(row.guard, row.key, _pairs(row.declared), _pairs(row.state))
+        console.print(table)
+    if used:
+        console.print(_budget_table(used))
+
+
+def _budget_table(used: list[BudgetUsage]) -> Table:
+    table = Table(title="budgets (keys used inside their window)")
+    for header in ("budget", "key", "operations", "cost", "window", "exhausted at"):
         table.add_column(header)
-    for row in rows:
-        table.add_row(row.guard, row.key, _pairs(row.declared), _pairs(row.state))
-    console.print(table)
+    for u in used:
+        table.add_row(
+            u.budget,
+            u.key or "(none)",
+            f"{u.operations}/{u.max_operations}" if u.max_operations else str(u.operations),
+            f"{u.cost:g}/{u.max_cost:g}" if u.max_cost else "",
+            f"{u.window_s:g}s",
+            u.exhausted_at.isoformat() if u.exhausted_at else "",
+        )
+    return table
 
 
 def _pairs(values: dict[str, Any]) -> str:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
 
+from outbox import api
+from outbox.budgets import Budget, publish_budgets_committed
 from tests.acceptance.conftest import run_outbox
 from tests.tool_configs import TOOL, http_tool_toml
 
@@ -67,3 +70,28 @@ def test_bad_guard_declaration_names_the_field(
     assert "Traceback" not in result.stderr
     assert "breaker.failures" in result.stderr
     assert TOOL in result.stderr
+
+
+def test_list_shows_each_budget_keys_use(
+    engine: Engine, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """`guards list --json` has a budgets section: each key's use inside its window."""
+    publish_budgets_committed(
+        engine, [Budget(name="spend", tools=(TOOL,), window_s=3600.0, max_operations=5)]
+    )
+    for n in range(2):
+        with Session(engine) as session, session.begin():
+            api.enqueue(session, tool=TOOL, target="p1", payload={"n": n}, requested_by="agent-7")
+    listed = run_outbox("guards", "list", "--json", env=_env(cli_env, tmp_path, ""))
+    assert listed.code == 0, listed
+    (used,) = listed.json()["budgets"]
+    assert (used["budget"], used["key"], used["operations"], used["max_operations"]) == (
+        "spend",
+        "agent-7",
+        2,
+        5,
+    )
+    shown = run_outbox("guards", "list", env=_env(cli_env, tmp_path, ""))
+    assert "no guards declared" in shown.stdout
+    assert "agent-7" in shown.stdout
+    assert "2/5" in shown.stdout
