@@ -12,7 +12,7 @@ import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 from uuid import UUID
 
 from sqlalchemy import Engine
@@ -176,6 +176,35 @@ class _Checked:
     approval_ttl_s: float | None
 
 
+class _Columns(TypedDict):
+    intent_keys: list[str | None]
+    tools: list[str]
+    targets: list[str]
+    canonical_payloads: list[str]
+    payload_hashes: list[str]
+    intent_hashes: list[str]
+    metadata: list[str]
+    requested_by: list[str | None]
+    require_approval: list[bool]
+    approval_ttl_s: list[float | None]
+
+
+def _columns(checked: Sequence[_Checked]) -> _Columns:
+    """The checked intents as :func:`outbox.sql.intents.insert_intents`' column arguments."""
+    return {
+        "intent_keys": [c.intent_key for c in checked],
+        "tools": [c.tool for c in checked],
+        "targets": [c.target for c in checked],
+        "canonical_payloads": [c.canonical_payload for c in checked],
+        "payload_hashes": [c.payload_hash for c in checked],
+        "intent_hashes": [c.intent_hash for c in checked],
+        "metadata": [json.dumps(c.metadata) for c in checked],
+        "requested_by": [c.requested_by for c in checked],
+        "require_approval": [c.require_approval for c in checked],
+        "approval_ttl_s": [c.approval_ttl_s for c in checked],
+    }
+
+
 def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation]:
     """Record many intents in the caller's transaction, in one round trip; in input order.
 
@@ -205,19 +234,7 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
         return []
     unique = _unique_keys(checked)
     with session.begin_nested():  # a conflict found below rolls the batch back, nothing else
-        result = sql.intents.insert_intents(
-            session,
-            intent_keys=[c.intent_key for c in unique],
-            tools=[c.tool for c in unique],
-            targets=[c.target for c in unique],
-            canonical_payloads=[c.canonical_payload for c in unique],
-            payload_hashes=[c.payload_hash for c in unique],
-            intent_hashes=[c.intent_hash for c in unique],
-            metadata=[json.dumps(c.metadata) for c in unique],
-            requested_by=[c.requested_by for c in unique],
-            require_approval=[c.require_approval for c in unique],
-            approval_ttl_s=[c.approval_ttl_s for c in unique],
-        )
+        result = sql.intents.insert_intents(session, **_columns(unique))
         inserted = dict(result.operations)
         if result.budgeted:
             later = _insert_budgeted(session, [unique[p] for p in result.budgeted])
@@ -295,16 +312,7 @@ def _insert_budgeted(
             raise
     return sql.intents.insert_intents(
         session,
-        intent_keys=[c.intent_key for c in checked],
-        tools=[c.tool for c in checked],
-        targets=[c.target for c in checked],
-        canonical_payloads=[c.canonical_payload for c in checked],
-        payload_hashes=[c.payload_hash for c in checked],
-        intent_hashes=[c.intent_hash for c in checked],
-        metadata=[json.dumps(c.metadata) for c in checked],
-        requested_by=[c.requested_by for c in checked],
-        require_approval=[c.require_approval for c in checked],
-        approval_ttl_s=[c.approval_ttl_s for c in checked],
+        **_columns(checked),
         usage=[
             sql.intents.UsageRow(position, d.budget.name, d.key, d.cost)
             for position, ds in enumerate(wanted)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,26 +29,11 @@ from outbox.tools import (
 )
 from outbox.workers.dispatch import Outcome, dispatch
 from tests.factories import make_operation, reload
+from tests.integration.test_dispatch import Remote
 from tests.integration.test_metrics import scrape
 
 TOOL = "deploy.create_release"
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
-
-
-class Remote:
-    """A Python tool's remote: counts calls and answers what the test says."""
-
-    def __init__(self) -> None:
-        self.calls: list[ToolCall] = []
-        self.answer: Callable[[ToolCall], DispatchResult] = lambda call: Applied(
-            f"ref-{call.operation_id}"
-        )
-        self.lock = threading.Lock()
-
-    def __call__(self, call: ToolCall) -> DispatchResult:
-        with self.lock:
-            self.calls.append(call)
-        return self.answer(call)
 
 
 @pytest.fixture
