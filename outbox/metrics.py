@@ -602,6 +602,10 @@ class UnknownOperationListener:
             )
             while not self._stop.is_set():
                 for notify in driver.notifies(timeout=self.poll_s):  # type: ignore[union-attr]
+                    # A pooled connection may still hold another channel's notification
+                    # (a waiter's, received before its UNLISTEN): not a report.
+                    if notify.channel != sql.notify.UNKNOWN_OPERATION_CHANNEL:
+                        continue
                     task = notify.payload if notify.payload in self.TASKS else "other"
                     with self._lock:
                         self._counts[task] += 1

@@ -114,6 +114,9 @@ def _approve(engine: Engine, op: Operation, *, by: str, payload_hash: str) -> Op
         return outbox.approve(session, op.id, by=by, payload_hash=payload_hash)
 
 
+# The 60 s wait the issue asks for, then a killed worker's recovery: more than the default 120 s
+# on a loaded 2-core machine.
+@pytest.mark.timeout(300)
 def test_nothing_is_sent_until_approved_and_a_kill_after_approval_is_one_effect(
     engine: Engine, service: DeployService, started: Stack
 ) -> None:
