@@ -223,7 +223,8 @@ class Pipeline:
             conn.execute(
                 text(
                     "TRUNCATE outbox.operations, outbox.events, outbox.relays, "
-                    "outbox.webhook_deliveries"
+                    "outbox.webhook_deliveries, outbox.sagas, outbox.saga_steps, "
+                    "outbox.saga_events"
                 )
             )
             conn.execute(text("DROP TABLE IF EXISTS outbox_kombu_message, outbox_kombu_queue"))

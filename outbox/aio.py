@@ -31,25 +31,31 @@ from uuid import UUID
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
-from outbox import api, approval, listener
+from outbox import api, approval, listener, sagas
 from outbox.api import Intent, _as_uuid
 from outbox.errors import OperationNotFound, WaitTimeout
 from outbox.models import Executor, Operation
 from outbox.resolve import resolve as _resolve
+from outbox.sagas import Compensate, SagaState, SagaSummary, SagaView
 from outbox.states import State
 
 __all__ = [
     "AsyncExecutor",
+    "AsyncSaga",
     "Intent",
     "approve",
     "cancel",
+    "cancel_saga",
     "close",
     "enqueue",
     "enqueue_many",
     "find",
     "get",
+    "get_saga",
+    "list_sagas",
     "reject",
     "resolve",
+    "saga",
     "wait",
 ]
 
@@ -282,6 +288,74 @@ async def wait(
                         break  # closed under us: carry on with the loop's next listener
         except listener.ListenerClosed:
             pass
+
+
+class AsyncSaga:
+    """A saga opened by :func:`saga` on the caller's async session: add its steps with
+    :meth:`step` (:class:`outbox.Saga`'s, run by it)."""
+
+    def __init__(self, session: AsyncExecutor, key: str, state: SagaState) -> None:
+        self._session = session
+        self.key = key
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"AsyncSaga(key={self.key!r}, state={self.state.value!r})"
+
+    async def step(
+        self,
+        name: str,
+        *,
+        tool: str,
+        target: str,
+        payload: Mapping[str, Any],
+        compensate: Compensate | None = None,
+        pivot: bool = False,
+        group: str | None = None,
+    ) -> Operation:
+        """Add step ``name`` (or find it again) and return its operation; joins the session's
+        transaction and never commits. :meth:`outbox.Saga.step`, run by it, with the same
+        arguments, rules and errors (``IntentConflict``, ``SagaNotRunning``, ``InvalidIntent``)."""
+        key = self.key
+        return await _run(
+            self._session,
+            lambda s: sagas.saga(s, key).step(
+                name,
+                tool=tool,
+                target=target,
+                payload=payload,
+                compensate=compensate,
+                pivot=pivot,
+                group=group,
+            ),
+        )
+
+
+async def saga(
+    session: AsyncExecutor, saga_key: str, *, requested_by: str | None = None
+) -> AsyncSaga:
+    """Open the saga ``saga_key``, creating it ``running`` if it does not exist; joins the
+    caller's transaction and never commits. :func:`outbox.saga`, run by it."""
+    opened = await _run(session, lambda s: sagas.saga(s, saga_key, requested_by=requested_by))
+    return AsyncSaga(session, opened.key, opened.state)
+
+
+async def get_saga(session: AsyncExecutor, saga_key: str) -> SagaView | None:
+    """The saga with this key, its steps and trail, or ``None`` (:func:`outbox.get_saga`)."""
+    return await _run(session, lambda s: sagas.get_saga(s, saga_key))
+
+
+async def list_sagas(
+    session: AsyncExecutor, *, state: SagaState | str | None = None, limit: int = 50
+) -> list[SagaSummary]:
+    """Sagas, newest first (:func:`outbox.list_sagas`)."""
+    return await _run(session, lambda s: sagas.list_sagas(s, state=state, limit=limit))
+
+
+async def cancel_saga(session: AsyncExecutor, saga_key: str, *, by: str, reason: str) -> SagaView:
+    """Cancel a running saga: its held steps cancelled, its confirmed steps undone
+    (:func:`outbox.cancel_saga`, run by it); joins the caller's transaction, never commits."""
+    return await _run(session, lambda s: sagas.cancel_saga(s, saga_key, by=by, reason=reason))
 
 
 def _next_poll(loop: asyncio.AbstractEventLoop, poll_interval: float) -> float:

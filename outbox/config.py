@@ -48,6 +48,8 @@ WEBHOOK_EVENT_NAMES = frozenset(
         "circuit_opened",
         "circuit_closed",
         "budget_exhausted",
+        "saga_compensated",
+        "saga_needs_human",
     }
 )
 
@@ -171,11 +173,13 @@ class Settings(BaseSettings):
             "circuit_opened",
             "circuit_closed",
             "budget_exhausted",
+            "saga_compensated",
+            "saga_needs_human",
         ],
         description=(
             "Comma-separated events to deliver: needs_human, resolved, approval_requested, "
-            "approval_expired, circuit_opened, circuit_closed, budget_exhausted, confirmed, "
-            "failed."
+            "approval_expired, circuit_opened, circuit_closed, budget_exhausted, "
+            "saga_compensated, saga_needs_human, confirmed, failed."
         ),
     )
 

@@ -284,3 +284,30 @@ class OperatorNotFound(OutboxError):
     """No operator account has this name."""
 
     name: str
+
+
+class SagaNotRunning(OutboxError):
+    """A new step was added to a saga that is no longer ``running`` (it completed, is
+    compensating, was compensated or cancelled, or waits for a person); nothing was written.
+
+    ``saga_key`` names the saga, ``state`` is its state now and ``step`` the refused step's
+    name. Re-running a step already recorded with the same input is never refused: it
+    returns the step's operation whatever the saga's state.
+    """
+
+    saga_key: str
+    state: object
+    step: str | None
+
+
+class SagaNotFound(OutboxError):
+    """No saga has this key."""
+
+    saga_key: str
+
+
+class InvalidSagaRequest(OutboxError):
+    """A saga request is malformed (``field`` names the argument: ``saga_key``, ``state``,
+    ``limit``, ``by``, ``reason``); nothing was written."""
+
+    field: str

@@ -54,6 +54,11 @@ class Action(enum.StrEnum):
     BUDGETS_PUBLISHED = "budgets_published"  #: declared budgets written to outbox.budgets
     BUDGET_EXCEEDED = "budget_exceeded"  #: an enqueue refused over a budget; nothing written
     BUDGET_ALERT_FAILED = "budget_alert_failed"  #: the exhaustion alert could not be written
+    # Sagas (outbox.sagas, outbox.reconcilers.sagas)
+    SAGA_MOVED = "saga_moved"  #: a saga changed state (completed, compensating, ...)
+    SAGA_STEP_RELEASED = "saga_step_released"  #: a held step was released: due now
+    SAGA_COMPENSATION_STARTED = "saga_compensation_started"  #: a step's undo was recorded
+    SAGA_ADVANCE_FAILED = "saga_advance_failed"  #: advancing one saga raised; the pass went on
     DISPATCH_LATE = "dispatch_late"  #: the outcome arrived after the row moved on
     DISPATCH_OUTCOME_UNRECORDED = "dispatch_outcome_unrecorded"
     DISPATCH_UNKNOWN_OPERATION = "dispatch_unknown_operation"  #: no such row (other deployment?)

@@ -214,18 +214,27 @@ class WebhookEvent(enum.StrEnum):
     CIRCUIT_CLOSED = "circuit_closed"
     #: A budget has been used up for one key (once per key and window).
     BUDGET_EXHAUSTED = "budget_exhausted"
+    #: A saga undid every applied step: it ended ``compensated`` (``type`` ``saga.compensated``).
+    SAGA_COMPENSATED = "saga_compensated"
+    #: A saga needs a person: a refusal after its pivot, or a compensation that failed or
+    #: itself needs a human (``type`` ``saga.needs_human``).
+    SAGA_NEEDS_HUMAN = "saga_needs_human"
 
     @property
     def about_an_operation(self) -> bool:
         """True for events about one operation (``type`` ``operation.<event>``); the guard
-        events are about a guard or budget key (``guard.<event>``, ``subject``)."""
-        return self not in GUARD_EVENTS
+        events are about a guard or budget key (``guard.<event>``, ``subject``), the saga
+        events about a saga (``saga.<event>``, ``subject`` its key)."""
+        return self not in GUARD_EVENTS and self not in SAGA_EVENTS
 
 
 #: The events about a guard or budget key rather than one operation.
 GUARD_EVENTS = frozenset(
     {WebhookEvent.CIRCUIT_OPENED, WebhookEvent.CIRCUIT_CLOSED, WebhookEvent.BUDGET_EXHAUSTED}
 )
+
+#: The events about a saga rather than one operation.
+SAGA_EVENTS = frozenset({WebhookEvent.SAGA_COMPENSATED, WebhookEvent.SAGA_NEEDS_HUMAN})
 
 
 class DeliveryStatus(enum.StrEnum):

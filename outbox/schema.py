@@ -243,7 +243,8 @@ webhook_deliveries = Table(
     Column("subject", Text),
     CheckConstraint(
         "event IN ('approval_expired', 'approval_requested', 'budget_exhausted',"
-        " 'circuit_closed', 'circuit_opened', 'confirmed', 'failed', 'needs_human', 'resolved')",
+        " 'circuit_closed', 'circuit_opened', 'confirmed', 'failed', 'needs_human', 'resolved',"
+        " 'saga_compensated', 'saga_needs_human')",
         name="event_known",
     ),
     CheckConstraint("operation_id IS NOT NULL OR subject IS NOT NULL", name="about_something"),
@@ -420,4 +421,108 @@ budget_alerts = Table(
     Column("key", Text, primary_key=True),
     _timestamp("exhausted_at", nullable=False, now=True),
     Column("refusals", BigInteger, nullable=False, server_default="0"),
+)
+
+#: Sagas (migration 0019; docs/sagas.md): several operations that succeed together or are
+#: undone together. ``state`` is the saga's, moved only by :mod:`outbox.sagas`;
+#: ``cancelled_by`` says an agent or operator asked to cancel it (``outbox.cancel_saga``);
+#: ``next_check_at`` is when the periodic pass looks at a live saga again.
+SAGA_STATE_VALUES = (
+    "running",
+    "compensating",
+    "completed",
+    "compensated",
+    "needs_human",
+    "cancelled",
+)
+sagas = Table(
+    "sagas",
+    metadata,
+    Column("key", Text, primary_key=True),
+    Column("state", Text, nullable=False, server_default="running"),
+    Column("reason", Text),
+    Column("requested_by", Text),
+    Column("cancelled_by", Text),
+    _timestamp("created_at", nullable=False, now=True),
+    _timestamp("updated_at", nullable=False, now=True),
+    _timestamp("next_check_at", nullable=False, now=True),
+    CheckConstraint(
+        "state IN ('cancelled', 'compensated', 'compensating', 'completed', 'needs_human',"
+        " 'running')",
+        name="state_known",
+    ),
+    CheckConstraint("char_length(key) BETWEEN 1 AND 160", name="key_length"),
+    # The periodic pass's queue: partial, so finished sagas cost nothing.
+    Index(
+        "ix_sagas_live_next_check_at",
+        "next_check_at",
+        postgresql_where=text("state IN ('compensating', 'needs_human', 'running')"),
+    ),
+)
+
+#: A saga's steps in order (``position`` from 0); consecutive steps with one ``grp`` run in
+#: parallel. Each step is one operation; its declared compensation (tool, target, payload,
+#: or none) becomes ``compensation_operation_id`` once the saga undoes it. A held step's
+#: operation waits with ``available_at`` far in the future (:data:`outbox.sagas.HELD_UNTIL`);
+#: ``approval_ttl_s`` keeps its approval's TTL, restarted when it is released. The
+#: operations' foreign keys are SET NULL: retention never prunes a live saga's operations.
+saga_steps = Table(
+    "saga_steps",
+    metadata,
+    Column(
+        "saga_key",
+        Text,
+        ForeignKey("outbox.sagas.key", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("position", Integer, primary_key=True),
+    Column("name", Text, nullable=False),
+    Column("grp", Text),
+    Column("pivot", Boolean, nullable=False, server_default=text("false")),
+    Column(
+        "operation_id",
+        UUID(as_uuid=True),
+        ForeignKey("outbox.operations.id", ondelete="SET NULL"),
+    ),
+    Column("compensate_tool", Text),
+    Column("compensate_target", Text),
+    Column("compensate_payload", JSONB),
+    Column(
+        "compensation_operation_id",
+        UUID(as_uuid=True),
+        ForeignKey("outbox.operations.id", ondelete="SET NULL"),
+    ),
+    Column("approval_ttl_s", Double),
+    _timestamp("released_at"),
+    _timestamp("created_at", nullable=False, now=True),
+    UniqueConstraint("saga_key", "name"),
+    CheckConstraint("position >= 0", name="position_not_negative"),
+    CheckConstraint(
+        "(compensate_tool IS NULL) = (compensate_target IS NULL)"
+        " AND (compensate_tool IS NULL) = (compensate_payload IS NULL)",
+        name="compensation_whole",
+    ),
+    CheckConstraint("NOT (pivot AND compensate_tool IS NOT NULL)", name="pivot_not_compensated"),
+    Index("ix_saga_steps_operation_id", "operation_id"),
+    Index("ix_saga_steps_compensation_operation_id", "compensation_operation_id"),
+)
+
+#: Every move of a saga (its audit trail), oldest first: who, why, and what it did.
+saga_events = Table(
+    "saga_events",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column(
+        "saga_key",
+        Text,
+        ForeignKey("outbox.sagas.key", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    _timestamp("at", nullable=False, now=True),
+    Column("from_state", Text),
+    Column("to_state", Text, nullable=False),
+    Column("actor", Text, nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("detail", JSONB),
+    Index("ix_saga_events_saga_key_id", "saga_key", "id"),
 )

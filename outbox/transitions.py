@@ -44,6 +44,7 @@ from outbox.models import Executor, Operation
 from outbox.sql import guards as guard_sql
 from outbox.sql import intents
 from outbox.sql import moves as sql
+from outbox.sql import sagas as saga_sql
 from outbox.states import (
     COLUMNS_FOR,
     Actor,
@@ -68,11 +69,13 @@ __all__ = [
     "expire_approval",
     "fail",
     "hold_and_commit",
+    "hold_for_saga",
     "keep_late_evidence_and_commit",
     "mark_sent",
     "mark_unknown",
     "note",
     "reject",
+    "release_for_saga",
     "replan",
 ]
 
@@ -501,6 +504,24 @@ def hold_and_commit(
             conn, operation_id, attempt=attempt, delay_s=delay_s, reason=storable.text(reason)
         )
     return held is not None
+
+
+def hold_for_saga(executor: Executor, operation_id: UUID) -> saga_sql.Held | None:
+    """Hold a just-recorded saga step (``planned`` or ``awaiting_approval``, no attempt):
+    ``available_at`` (and an approval's expiry) set to :data:`outbox.sql.columns.HELD_UNTIL`,
+    so no relay publishes it, no dispatcher sends it and its approval cannot expire. Not a
+    move: no event (the saga's own trail says it). In the caller's transaction; never commits.
+    What it held (its state and approval TTL), or ``None`` if the row is past ``planned``."""
+    return saga_sql.hold_operation(executor, operation_id)
+
+
+def release_for_saga(
+    executor: Executor, operation_id: UUID, *, approval_ttl_s: float | None
+) -> State | None:
+    """Release a held saga step: due now (an idle relay rung at commit); one still awaiting
+    approval gets a fresh approval TTL of ``approval_ttl_s`` from now. Not a move. In the
+    caller's transaction; never commits. Its state, or ``None`` if it was not held."""
+    return saga_sql.release_operation(executor, operation_id, approval_ttl_s=approval_ttl_s)
 
 
 @contextmanager

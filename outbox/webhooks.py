@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from outbox import sql
 from outbox.config import Settings, get_settings
 from outbox.errors import ConfigError
-from outbox.models import Executor, Operation, WebhookEvent, iso_utc
+from outbox.models import SAGA_EVENTS, Executor, Operation, WebhookEvent, iso_utc
 from outbox.states import Actor, State
 
 #: Standard Webhooks secrets are ``whsec_`` + base64; the convention asks for 24 to 64 bytes.
@@ -213,6 +213,43 @@ def record_guard_event(
         "data": {"subject": subject, **data},
     }
     row = {"operation_id": None, "subject": subject, "event": event.value, "payload": body}
+    sql.webhooks.insert_deliveries(executor, [row])
+    return True
+
+
+def record_saga_event(
+    executor: Executor,
+    event: WebhookEvent,
+    *,
+    saga_key: str,
+    data: dict[str, Any],
+    at: datetime,
+) -> bool:
+    """Write the delivery of a saga event (``saga_compensated``, ``saga_needs_human``) about
+    the saga ``saga_key``, in the caller's transaction (never commits), as the saga's move
+    is: the two commit together. Whether a row was written: none when no webhook URL is set
+    or the event is not subscribed.
+
+    The body is ``{"type": "saga.<compensated|needs_human>", "timestamp": at, "data":
+    {"saga_key": ..., **data}}`` and the row's ``subject`` is ``saga:<key>``. ``data`` holds
+    the saga's state, reason and steps (names, states, remote refs): never a payload.
+    """
+    if event not in SAGA_EVENTS:
+        raise ValueError(f"{event.value} is not a saga event")
+    settings = get_settings()
+    if settings.webhook_url is None or event.value not in settings.webhook_events:
+        return False
+    body = {
+        "type": f"saga.{event.value.removeprefix('saga_')}",
+        "timestamp": iso_utc(at),
+        "data": {"saga_key": saga_key, **data},
+    }
+    row = {
+        "operation_id": None,
+        "subject": f"saga:{saga_key}",
+        "event": event.value,
+        "payload": body,
+    }
     sql.webhooks.insert_deliveries(executor, [row])
     return True
 

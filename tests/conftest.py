@@ -130,7 +130,8 @@ def engine(_session_engine: Engine) -> Engine:
                 "outbox.webhook_deliveries, outbox.waiters, outbox.pruned_intents, "
                 "outbox.tool_policies, outbox.api_tokens, outbox.operators, "
                 "outbox.signin_failures, outbox.guard_breakers, outbox.guard_buckets, "
-                "outbox.guard_resets, outbox.budgets, outbox.budget_usage, outbox.budget_alerts"
+                "outbox.guard_resets, outbox.budgets, outbox.budget_usage, outbox.budget_alerts, "
+                "outbox.sagas, outbox.saga_steps, outbox.saga_events"
             )
         )
         if conn.execute(text("SELECT to_regclass(:t)"), {"t": BROKER_MESSAGE_TABLE}).scalar():

@@ -37,6 +37,7 @@ read, ``synchronous_commit``), :mod:`~outbox.sql.reconcile` (the sweep and looku
 console's operator accounts), :mod:`~outbox.sql.console` (the console's queue and rates),
 :mod:`~outbox.sql.signins` (the console's sign-in throttle),
 :mod:`~outbox.sql.budgets` (budgets: definitions, key locks, usage),
+:mod:`~outbox.sql.sagas` (sagas: their rows, steps, trail; a step's hold and release),
 :mod:`~outbox.sql.web` (the HTTP API's pages of operations and conditional requests),
 :mod:`~outbox.sql.broker` (the database broker's tables), :mod:`~outbox.sql.moves` (the
 state moves' statements, run only by :mod:`outbox.transitions`) and :mod:`~outbox.sql.dev`
@@ -60,6 +61,7 @@ from outbox.sql import (
     relay,
     resolve,
     retention,
+    sagas,
     signins,
     tokens,
     web,
@@ -83,6 +85,7 @@ __all__ = [
     "relay",
     "resolve",
     "retention",
+    "sagas",
     "signins",
     "tokens",
     "web",

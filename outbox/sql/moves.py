@@ -25,6 +25,7 @@ from sqlalchemy import (
     Integer,
     Text,
     bindparam,
+    case,
     cast,
     exists,
     false,
@@ -37,13 +38,13 @@ from sqlalchemy import (
     true,
     update,
 )
-from sqlalchemy.dialects.postgresql import INTERVAL, JSONB
+from sqlalchemy.dialects.postgresql import INTERVAL, JSONB, TIMESTAMP
 from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 
 from outbox.driver import DriverStatement
 from outbox.models import Executor, Operation
 from outbox.schema import events, operations, waiters
-from outbox.sql.columns import OPERATION_COLUMNS
+from outbox.sql.columns import HELD_UNTIL, OPERATION_COLUMNS
 from outbox.sql.notify import SETTLED_CHANNEL
 from outbox.states import SETTLED_STATES, TERMINAL_STATES, Actor, State
 
@@ -107,9 +108,15 @@ def _changes(shape: MoveShape) -> dict[str, Any]:  # noqa: PLR0912 -- one rule p
             "first_sent_at": func.coalesce(o.first_sent_at, now),
         }
     elif to_state is State.PLANNED:
+        due: ColumnElement[Any] = now + _interval("available_in")
+        if from_state is State.AWAITING_APPROVAL:
+            # A saga's held step (docs/sagas.md) approved early stays held: only the saga's
+            # driver releases it, when the steps before it are confirmed.
+            held = literal(HELD_UNTIL, TIMESTAMP(timezone=True))
+            due = case((o.available_at >= held, o.available_at), else_=due)
         values |= {
             "published_at": null(),
-            "available_at": now + _interval("available_in"),
+            "available_at": due,
             "next_check_at": null(),
             "checks": 0,
             "replay_deadline": _replay_deadline(from_state, shape.replay_window),

@@ -162,7 +162,8 @@ def stack(
         conn.execute(
             text(
                 "TRUNCATE outbox.operations, outbox.events, outbox.webhook_deliveries, "
-                "outbox.waiters, outbox.tool_policies"
+                "outbox.waiters, outbox.tool_policies, outbox.sagas, outbox.saga_steps, "
+                "outbox.saga_events"
             )
         )
     with DeployService(port=0) as service:

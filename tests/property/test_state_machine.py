@@ -131,7 +131,7 @@ _AGE_ALL = text(
 )
 _TRUNCATE = text(
     "TRUNCATE outbox.operations, outbox.events, outbox.relays, outbox.webhook_deliveries, "
-    "outbox.pruned_intents"
+    "outbox.pruned_intents, outbox.sagas, outbox.saga_steps, outbox.saga_events"
 )
 _SNAPSHOT = text(
     "SELECT id, state, attempts, payload, payload_hash, remote_ref, next_check_at "

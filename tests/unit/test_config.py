@@ -57,6 +57,8 @@ def test_defaults_are_valid_with_no_variable() -> None:
         "circuit_opened",
         "circuit_closed",
         "budget_exhausted",
+        "saga_compensated",
+        "saga_needs_human",
     ]
     assert settings.max_payload_bytes == 256 * 1024
 
@@ -315,7 +317,8 @@ def test_the_help_lists_every_setting_with_its_default() -> None:
         "`OUTBOX_TASK_EVENTS` (default: true)",
         "`OUTBOX_LOG_FORMAT` (default: logfmt)",
         "`OUTBOX_WEBHOOK_EVENTS` (default: needs_human,resolved,approval_requested,"
-        "approval_expired,circuit_opened,circuit_closed,budget_exhausted)",
+        "approval_expired,circuit_opened,circuit_closed,budget_exhausted,saga_compensated,"
+        "saga_needs_human)",
         "`OUTBOX_FLOWER_BASIC_AUTH` (default: unset)",
         "`OUTBOX_TOOLS` (default: none)",
     ):
