@@ -39,6 +39,7 @@ from outbox.logs import Action as LogAction
 from outbox.reconcilers.decide import Action, decide
 from outbox.reconcilers.lookup import facts_for
 from outbox.reconcilers.route import apply_decision_and_commit, escalate_unroutable_and_commit
+from outbox.reconcilers.sagas import advance_due_sagas_and_commit
 from outbox.states import Actor, State
 from outbox.tools import REGISTRY, ToolRegistry
 from outbox.workers.locking import operation_lock, release
@@ -96,6 +97,7 @@ class SweepResult:
     busy: int = 0  #: someone held the operation's lock (or another sweep probes it): next time
     failed: int = 0  #: handling the row raised: recorded on the row, the run went on
     approvals_expired: int = 0  #: `awaiting_approval` past its TTL → `cancelled`
+    sagas: int = 0  #: live sagas advanced by their decision table (docs/sagas.md)
 
 
 class Sweeper:
@@ -115,13 +117,20 @@ class Sweeper:
         self.request_lookup = request_lookup
 
     def run_once(self) -> SweepResult:
-        """Sweep stale `sent` rows, route due `unknown` rows, each row on its own, then cancel
-        the approvals nobody gave within their TTL."""
+        """Sweep stale `sent` rows, route due `unknown` rows, each row on its own, cancel
+        the approvals nobody gave within their TTL, then advance the due live sagas."""
         result = SweepResult()
         self._sweep_sent(result)
         self._route_unknown(result)
         self._expire_approvals(result)
+        self._advance_sagas(result)
         return result
+
+    def _advance_sagas(self, result: SweepResult) -> None:
+        """Phase 4: every live saga whose next check is due, each in its own transaction
+        (outbox.reconcilers.sagas): what guarantees a saga's progress, nudge or no nudge."""
+        done = advance_due_sagas_and_commit(self.engine, limit=self.config.batch_size)
+        result.sagas += done.advanced
 
     def _expire_approvals(self, result: SweepResult) -> None:
         """Phase 3: `awaiting_approval` past its expiry → `cancelled` ("approval expired"),

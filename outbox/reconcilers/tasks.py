@@ -22,10 +22,11 @@ from outbox.config import get_settings
 from outbox.logs import Action
 from outbox.reconcilers.lookup import LookupOutcome, lookup
 from outbox.reconcilers.periodic import sweep_once
+from outbox.reconcilers.sagas import nudge_sagas_of_and_commit
 from outbox.reconcilers.sweep import SweepConfig
 from outbox.reconcilers.webhooks import WebhookDeliverer, deliver_one
 from outbox.workers import runtime
-from outbox.workers.app import ESCALATE_TASK, LOOKUP_TASK, SWEEP_TASK, app
+from outbox.workers.app import ESCALATE_TASK, LOOKUP_TASK, SAGA_TASK, SWEEP_TASK, app
 from outbox.workers.beat import steady_now
 from outbox.workers.retry import retry_soon
 
@@ -42,10 +43,22 @@ WEBHOOK_INTERVAL_S = 2.0
 @app.task(name=LOOKUP_TASK, bind=True)  # type: ignore[untyped-decorator]
 def lookup_task(self: Task, operation_id: str) -> str:
     """Ask the remote about one `unknown` operation."""
-    report = lookup(operation_id, engine=runtime.engine())
+    engine = runtime.engine()
+    report = lookup(operation_id, engine=engine)
     if report.outcome is LookupOutcome.LOCK_BUSY and self.request.retries < LOCK_BUSY_RETRIES:
         raise retry_soon(self)
+    if report.outcome in (LookupOutcome.CONFIRMED, LookupOutcome.FAILED):
+        # A saga's step decided: its saga may release the next step or compensate now.
+        nudge_sagas_of_and_commit(engine, [report.operation_id])
     return report.outcome.value
+
+
+@app.task(name=SAGA_TASK)  # type: ignore[untyped-decorator]
+def saga_task(operation_ids: list[str]) -> dict[str, int]:
+    """Advance the sagas of these operations, whose outcome just committed (the dispatch
+    task's nudge; the periodic sweep advances every live saga anyway)."""
+    result = nudge_sagas_of_and_commit(runtime.engine(), [UUID(one) for one in operation_ids])
+    return {"advanced": result.advanced, "busy": result.busy, "failed": result.failed}
 
 
 def _request_lookup(operation_id: UUID) -> None:

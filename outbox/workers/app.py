@@ -28,6 +28,9 @@ DISPATCH_TASK = "outbox.dispatch"
 LOOKUP_TASK = "outbox.lookup"
 SWEEP_TASK = "outbox.sweep"
 ESCALATE_TASK = "outbox.escalate"
+#: Advance the sagas of settled operations (``outbox.reconcilers.sagas``), sent by name by
+#: the dispatch task: the workers layer does not import the reconcilers.
+SAGA_TASK = "outbox.saga"
 
 #: The app's setting holding its deployment's name (for log lines; Celery ignores it).
 OUTBOX_DEPLOYMENT_KEY = "outbox_deployment"
@@ -100,6 +103,7 @@ def celery_settings(
             LOOKUP_TASK: {"queue": "lookup"},
             SWEEP_TASK: {"queue": "reconcile"},
             ESCALATE_TASK: {"queue": "human"},
+            SAGA_TASK: {"queue": "reconcile"},
         },
         # Remote control (Flower's buttons, `celery inspect`) and task events of their own:
         # on a shared vhost another deployment's Flower neither sees nor commands these

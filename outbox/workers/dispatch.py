@@ -93,6 +93,9 @@ class DispatchReport:
     outcome: Outcome
     attempt: int | None = None
     detail: str = ""
+    #: The operation is a saga's step or compensation (its metadata names the saga): the
+    #: task nudges the saga's driver once the outcome is committed.
+    saga: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -597,7 +600,7 @@ def _record_outcome(
         reason,
         extra={"action": _OUTCOME_ACTIONS[outcome], "operation_id": str(sent.id)},
     )
-    return DispatchReport(sent.id, outcome, sent.attempts, reason)
+    return DispatchReport(sent.id, outcome, sent.attempts, reason, saga="saga" in sent.metadata)
 
 
 def _unrecordable_outcome(

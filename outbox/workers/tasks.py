@@ -9,7 +9,7 @@ from celery import Task
 
 from outbox.logs import Action
 from outbox.workers import runtime
-from outbox.workers.app import DISPATCH_TASK, app
+from outbox.workers.app import DISPATCH_TASK, SAGA_TASK, app
 from outbox.workers.dispatch import Outcome, dispatch
 from outbox.workers.locking import DispatchLocks
 from outbox.workers.retry import retry_soon
@@ -52,6 +52,7 @@ def dispatch_task(
     outcomes: list[str] = []
     busy: list[str] = []
     deferred: list[str] = []
+    settled_steps: list[str] = []
     error: Exception | None = None
     engine = runtime.engine()
     # One connection takes the operations' locks in turn (each released as the next is
@@ -78,10 +79,14 @@ def dispatch_task(
                 outcomes.append("error")
                 continue
             outcomes.append(report.outcome.value)
+            if report.saga and report.outcome in _SAGA_NUDGES:
+                settled_steps.append(one)
             if report.outcome is Outcome.LOCK_BUSY:
                 busy.append(one)
             elif report.outcome is Outcome.DEFERRED:
                 deferred.append(one)
+    if settled_steps:
+        nudge_sagas(settled_steps)
     if deferred:
         hand_back(self, deferred)
     if busy:
@@ -96,6 +101,25 @@ def dispatch_task(
     if error is not None:
         raise error
     return ", ".join(outcomes)
+
+
+#: The outcomes after which a saga may have something to do: release the next step, or
+#: compensate.
+_SAGA_NUDGES = frozenset({Outcome.CONFIRMED, Outcome.FAILED})
+
+
+def nudge_sagas(operation_ids: list[str]) -> None:
+    """Ask the saga driver (``outbox.saga``, on the reconcile queue) to advance the sagas of
+    these operations, whose outcome is committed. Best effort: a lost message costs only
+    time, the periodic pass advances every live saga anyway."""
+    try:
+        app.send_task(SAGA_TASK, kwargs={"operation_ids": operation_ids}, queue="reconcile")
+    except Exception:  # the periodic pass advances the saga; this message still acks
+        log.exception(
+            "nudging the sagas of %d operations failed",
+            len(operation_ids),
+            extra={"action": Action.SAGA_ADVANCE_FAILED, "operations": len(operation_ids)},
+        )
 
 
 def hand_back(task: Task, operation_ids: list[str]) -> None:

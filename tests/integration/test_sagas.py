@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import aio, approval, sql, transitions
 from outbox.config import get_settings
+from outbox.contracts import ContractTable
 from outbox.db import create_async_engine
 from outbox.errors import IntentConflict, InvalidIntent, SagaNotRunning
 from outbox.models import Operation
@@ -29,6 +30,8 @@ from outbox.reconcilers.sagas import (
 from outbox.sagas import Compensate, SagaState, SagaView
 from outbox.sql.columns import HELD_UNTIL
 from outbox.states import Actor, State
+from outbox.tools import Applied, ToolCall, ToolRegistry, tool
+from outbox.workers.dispatch import Outcome, dispatch
 from tests.factories import reload
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
@@ -741,3 +744,33 @@ def test_the_async_api_runs_the_same_saga(database_url: str, engine: Engine) -> 
     assert saga is not None
     assert saga.state is SagaState.CANCELLED
     assert [s.operation_id for s in saga.steps] == [op.id for op in ops]
+
+
+def test_the_dispatcher_sends_only_released_steps_and_reports_saga_outcomes(
+    engine: Engine,
+) -> None:
+    """A held step is not due for the dispatcher; a step's outcome is flagged for the nudge."""
+    calls: list[str] = []
+    registry = ToolRegistry(ContractTable())
+
+    def send(call: ToolCall) -> Applied:
+        calls.append(call.tool)
+        return Applied(f"ref-{call.operation_id}")
+
+    for name in ("x.a", "x.b"):
+        tool(name, timeout=2, send_deadline=2, inflight_horizon=60, registry=registry)(send)
+    steps = [
+        {"name": "a", "tool": "x.a", "target": "t", "payload": {}},
+        {"name": "b", "tool": "x.b", "target": "t", "payload": {}},
+    ]
+    a, b = open_saga(engine, "s-dispatch", steps)
+    assert dispatch(b.id, engine=engine, registry=registry).outcome is Outcome.NOT_DUE
+    report = dispatch(a.id, engine=engine, registry=registry)
+    assert (report.outcome, report.saga) == (Outcome.CONFIRMED, True)
+    assert nudge_sagas_of_and_commit(engine, [a.id]).advanced == 1
+    assert dispatch(b.id, engine=engine, registry=registry).outcome is Outcome.CONFIRMED
+    assert calls == ["x.a", "x.b"]
+    assert advance(engine, "s-dispatch") is SagaState.COMPLETED
+    with engine.begin() as conn:
+        plain = outbox.enqueue(conn, tool="x.a", target="t", payload={"plain": True})
+    assert dispatch(plain.id, engine=engine, registry=registry).saga is False
