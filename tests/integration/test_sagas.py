@@ -21,6 +21,7 @@ from outbox.config import get_settings
 from outbox.contracts import ContractTable
 from outbox.db import create_async_engine
 from outbox.errors import IntentConflict, InvalidIntent, SagaNotRunning
+from outbox.metrics import OutboxCollector
 from outbox.models import Operation
 from outbox.reconcilers.sagas import (
     advance_due_sagas_and_commit,
@@ -774,3 +775,59 @@ def test_the_dispatcher_sends_only_released_steps_and_reports_saga_outcomes(
     with engine.begin() as conn:
         plain = outbox.enqueue(conn, tool="x.a", target="t", payload={"plain": True})
     assert dispatch(plain.id, engine=engine, registry=registry).saga is False
+
+
+def test_retention_keeps_a_live_sagas_operations_and_prunes_a_finished_ones(
+    engine: Engine,
+) -> None:
+    """Prune skips the operations of a live saga; a finished saga's step keeps its row."""
+    windows = sql.retention.DedupWindows(dict.fromkeys(("x.a", "x.b", "x.c")))
+    steps = [
+        {"name": "a", "tool": "x.a", "target": "t", "payload": {}},
+        {"name": "b", "tool": "x.b", "target": "t", "payload": {}},
+    ]
+    a, b = open_saga(engine, "s-prune", steps)
+    finish(engine, a.id, State.CONFIRMED)
+    advance(engine, "s-prune")
+
+    def prune() -> int:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "UPDATE outbox.operations SET resolved_at = now() - interval '1 day'"
+                    " WHERE resolved_at IS NOT NULL"
+                )
+            )
+            return sql.retention.prune_terminal(conn, older_than_s=60, limit=100, windows=windows)
+
+    assert prune() == 0
+    finish(engine, b.id, State.CONFIRMED)
+    assert advance(engine, "s-prune") is SagaState.COMPLETED
+    assert prune() == 2
+    saga = view(engine, "s-prune")
+    assert [(s.name, s.operation_id, s.state) for s in saga.steps] == [
+        ("a", None, None),
+        ("b", None, None),
+    ]
+
+
+def test_the_metrics_count_sagas_by_state(engine: Engine) -> None:
+    """outbox_sagas reads every saga state, 0 for the empty ones."""
+    open_saga(engine, "s-metric-1", THREE[:1])
+    (only,) = open_saga(engine, "s-metric-2", THREE[:1])
+    finish(engine, only.id, State.FAILED)
+    advance(engine, "s-metric-2")
+    samples = {
+        sample.labels["state"]: sample.value
+        for family in OutboxCollector(engine).collect()
+        if family.name == "outbox_sagas"
+        for sample in family.samples
+    }
+    assert samples == {
+        "running": 1.0,
+        "compensating": 0.0,
+        "completed": 0.0,
+        "compensated": 1.0,
+        "needs_human": 0.0,
+        "cancelled": 0.0,
+    }
