@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -22,7 +23,7 @@ from outbox.contracts import ContractTable
 from outbox.db import create_async_engine
 from outbox.errors import IntentConflict, InvalidIntent, SagaNotRunning
 from outbox.metrics import OutboxCollector
-from outbox.models import Operation
+from outbox.models import Operation, iso_utc
 from outbox.reconcilers.sagas import (
     advance_due_sagas_and_commit,
     advance_saga_and_commit,
@@ -611,8 +612,11 @@ def test_a_held_step_approved_early_stays_held(engine: Engine) -> None:
     assert not is_held(engine, point.id)
 
 
-def test_a_held_step_awaiting_approval_gets_its_ttl_when_released(engine: Engine) -> None:
-    """A held step awaiting approval never expires while held; released, its TTL starts."""
+def test_a_held_step_awaiting_approval_gets_its_ttl_when_released(
+    engine: Engine, webhooks_on: None
+) -> None:
+    """A held step awaiting approval never expires while held; released, its TTL starts and
+    its approval is requested then, with that expiry."""
     require_approval(engine, "lb.point", ttl_s=600)
     release, point, _ = open_saga(engine, "s-ttl", THREE)
     with engine.begin() as conn:  # far past its TTL: still not expired, since it is held
@@ -632,6 +636,16 @@ def test_a_held_step_awaiting_approval_gets_its_ttl_when_released(engine: Engine
     assert released.state is State.AWAITING_APPROVAL
     assert released.approval_expires_at is not None
     assert released.approval_expires_at - released.available_at == timedelta(seconds=600)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT event, payload FROM outbox.webhook_deliveries"
+                " WHERE operation_id = :id ORDER BY created_at"
+            ),
+            {"id": point.id},
+        ).all()
+    assert [row[0] for row in rows] == ["approval_requested"]
+    assert rows[0][1]["data"]["approval_expires_at"] == iso_utc(released.approval_expires_at)
 
 
 # --- cancel_saga ----------------------------------------------------------------------------
@@ -719,7 +733,12 @@ def test_list_sagas_filters_by_state(engine: Engine) -> None:
     assert [s.key for s in everything] == ["s-list-2", "s-list-1"]
     assert [(s.key, s.steps) for s in compensated] == [("s-list-2", 1)]
     assert bad.value.field == "state"
-    assert view(engine, "s-list-2").to_dict()["steps"][0]["state"] == "failed"
+    shown = json.loads(json.dumps(view(engine, "s-list-2").to_dict()))  # the --json shape
+    assert shown["state"] == "compensated"
+    assert shown["steps"][0]["state"] == "failed"
+    assert shown["steps"][0]["compensate"]["payload"] == {"release": "{remote_ref}", "why": "undo"}
+    assert [e["to_state"] for e in shown["events"]] == ["running", "compensated"]
+    assert json.loads(json.dumps([s.to_dict() for s in everything]))[0]["key"] == "s-list-2"
 
 
 def test_the_async_api_runs_the_same_saga(database_url: str, engine: Engine) -> None:
