@@ -439,7 +439,11 @@ def _add_step(session: Executor, saga_key: str, request: _StepRequest) -> Operat
             field="group",
         )
     if joins_last:
-        release_now = steps[-1].released_at is not None
+        # Beside its group's released steps, unless one was refused already: then it is held
+        # and the saga's next pass cancels it with the other held steps.
+        release_now = steps[-1].released_at is not None and not any(
+            s.state in (State.FAILED, State.CANCELLED) for s in steps
+        )
     else:
         release_now = all(s.state is State.CONFIRMED for s in steps)
     # A held step awaiting approval is announced when it is released, with its real expiry.

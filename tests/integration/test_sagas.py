@@ -850,3 +850,15 @@ def test_the_metrics_count_sagas_by_state(engine: Engine) -> None:
         "needs_human": 0.0,
         "cancelled": 0.0,
     }
+
+
+def test_a_saga_held_by_another_transaction_is_skipped_not_waited_for(engine: Engine) -> None:
+    """While an agent's transaction adding a step holds the saga, a driver pass skips it."""
+    release, _, _ = open_saga(engine, "s-busy", THREE)
+    finish(engine, release.id, State.CONFIRMED)
+    with Session(engine) as session, session.begin():
+        outbox.saga(session, "s-busy").step(**THREE[0])  # takes the saga's row lock
+        assert advance_saga_and_commit(engine, "s-busy") is None
+        assert advance_due_sagas_and_commit(engine).busy == 1
+    assert advance(engine, "s-busy") is SagaState.RUNNING
+    assert [s.held for s in view(engine, "s-busy").steps] == [False, False, True]
