@@ -17,7 +17,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import aio, approval, sql, transitions
+from outbox import aio, approval, sagas, sql, transitions
 from outbox.config import get_settings
 from outbox.contracts import ContractTable
 from outbox.db import create_async_engine
@@ -862,3 +862,27 @@ def test_a_saga_held_by_another_transaction_is_skipped_not_waited_for(engine: En
         assert advance_due_sagas_and_commit(engine).busy == 1
     assert advance(engine, "s-busy") is SagaState.RUNNING
     assert [s.held for s in view(engine, "s-busy").steps] == [False, False, True]
+
+
+def test_a_pass_that_dies_before_its_commit_leaves_nothing_and_the_next_resumes(
+    engine: Engine,
+) -> None:
+    """A driver pass rolled back (its process killed before the commit) records nothing; the
+    next pass records the compensation once, and further passes never again."""
+    release, point = open_saga(engine, "s-crash", THREE[:2])
+    finish(engine, release.id, State.CONFIRMED)
+    advance(engine, "s-crash")
+    finish(engine, point.id, State.FAILED)
+    with engine.connect() as conn:
+        conn.begin()
+        done = sagas.advance(conn, "s-crash")
+        assert done is not None
+        assert done.state is SagaState.COMPENSATING
+        conn.rollback()  # what a SIGKILL before the commit leaves
+    assert compensations(engine, "s-crash") == []
+    assert state_of(engine, "s-crash") is SagaState.RUNNING
+    advance(engine, "s-crash")
+    nudge_sagas_of_and_commit(engine, [point.id])
+    advance_due_sagas_and_commit(engine)
+    (undo,) = compensations(engine, "s-crash")
+    assert undo.intent_key == "saga:s-crash:release:compensate"
