@@ -1,4 +1,5 @@
-"""The saga decision table (outbox.saga_rules) against a model of its own, with no database.
+"""The saga decision table (outbox.saga_rules) against a model of its own, with no database;
+also with the agent's cancel (outbox.cancel_saga) at a random moment.
 
 Hypothesis draws a saga (one to six steps, parallel groups, pivots, steps with and without a
 compensation) and a script of what the world does: each step's final outcome (confirmed or
@@ -225,6 +226,80 @@ def test_the_table_ends_where_the_model_says(steps: list[Step], data: st.DataObj
         assert sorted(confirmed_undos) == sorted(expected.compensated)
     if state is SagaState.COMPLETED:
         assert all(s.state is State.CONFIRMED for s in steps)
+
+
+def model_after_cancel(steps: list[Step]) -> Expected:
+    """The model's verdict for a cancelled saga, from which steps ended confirmed: a pivot
+    among them, a person; none, cancelled; else each compensable one undone in reverse, up
+    to the first refused undo."""
+    applied = [s for s in steps if s.state is State.CONFIRMED]
+    if any(s.pivot for s in applied):
+        return Expected(SagaState.NEEDS_HUMAN, [])
+    if not applied:
+        return Expected(SagaState.CANCELLED, [])
+    undone: list[str] = []
+    for s in reversed(applied):
+        if not s.compensable:
+            continue
+        undone.append(s.name)
+        if s.compensation_ending == "refused":
+            return Expected(SagaState.NEEDS_HUMAN, undone)
+    return Expected(SagaState.COMPENSATED, undone)
+
+
+def cancel(steps: list[Step]) -> SagaState:
+    """What outbox.cancel_saga does to the world: released steps nobody sent yet are
+    cancelled; the saga is compensating."""
+    for s in steps:
+        if not s.held and s.state is State.PLANNED:
+            s.state, s.path = State.CANCELLED, []
+    return SagaState.COMPENSATING
+
+
+@given(steps=sagas(), data=st.data())
+@settings(max_examples=300, deadline=None)
+def test_a_cancel_at_any_moment_ends_where_the_model_says(
+    steps: list[Step], data: st.DataObject
+) -> None:
+    """The agent's cancel at any moment of a running saga: nothing released after it, the
+    steps that ended confirmed undone in reverse order once each, cancelled if none did."""
+    by_name = {s.name: s for s in steps}
+    state = SagaState.RUNNING
+    cancelled = False
+    recorded: list[str] = []
+    for _ in range(500):
+        if state is SagaState.RUNNING and not cancelled and data.draw(st.booleans(), "cancel"):
+            cancelled, state = True, cancel(steps)
+        decision = decide(state, facts(steps), cancel_requested=cancelled)
+        if decision.kind is Kind.RELEASE:
+            assert not cancelled, "released after a cancel"
+            release(steps, decision.steps)
+        elif decision.kind is Kind.CANCEL_HELD:
+            for name in decision.steps:
+                by_name[name].state = State.CANCELLED
+        elif decision.kind is Kind.COMPENSATE:
+            (name,) = decision.steps
+            assert not in_doubt(steps), "compensated while a step was in doubt"
+            assert name not in recorded, "compensated twice"
+            recorded.append(name)
+            undone = by_name[name]
+            undone.compensation = State.PLANNED
+            undone.compensation_path = compensation_path(undone.compensation_ending)
+        elif decision.kind is Kind.MOVE:
+            assert decision.to_state is not None
+            state = decision.to_state
+            if state in FINAL_SAGA_STATES:
+                break
+        elif decision.kind is Kind.NOTHING or not move_one(steps, data):
+            break
+    else:
+        raise AssertionError("the table never settled")
+    if not cancelled:
+        assert (state, recorded) == (model(steps).state, model(steps).compensated)
+        return
+    expected = model_after_cancel(steps)
+    assert (state, recorded) == (expected.state, expected.compensated)
+    assert all(s.state in (State.CONFIRMED, State.FAILED, State.CANCELLED) for s in steps)
 
 
 def test_a_step_in_doubt_holds_a_refused_saga() -> None:
