@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -886,3 +887,33 @@ def test_a_pass_that_dies_before_its_commit_leaves_nothing_and_the_next_resumes(
     advance_due_sagas_and_commit(engine)
     (undo,) = compensations(engine, "s-crash")
     assert undo.intent_key == "saga:s-crash:release:compensate"
+
+
+def test_agents_racing_on_one_saga_end_with_one_saga_and_one_operation_per_step(
+    engine: Engine,
+) -> None:
+    """Several agents opening one saga and adding the same steps at once: one of each."""
+    results: list[list[UUID]] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def agent() -> None:
+        try:
+            start.wait(timeout=10)
+            results.append([op.id for op in open_saga(engine, "s-race", THREE)])
+        except BaseException as exc:  # noqa: BLE001 -- reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=agent) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == []
+    assert len({tuple(ids) for ids in results}) == 1
+    assert len(view(engine, "s-race").steps) == 3
+    with engine.connect() as conn:
+        count = conn.execute(
+            text("SELECT count(*) FROM outbox.operations WHERE metadata->>'saga' = 's-race'")
+        ).scalar_one()
+    assert count == 3
