@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from outbox.contracts import ContractTable
-from outbox.dev.tool_config import TOOL, http_tool_toml
+from outbox.dev.tool_config import ROLLBACK_TOOL, TOOL, http_tool_toml, rollback_tool_toml
 from outbox.tools import ToolRegistry
 from outbox.tools.http import load_http_tools
 
-__all__ = ["TOOL", "http_registry", "http_tool_toml"]
+__all__ = ["ROLLBACK_TOOL", "TOOL", "http_registry", "http_tool_toml", "rollback_tool_toml"]
 
 #: What the tests' tool uses unless a test says otherwise: short, so faults resolve quickly.
 DEFAULTS: dict[str, Any] = {

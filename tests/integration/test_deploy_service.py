@@ -1,8 +1,10 @@
-"""The reference remote service over real HTTP: releases, dedup, lookups, faults, its CLI."""
+"""The reference remote service over real HTTP: releases, rollbacks, dedup, lookups, faults,
+its CLI."""
 
 from __future__ import annotations
 
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -192,6 +194,110 @@ def test_lookup_finds_the_first_release_for_a_key_or_answers_404(
     assert other_target.status_code == 404
 
 
+def post_rollback(
+    http: httpx.Client, key: str, release: Any, target: str = "web", **headers: str
+) -> httpx.Response:
+    """POST the rollback of ``release`` with ``key`` as its idempotency key."""
+    body = {"release": release, "why": "undo"}
+    return http.post(
+        f"/projects/{target}/rollbacks", json=body, headers={"Idempotency-Key": key, **headers}
+    )
+
+
+def test_a_rollback_of_a_release_is_a_rollback_effect_after_it_in_the_ledger(
+    service: DeployService, client: httpx.Client
+) -> None:
+    """A rollback naming a release of its target answers 201 and is recorded as a ``rollback``
+    effect (``rb-N``), after the release in the ledger's one order."""
+    release = post_release(client, "op-1").json()
+    response = post_rollback(client, "undo-1", release["id"])
+
+    assert response.status_code == 201
+    rollback = response.json()
+    assert rollback["id"].startswith("rb-")
+    assert (rollback["kind"], rollback["target"], rollback["key"]) == ("rollback", "web", "undo-1")
+    assert rollback["payload"] == {"release": release["id"], "why": "undo"}
+    assert release["kind"] == "release"
+    assert [e.to_dict() for e in service.ledger()] == [release, rollback]
+    assert [e.kind for e in service.ledger()] == ["release", "rollback"]
+    assert client.get("/_stats").json()["rolled_back"] == 1
+
+
+def test_a_rollback_twice_without_dedup_is_two_effects_with_dedup_one(start: Start) -> None:
+    """Without a dedup window a rollback sent twice with one key is two effects (a duplicate
+    shows); with one, the second answers the first, replayed."""
+    for window, expected in ((None, 2), (60.0, 1)):
+        service = start(dedup_window_s=window)
+        with httpx.Client(base_url=service.url) as http:
+            ref = post_release(http, "op-1").json()["id"]
+            first, second = (post_rollback(http, "undo-1", ref) for _ in range(2))
+        assert first.status_code == 201
+        assert second.status_code == (201 if window is None else 200)
+        assert service.effects_by_key() == {"op-1": 1, "undo-1": expected}
+
+
+@pytest.mark.parametrize(
+    ("release", "status"),
+    [
+        ("rel-999", 422),  # no such release
+        (None, 422),  # the release of another target (its id, filled in below)
+        ("rb-1", 422),  # a rollback is not a release
+        ("", 400),
+        (7, 400),
+    ],
+    ids=["unknown", "other-target", "not-a-release", "empty", "not-a-string"],
+)
+def test_a_rollback_of_no_release_of_its_target_is_refused_and_commits_nothing(
+    service: DeployService, client: httpx.Client, release: Any, status: int
+) -> None:
+    """A rollback naming no release of its target answers 422, a malformed one 400; neither
+    commits an effect."""
+    ref = post_release(client, "op-1", target="api").json()["id"]
+    response = post_rollback(client, "undo-1", ref if release is None else release)
+
+    assert response.status_code == status
+    assert service.effects_by_key() == {"op-1": 1}
+
+
+def test_a_rollback_takes_the_faults_of_a_create(
+    service: DeployService, client: httpx.Client
+) -> None:
+    """A rollback's payload ``_fault``, header or armed key faults it as it faults a create:
+    a refusal commits nothing, commit_then_timeout commits."""
+    ref = post_release(client, "op-1").json()["id"]
+    refused = client.post(
+        "/projects/web/rollbacks",
+        json={"release": ref, "_fault": "reject_422"},
+        headers={"Idempotency-Key": "undo-1"},
+    )
+    service.faults.arm_key("undo-2", "commit_then_timeout", 1)
+    with (
+        httpx.Client(base_url=service.url, timeout=0.5) as http,
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        post_rollback(http, "undo-2", ref)
+
+    assert (refused.status_code, refused.json()) == (422, {"error": "rejected"})
+    assert service.effects_by_key() == {"op-1": 1, "undo-2": 1}
+
+
+def test_a_rollback_lookup_finds_rollbacks_only(
+    service: DeployService, client: httpx.Client
+) -> None:
+    """The rollbacks' lookup by key answers the first rollback with that key, 404 for a key
+    only a release has (and the releases' lookup does not see rollbacks)."""
+    ref = post_release(client, "op-1").json()["id"]
+    rollback = post_rollback(client, "undo-1", ref).json()
+
+    found = client.get("/projects/web/rollbacks/by-key/undo-1")
+    release_key = client.get("/projects/web/rollbacks/by-key/op-1")
+    as_release = client.get("/projects/web/releases/by-key/undo-1")
+
+    assert (found.status_code, found.json()) == (200, rollback)
+    assert (release_key.status_code, release_key.json()) == (404, {"error": "no rollback for key"})
+    assert as_release.status_code == 404
+
+
 def test_lookup_answers_501_when_disabled(start: Start) -> None:
     """A service started without lookups answers 501 to every lookup."""
     service = start(lookup_enabled=False)
@@ -368,6 +474,32 @@ def test_the_ledger_survives_a_restart_when_kept_in_a_file(start: Start, tmp_pat
     assert (replay.status_code, replay.json()["id"]) == (200, ids[0])
     assert new.json()["id"] not in ids
     assert lookup.json()["id"] == ids[1]
+
+
+def test_a_ledger_file_from_before_rollbacks_opens_with_its_effects_as_releases(
+    start: Start, tmp_path: Path
+) -> None:
+    """A ledger file written without the ``kind`` column opens: its effects are releases, and
+    rollbacks are recorded after them."""
+    ledger = tmp_path / "ledger.sqlite"
+    with sqlite3.connect(ledger) as db:
+        db.execute(
+            "CREATE TABLE effects (seq INTEGER PRIMARY KEY AUTOINCREMENT, target TEXT NOT NULL,"
+            " key TEXT NOT NULL, payload TEXT NOT NULL, created_at REAL NOT NULL)"
+        )
+        db.execute(
+            "INSERT INTO effects (target, key, payload, created_at) VALUES ('web', 'op-1', '{}', 1)"
+        )
+    db.close()
+    service = start(ledger_path=ledger)
+    with httpx.Client(base_url=service.url) as http:
+        rollback = post_rollback(http, "undo-1", "rel-1")
+
+    assert rollback.status_code == 201
+    assert [(e.id, e.kind) for e in service.ledger()] == [
+        ("rel-1", "release"),
+        ("rb-2", "rollback"),
+    ]
 
 
 def test_the_idempotency_header_name_is_configurable(start: Start) -> None:

@@ -1,4 +1,5 @@
-"""The reference remote service: releases keyed by an idempotency key, with injectable faults.
+"""The reference remote service: releases keyed by an idempotency key, their rollbacks (the
+undo a saga's compensation calls), with injectable faults.
 
 A real HTTP server, standard library only, that tests, the demo and the benchmarks use as the
 remote whose behaviour the outbox must survive. It keeps a ledger of every effect it ever
@@ -9,8 +10,9 @@ Times (``created_at``, the dedup window) are the service's own clock, as for any
 a background thread; ``outbox dev deploy-service`` runs it in the foreground (its one command
 line). One job per module:
 
-* :mod:`~outbox.dev.service.ledger`: the effects committed, in SQLite;
-* :mod:`~outbox.dev.service.faults`: which fault each create request gets;
+* :mod:`~outbox.dev.service.ledger`: the effects committed (releases, rollbacks), in SQLite;
+* :mod:`~outbox.dev.service.faults`: which fault each create request (release or rollback)
+  gets;
 * :mod:`~outbox.dev.service.stats`: request counts by outcome;
 * :mod:`~outbox.dev.service.http`: the HTTP interface (routes, answers, resets);
 * :mod:`~outbox.dev.service.service`: :class:`DeployService`, which puts them together.
@@ -18,7 +20,7 @@ line). One job per module:
 
 from outbox.dev.service.errors import DeployServiceError
 from outbox.dev.service.faults import FAULT_MODES, FaultMode, parse_fault_rates
-from outbox.dev.service.ledger import Effect
+from outbox.dev.service.ledger import Effect, EffectKind
 from outbox.dev.service.service import (
     DEFAULT_FAULT_DELAY_S,
     DEFAULT_PORT,
@@ -33,6 +35,7 @@ __all__ = [
     "DeployService",
     "DeployServiceError",
     "Effect",
+    "EffectKind",
     "FaultMode",
     "parse_fault_rates",
     "serve",

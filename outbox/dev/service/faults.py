@@ -1,6 +1,7 @@
 """Which fault, if any, each create request of the reference service gets.
 
-Faults apply to ``POST .../releases`` only:
+Faults apply to ``POST .../releases`` and ``POST .../rollbacks`` (lookups and the rest never
+fault):
 
 * ``commit_then_timeout``: commit, then wait ``delay_s`` before answering, so the caller's
   timeout fires first; ``commit_then_reset``: commit, then reset the connection (SO_LINGER 0)

@@ -4,17 +4,25 @@ JSON in and out, HTTP/1.1 keep-alive, every answer has a Content-Length:
 
 ``POST /projects/{target}/releases``
     Header ``Idempotency-Key`` (the name is configurable) and a JSON body, the payload. Creates
-    one effect and answers 201 ``{id, target, key, payload, created_at}``; 400 without a key or
-    when the body is not JSON. With a dedup window, the same key with the same target and
-    payload (compared as canonical JSON) within the window of the key's latest effect answers
-    200 with that release and ``Idempotent-Replayed: true``; the same key with anything else
-    answers 422 and commits nothing. Without a window every POST creates an effect, even with a
+    one release and answers 201 ``{id, kind, target, key, payload, created_at}`` (``id``
+    ``rel-N``, ``kind`` ``release``); 400 without a key or when the body is not JSON. With a
+    dedup window, the same key with the same target and payload (compared as canonical JSON)
+    within the window of the key's latest effect answers 200 with that release and
+    ``Idempotent-Replayed: true``; the same key with anything else answers 422 and commits
+    nothing. Without a window every POST creates an effect, even with a
     key already seen: that is how tests detect duplicates.
-``GET /projects/{target}/releases/by-key/{key}``
-    200 and the first release with that key for that target, 404 if none, 501 when lookups
-    are disabled.
-``GET /ledger`` (every effect, in commit order), ``GET /ledger/duplicates`` (keys with more
-than one effect), ``DELETE /ledger`` (forget every effect and reset the stats).
+``POST /projects/{target}/rollbacks``
+    The undo of a release: the same header and a JSON object naming the release,
+    ``{"release": "rel-N", ...}`` (400 without it). Records a ``rollback`` effect (``id``
+    ``rb-N``) and answers 201, exactly as a create does: the same dedup window, the same faults
+    (including the payload's ``_fault``), so without a window a rollback sent twice is two
+    effects in the ledger. 422 when the target has no such release (nothing committed). A
+    release may be rolled back under several keys: each is an effect, so a duplicate undo shows.
+``GET /projects/{target}/releases/by-key/{key}`` (and ``.../rollbacks/by-key/{key}``)
+    200 and the first release (rollback) with that key for that target, 404 if none, 501 when
+    lookups are disabled.
+``GET /ledger`` (every effect of both kinds, in commit order), ``GET /ledger/duplicates``
+(keys with more than one effect), ``DELETE /ledger`` (forget every effect and reset the stats).
 ``GET /health``, ``GET /_stats`` (counts by outcome).
 ``GET /_faults``, ``POST /_faults``, ``DELETE /_faults``, ``POST /_faults/keys/{key}``
 (see :mod:`outbox.dev.service.faults`).
@@ -40,7 +48,7 @@ from urllib.parse import unquote, urlsplit
 from outbox.canonical import NotCanonicalizable, canonical_json
 from outbox.dev.service.errors import DeployServiceError
 from outbox.dev.service.faults import FaultMode, Faults, fault_mode
-from outbox.dev.service.ledger import Effect, Ledger, LedgerClosed
+from outbox.dev.service.ledger import Effect, EffectKind, Ledger, LedgerClosed, Outcome
 from outbox.dev.service.stats import Stats
 
 
@@ -191,10 +199,13 @@ class _Handler(BaseHTTPRequestHandler):
         service = self.server.service
         parts = tuple(unquote(part) for part in urlsplit(self.path).path.strip("/").split("/"))
         match (self.command, parts):
-            case ("POST", ("projects", str(target), "releases")) if target:
-                return self._create(target, body)
-            case ("GET", ("projects", str(target), "releases", "by-key", str(key))) if key:
-                return self._lookup(target, key)
+            case ("POST", ("projects", str(target), "releases" | "rollbacks" as kinds)) if target:
+                return self._create(target, body, _KINDS[kinds])
+            case (
+                "GET",
+                ("projects", str(target), "releases" | "rollbacks" as kinds, "by-key", str(key)),
+            ) if key:
+                return self._lookup(target, key, _KINDS[kinds])
             case ("GET", ("health",)):
                 return _Reply(200, {"status": "ok"})
             case ("GET", ("ledger",)):
@@ -221,7 +232,7 @@ class _Handler(BaseHTTPRequestHandler):
             case _:
                 raise _HttpError(404, f"no route {self.command} {self.path}")
 
-    def _create(self, target: str, body: bytes) -> _Reply:
+    def _create(self, target: str, body: bytes, kind: EffectKind) -> _Reply:
         service = self.server.service
         key = self.headers.get(service.idempotency_header)
         if not key:
@@ -229,12 +240,15 @@ class _Handler(BaseHTTPRequestHandler):
             raise _HttpError(400, f"missing {service.idempotency_header} header")
         service.note_arrival(key)
         with service.handling(key, target):
-            return self._create_keyed(service, target, key, body)
+            return self._create_keyed(service, target, key, body, kind)
 
-    def _create_keyed(self, service: ServedService, target: str, key: str, body: bytes) -> _Reply:
+    def _create_keyed(  # noqa: PLR0911 - one return per answer (a fault's, a refusal's)
+        self, service: ServedService, target: str, key: str, body: bytes, kind: EffectKind
+    ) -> _Reply:
         try:
             payload = _parse_json(body, "the body")
             text = _canonical_text(payload)
+            undone = _rolled_back(payload) if kind == "rollback" else None
             fault = service.faults.choose(key, self._requested_fault(payload))
         except _HttpError:
             service.stats.add("rejected.bad_body")
@@ -247,14 +261,12 @@ class _Handler(BaseHTTPRequestHandler):
             return _Reply(422, {"error": "rejected"})
         if fault == "slow" and not self._pause():
             return _DROP
-        outcome, effect = service.store().record(target, key, text, service.dedup_window_s)
-        service.stats.add("rejected.key_reused" if outcome == "key_reused" else outcome)
-        if outcome == "key_reused":
-            reply = _Reply(422, {"error": "key reused with another payload"})
-        elif outcome == "deduplicated":
-            reply = _Reply(200, effect.to_dict(), {"Idempotent-Replayed": "true"})
-        else:
-            reply = _Reply(201, effect.to_dict())
+        if undone is not None and service.store().release(target, undone) is None:
+            service.stats.add("rejected.unknown_release")
+            return _Reply(422, {"error": f"no release {undone} in project {target}"})
+        reply = _recorded(
+            service, *service.store().record(target, key, text, service.dedup_window_s, kind)
+        )
         if fault == "commit_then_reset":
             return _RESET
         if fault == "commit_then_timeout":
@@ -272,15 +284,15 @@ class _Handler(BaseHTTPRequestHandler):
             raise _HttpError(400, str(exc)) from exc
         return None
 
-    def _lookup(self, target: str, key: str) -> _Reply:
+    def _lookup(self, target: str, key: str, kind: EffectKind) -> _Reply:
         service = self.server.service
         if not service.lookup_enabled:
             service.stats.add("lookups.disabled")
             return _Reply(501, {"error": "lookup disabled"})
-        effect = service.store().first(target, key)
+        effect = service.store().first(target, key, kind)
         service.stats.add("lookups.missing" if effect is None else "lookups.found")
         if effect is None:
-            return _Reply(404, {"error": "no release for key"})
+            return _Reply(404, {"error": f"no {kind} for key"})
         return _Reply(200, effect.to_dict())
 
     def _configure_faults(self, body: bytes) -> _Reply:
@@ -342,6 +354,30 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")  # also sets close_connection
         self.end_headers()
         self.wfile.write(body)
+
+
+#: The effect kind of each path's collection.
+_KINDS: dict[str, EffectKind] = {"releases": "release", "rollbacks": "rollback"}
+
+
+def _recorded(service: ServedService, outcome: Outcome, effect: Effect) -> _Reply:
+    """The answer to a recorded request, counted in the stats."""
+    if outcome == "key_reused":
+        service.stats.add("rejected.key_reused")
+        return _Reply(422, {"error": "key reused with another payload"})
+    if outcome == "deduplicated":
+        service.stats.add("deduplicated")
+        return _Reply(200, effect.to_dict(), {"Idempotent-Replayed": "true"})
+    service.stats.add("created" if effect.kind == "release" else "rolled_back")
+    return _Reply(201, effect.to_dict())
+
+
+def _rolled_back(payload: Any) -> str:
+    """The release a rollback's body names (``{"release": "rel-N"}``), or 400."""
+    release = payload.get("release") if isinstance(payload, dict) else None
+    if not isinstance(release, str) or not release:
+        raise _HttpError(400, 'a rollback names its release: {"release": "rel-N", ...}')
+    return release
 
 
 def _duplicates(effects: Sequence[Effect]) -> dict[str, Any]:

@@ -1,4 +1,9 @@
-"""The reference service's ledger: every effect it committed, in SQLite."""
+"""The reference service's ledger: every effect it committed, in SQLite.
+
+Two kinds of effect share one sequence, so their order is the order they were committed in:
+a ``release`` (``POST /projects/{target}/releases``, id ``rel-N``) and a ``rollback`` of one
+(``POST /projects/{target}/rollbacks``, id ``rb-N``).
+"""
 
 from __future__ import annotations
 
@@ -13,24 +18,32 @@ from typing import Any, Literal
 
 from outbox.dev.service.errors import DeployServiceError
 
-#: What recording a create request did.
+#: What recording a request did.
 Outcome = Literal["created", "deduplicated", "key_reused"]
+#: What an effect is: a release created, or a release rolled back.
+EffectKind = Literal["release", "rollback"]
+#: The id prefix of each kind: ``rel-3``, ``rb-4`` (one sequence for both).
+_PREFIXES: dict[str, EffectKind] = {"rel": "release", "rb": "rollback"}
+_PREFIX_OF: dict[EffectKind, str] = {kind: prefix for prefix, kind in _PREFIXES.items()}
 
 
 @dataclass(frozen=True, slots=True)
 class Effect:
-    """One release the service committed: the remote's side of an action."""
+    """One effect the service committed (a release, or a rollback of one): the remote's side
+    of an action."""
 
     id: str
     target: str
     key: str
     payload: Any
     created_at: str
+    kind: EffectKind = "release"
 
     def to_dict(self) -> dict[str, Any]:
-        """The release as the service answers it."""
+        """The effect as the service answers it."""
         return {
             "id": self.id,
+            "kind": self.kind,
             "target": self.target,
             "key": self.key,
             "payload": self.payload,
@@ -48,25 +61,33 @@ CREATE TABLE IF NOT EXISTS effects (
     target TEXT NOT NULL,
     key TEXT NOT NULL,
     payload TEXT NOT NULL,                  -- canonical JSON
-    created_at REAL NOT NULL                -- seconds since the epoch, the service's clock
+    created_at REAL NOT NULL,               -- seconds since the epoch, the service's clock
+    kind TEXT NOT NULL DEFAULT 'release'    -- 'release' or 'rollback'
 );
 CREATE INDEX IF NOT EXISTS effects_by_key ON effects (key, seq);
 """
+# A ledger file written before rollbacks existed has no kind: every effect in it is a release.
+_COLUMNS = "SELECT name FROM pragma_table_info('effects')"
+_ADD_KIND = "ALTER TABLE effects ADD COLUMN kind TEXT NOT NULL DEFAULT 'release'"
 # Each statement written out whole: no SQL is built from strings, even here.
 _LATEST_OF_KEY = (
-    "SELECT seq, target, key, payload, created_at FROM effects "
-    "WHERE key = ? ORDER BY seq DESC LIMIT 1"
+    "SELECT seq, target, key, payload, created_at, kind FROM effects "
+    "WHERE key = ? AND kind = ? ORDER BY seq DESC LIMIT 1"
 )
 _FIRST_OF_TARGET_AND_KEY = (
-    "SELECT seq, target, key, payload, created_at FROM effects "
-    "WHERE key = ? AND target = ? ORDER BY seq LIMIT 1"
+    "SELECT seq, target, key, payload, created_at, kind FROM effects "
+    "WHERE key = ? AND target = ? AND kind = ? ORDER BY seq LIMIT 1"
 )
-_ALL = "SELECT seq, target, key, payload, created_at FROM effects ORDER BY seq"
-_INSERT = "INSERT INTO effects (target, key, payload, created_at) VALUES (?, ?, ?, ?)"
+_BY_SEQ = (
+    "SELECT seq, target, key, payload, created_at, kind FROM effects "
+    "WHERE seq = ? AND target = ? AND kind = ?"
+)
+_ALL = "SELECT seq, target, key, payload, created_at, kind FROM effects ORDER BY seq"
+_INSERT = "INSERT INTO effects (target, key, payload, created_at, kind) VALUES (?, ?, ?, ?, ?)"
 _COUNTS_BY_KEY = "SELECT key, count(*) FROM effects GROUP BY key ORDER BY min(seq)"
 _CLEAR = "DELETE FROM effects"
-#: A row of the three reads above.
-_Row = tuple[int, str, str, str, float]
+#: A row of the reads above.
+_Row = tuple[int, str, str, str, float, str]
 
 
 class Ledger:
@@ -91,31 +112,53 @@ class Ledger:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            if "kind" not in {name for (name,) in self._db.execute(_COLUMNS)}:
+                self._db.execute(_ADD_KIND)
         except sqlite3.Error as exc:
             raise DeployServiceError(f"cannot open the ledger {path}: {exc}") from exc
 
     def record(
-        self, target: str, key: str, payload: str, window_s: float | None
+        self,
+        target: str,
+        key: str,
+        payload: str,
+        window_s: float | None,
+        kind: EffectKind = "release",
     ) -> tuple[Outcome, Effect]:
-        """Commit a new effect, or with a window return the key's effect still inside it."""
+        """Commit a new effect of ``kind``, or with a window return the key's effect of that
+        kind still inside it."""
         with self._lock:
             self._check_open()
             now = time.time()
             if window_s is not None:
-                row: _Row | None = self._db.execute(_LATEST_OF_KEY, (key,)).fetchone()
+                row: _Row | None = self._db.execute(_LATEST_OF_KEY, (key, kind)).fetchone()
                 if row is not None and now - row[4] < window_s:
                     same = row[1] == target and row[3] == payload
                     return ("deduplicated" if same else "key_reused"), _effect(row)
-            cursor = self._db.execute(_INSERT, (target, key, payload, now))
+            cursor = self._db.execute(_INSERT, (target, key, payload, now, kind))
             seq = cursor.lastrowid
         assert seq is not None  # noqa: S101 - sqlite sets it after an INSERT
-        return "created", _effect((seq, target, key, payload, now))
+        return "created", _effect((seq, target, key, payload, now, kind))
 
-    def first(self, target: str, key: str) -> Effect | None:
-        """The first effect with this key for this target, if any."""
+    def first(self, target: str, key: str, kind: EffectKind = "release") -> Effect | None:
+        """The first effect of ``kind`` with this key for this target, if any."""
         with self._lock:
             self._check_open()
-            row: _Row | None = self._db.execute(_FIRST_OF_TARGET_AND_KEY, (key, target)).fetchone()
+            row: _Row | None = self._db.execute(
+                _FIRST_OF_TARGET_AND_KEY, (key, target, kind)
+            ).fetchone()
+        return None if row is None else _effect(row)
+
+    def release(self, target: str, release_id: str) -> Effect | None:
+        """The release ``release_id`` (``rel-N``) of ``target``, if the service created it."""
+        prefix, _, number = release_id.partition("-")
+        if _PREFIXES.get(prefix) != "release" or not number.isdecimal():
+            return None
+        with self._lock:
+            self._check_open()
+            row: _Row | None = self._db.execute(
+                _BY_SEQ, (int(number), target, "release")
+            ).fetchone()
         return None if row is None else _effect(row)
 
     def effects(self) -> list[Effect]:
@@ -151,6 +194,7 @@ class Ledger:
 
 
 def _effect(row: _Row) -> Effect:
-    seq, target, key, payload, created_at = row
+    seq, target, key, payload, created_at, stored_kind = row
+    kind: EffectKind = "rollback" if stored_kind == "rollback" else "release"
     stamp = datetime.fromtimestamp(created_at, UTC).isoformat(timespec="microseconds")
-    return Effect(f"rel-{seq}", target, key, json.loads(payload), stamp)
+    return Effect(f"{_PREFIX_OF[kind]}-{seq}", target, key, json.loads(payload), stamp, kind)

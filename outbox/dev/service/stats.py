@@ -12,7 +12,7 @@ from outbox.dev.service.faults import FAULT_MODES
 class Stats:
     """Request counts by outcome, for ``GET /_stats`` and benchmarks."""
 
-    _REJECTED = ("missing_key", "bad_body", "key_reused")
+    _REJECTED = ("missing_key", "bad_body", "key_reused", "unknown_release")
     _LOOKUPS = ("found", "missing", "disabled")
 
     def __init__(self) -> None:
@@ -20,7 +20,7 @@ class Stats:
         self._counts: Counter[str] = Counter()
 
     def add(self, name: str) -> None:
-        """Count one ``name`` (``created``, ``rejected.bad_body``, ``faulted.slow``, ...)."""
+        """Count one ``name`` (``created``, ``rolled_back``, ``rejected.bad_body``, ...)."""
         with self._lock:
             self._counts[name] += 1
 
@@ -36,6 +36,7 @@ class Stats:
         return {
             "requests": counts["requests"],
             "created": counts["created"],
+            "rolled_back": counts["rolled_back"],
             "deduplicated": counts["deduplicated"],
             "rejected": {name: counts[f"rejected.{name}"] for name in self._REJECTED},
             "faulted": {mode: counts[f"faulted.{mode}"] for mode in FAULT_MODES},
