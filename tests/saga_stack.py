@@ -52,19 +52,22 @@ def tools_toml(url: str, **settings: Any) -> str:
 
 
 def stack_env(
-    database_url: str, broker: str, tmp_path: Path, url: str, **more: str
+    database_url: str, broker: str | None, tmp_path: Path, url: str, **more: str
 ) -> dict[str, str]:
-    """The environment of every process of a saga stack on the service at ``url``."""
+    """The environment of every process of a saga stack on the service at ``url``
+    (``broker`` ``None``: the database broker)."""
     config = tmp_path / "tools.toml"
     config.write_text(tools_toml(url), encoding="utf-8")
-    return clean_environment(
+    env = clean_environment(
         OUTBOX_DATABASE_URL=database_url,
-        OUTBOX_BROKER_URL=broker,
         OUTBOX_CONFIG=str(config),
         OUTBOX_HOME=str(tmp_path / "home"),
         **STACK_ENV,
         **more,
     )
+    if broker is not None:
+        env["OUTBOX_BROKER_URL"] = broker
+    return env
 
 
 @dataclass(frozen=True)
