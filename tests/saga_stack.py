@@ -27,12 +27,14 @@ __all__ = ["ROLLBACK_TOOL", "TOOL"]
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(96, 128))).decode()
 #: Every process of a saga stack: short timeouts so a lost dispatcher is found in seconds,
-#: and a sweep (which also advances due sagas) every second.
+#: a sweep (which also advances due sagas) every second, and a lookup lost with a killed
+#: worker (the database broker does not redeliver it) routed again after 5 s, not 60.
 STACK_ENV = {
     "OUTBOX_SENT_TIMEOUT": "2",
     "OUTBOX_SENT_MAX_AGE": "60",
     "OUTBOX_SWEEP_INTERVAL": "1",
     "OUTBOX_REPUBLISH_AFTER": "2",
+    "OUTBOX_LOOKUP_LEASE": "5",
 }
 #: Both tools' settings: a 1 s call inside a 1 s send deadline; the in-flight horizon is the
 #: smallest the contract allows (send deadline + timeout + 5 s), so "not applied" is provable

@@ -18,6 +18,10 @@ import httpx
 import pytest
 
 from outbox.dev.service import DeployService
+from outbox.dev.tool_config import ROLLBACK_TOOL, rollback_tool_toml
+from outbox.tools import Applied, NotApplied, Rejected, ToolCall
+from outbox.tools.http import load_http_tools
+from outbox.tools.invoke import run_dispatch, run_lookup
 
 REPO = Path(__file__).resolve().parents[2]
 PAYLOAD: dict[str, Any] = {"version": "1.2.3", "notes": ["fix"]}
@@ -296,6 +300,34 @@ def test_a_rollback_lookup_finds_rollbacks_only(
     assert (found.status_code, found.json()) == (200, rollback)
     assert (release_key.status_code, release_key.json()) == (404, {"error": "no rollback for key"})
     assert as_release.status_code == 404
+
+
+def test_the_declared_rollback_tool_rolls_back_and_finds_its_rollback_by_key(
+    service: DeployService, client: httpx.Client, tmp_path: Path
+) -> None:
+    """``deploy.rollback_release`` as the outbox calls it: applied with the rollback's id,
+    found again by its lookup, refused for a release the target lacks."""
+    config = tmp_path / "tools.toml"
+    config.write_text(rollback_tool_toml(service.url, timeout_s=2.0), encoding="utf-8")
+    (rollback,) = load_http_tools(config)
+    ref = post_release(client, "op-1").json()["id"]
+
+    def call(key: str, release: str) -> ToolCall:
+        return ToolCall(key, key, ROLLBACK_TOOL, "web", {"release": release}, 1, 2.0)
+
+    applied = run_dispatch(rollback, call("undo-1", ref))
+    found = run_lookup(rollback, call("undo-1", ref))
+    missing = run_lookup(rollback, call("undo-2", ref))
+    refused = run_dispatch(rollback, call("undo-3", "rel-999"))
+
+    assert rollback.name == ROLLBACK_TOOL
+    assert isinstance(applied, Applied)
+    assert applied.remote_ref.startswith("rb-")
+    assert isinstance(found, Applied)
+    assert found.remote_ref == applied.remote_ref
+    assert isinstance(missing, NotApplied)
+    assert isinstance(refused, Rejected)
+    assert service.effects_by_key() == {"op-1": 1, "undo-1": 1}
 
 
 def test_lookup_answers_501_when_disabled(start: Start) -> None:
