@@ -95,8 +95,9 @@ def deploy_service_command(
     """Run the reference remote service in the foreground until Ctrl-C or SIGTERM.
 
     It creates releases at `POST /projects/{target}/releases`, keyed by an idempotency
-    header, and keeps a ledger of every effect (`GET /ledger`) so a run can check that no
-    action happened twice. Faults are injected by rate (`--fault-rate`), per request
+    header, rolls them back at `POST /projects/{target}/rollbacks` (`{"release": "rel-N"}`),
+    and keeps a ledger of every effect (`GET /ledger`) so a run can check that no action
+    happened twice. Faults are injected by rate (`--fault-rate`), per request
     (`X-Fault` header) or per key (`POST /_faults/keys/{key}`). Prints one line with its URL.
     """
     try:
