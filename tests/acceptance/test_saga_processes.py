@@ -1,7 +1,8 @@
 """Sagas with real processes (relay, Celery workers, beat) against the reference service, whose
 ledger judges: a refused step undoes the confirmed ones before it, once each and in reverse
 order; an undecided step holds the undo until a lookup or an operator decides it; a confirmed
-pivot turns a later refusal into a person's decision; a saga without refusal completes."""
+pivot, or a refused undo, turns a refusal into a person's decision; a saga without refusal
+completes."""
 
 from __future__ import annotations
 
@@ -234,41 +235,77 @@ def test_an_undecided_step_holds_the_undo_until_a_lookup_or_an_operator_decides_
 
 
 @pytest.mark.timeout(180)
-def test_a_refusal_after_a_confirmed_pivot_needs_a_human_and_undoes_nothing(
+def test_a_refusal_after_a_confirmed_pivot_or_a_refused_undo_needs_a_human(
     engine: Engine, service: DeployService, receiver: SignedReceiver, stack: Services
 ) -> None:
-    """A third step refused after a confirmed pivot leaves the saga `needs_human` with the
-    pivot named, nothing rolled back, and one signed saga.needs_human webhook."""
-    steps = [
-        Step("release", "web"),
-        Step("migrate", "db", pivot=True),
-        Step("announce", "chat", REFUSED),
-    ]
-    ops = open_saga(engine, "pivot", steps)
-    wait_until(
-        lambda: _state(engine, "pivot") is SagaState.NEEDS_HUMAN,
-        timeout=90,
-        what="the saga to need a human",
+    """A third step refused after a confirmed pivot leaves its saga `needs_human` with the
+    pivot named and nothing rolled back; a refused rollback leaves its saga `needs_human`
+    after the one rollback before it; each gets one signed saga.needs_human webhook."""
+    pivot = open_saga(
+        engine,
+        "pivot",
+        [
+            Step("release", "web"),
+            Step("migrate", "db", pivot=True),
+            Step("announce", "chat", REFUSED),
+        ],
+    )
+    stuck = open_saga(
+        engine,
+        "stuck",
+        [
+            Step("release", "web", undo_extra=REFUSED),
+            Step("point-lb", "lb"),
+            Step("announce", "chat", REFUSED),
+        ],
     )
     wait_until(
-        lambda: bool(receiver.about("saga.needs_human", "pivot")),
+        lambda: (
+            _state(engine, "pivot") is SagaState.NEEDS_HUMAN
+            and _state(engine, "stuck") is SagaState.NEEDS_HUMAN
+        ),
+        timeout=90,
+        what="both sagas to need a human",
+    )
+    wait_until(
+        lambda: (
+            bool(receiver.about("saga.needs_human", "pivot"))
+            and bool(receiver.about("saga.needs_human", "stuck"))
+        ),
         timeout=30,
-        what="the saga.needs_human webhook",
+        what="the saga.needs_human webhooks",
     )
     _pass_over_again(engine, "pivot")
+    _pass_over_again(engine, "stuck")
 
     saga = view(engine, "pivot")
     assert saga.state is SagaState.NEEDS_HUMAN
     assert "after pivot migrate" in (saga.reason or "")
     assert [s.state for s in saga.steps] == [State.CONFIRMED, State.CONFIRMED, State.FAILED]
     assert all(s.compensation_operation_id is None for s in saga.steps)
-    assert [e.kind for e in service.ledger()] == ["release", "release"]
-    assert service.effects_by_key() == {str(ops[0].id): 1, str(ops[1].id): 1}
-    hooks = {h.id: h for h in receiver.about("saga.needs_human", "pivot")}
-    assert len(hooks) == 1
-    (hook,) = hooks.values()
-    assert "after pivot migrate" in hook.message["data"]["reason"]
-    assert receiver.about("saga.compensated", "pivot") == []
+    assert rollbacks_of(service, saga) == []
+    counts = service.effects_by_key()
+    assert [counts.get(str(op.id), 0) for op in pivot] == [1, 1, 0]
+
+    saga = view(engine, "stuck")
+    assert saga.state is SagaState.NEEDS_HUMAN
+    assert "the compensation of step release was refused" in (saga.reason or "")
+    assert [s.compensation_state for s in saga.steps] == [State.FAILED, State.CONFIRMED, None]
+    (undone,) = rollbacks_of(service, saga)
+    assert (undone.key, undone.payload["release"]) == (
+        str(saga.steps[1].compensation_operation_id),
+        saga.steps[1].remote_ref,
+    )
+    assert [counts.get(str(op.id), 0) for op in stuck] == [1, 1, 0]
+    assert counts.get(str(saga.steps[0].compensation_operation_id), 0) == 0
+    assert [e.kind for e in service.ledger()].count("rollback") == 1
+
+    for key, reason in (("pivot", "after pivot migrate"), ("stuck", "was refused")):
+        hooks = {h.id: h for h in receiver.about("saga.needs_human", key)}
+        assert len(hooks) == 1, key
+        (hook,) = hooks.values()
+        assert reason in hook.message["data"]["reason"]
+        assert receiver.about("saga.compensated", key) == []
     assert receiver.invalid() == 0
 
 
