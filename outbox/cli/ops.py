@@ -346,6 +346,7 @@ def _details(op: Operation) -> str:
         ("tool", op.tool),
         ("target", op.target),
         ("intent key", op.intent_key),
+        ("saga", _saga_line(op)),
         ("payload hash", op.payload_hash),
         ("approval", _approval_status(op)),
         ("attempts", op.attempts),
@@ -359,6 +360,16 @@ def _details(op: Operation) -> str:
         ("payload", json.dumps(op.payload, ensure_ascii=False)),
     ]
     return "\n".join(f"{name:>14}: {'-' if value is None else value}" for name, value in rows)
+
+
+def _saga_line(op: Operation) -> str | None:
+    """The saga the operation is a step or an undo of (`outbox sagas show KEY`), if any."""
+    key = op.metadata.get("saga")
+    if not isinstance(key, str):
+        return None
+    step, undone = op.metadata.get("saga_step"), op.metadata.get("saga_compensates")
+    role = f"step {step}" if isinstance(step, str) else f"the undo of step {undone}"
+    return f"{key} ({role}; outbox sagas show {key})"
 
 
 def _approval_status(op: Operation) -> str | None:

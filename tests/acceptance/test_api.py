@@ -598,10 +598,10 @@ def test_readyz_is_503_when_the_schema_is_not_at_head(databases: Databases, tmp_
 def test_an_operator_reads_a_saga_and_lists_sagas_by_state(
     operator: httpx.Client, engine: Engine
 ) -> None:
-    """GET /v1/sagas/{key} is the saga with its steps in order and its trail; GET /v1/sagas
-    lists newest first, filtered by state."""
+    """GET /v1/sagas/{key} (a key may hold a slash) is the saga with its steps in order and
+    its trail; GET /v1/sagas lists newest first, filtered by state."""
     compensated_saga(engine, "s-api")
-    open_saga(engine, "s-api-running", THREE[:1], requested_by="agent-a")
+    open_saga(engine, "team-a/s-api running", THREE[:1], requested_by="agent-a")
     read = operator.get("/v1/sagas/s-api")
     assert read.status_code == 200, read.text
     body = read.json()
@@ -619,7 +619,9 @@ def test_an_operator_reads_a_saga_and_lists_sagas_by_state(
     assert body["events"][0]["to_state"] == "running"
     assert body["events"][-1]["to_state"] == "compensated"
     listed = operator.get("/v1/sagas")
-    assert [s["key"] for s in listed.json()["items"]] == ["s-api-running", "s-api"]
+    assert [s["key"] for s in listed.json()["items"]] == ["team-a/s-api running", "s-api"]
+    slashed = operator.get("/v1/sagas/team-a%2Fs-api%20running")
+    assert (slashed.status_code, slashed.json()["key"]) == (200, "team-a/s-api running")
     only = operator.get("/v1/sagas", params={"state": "compensated"})
     assert [(s["key"], s["steps"]) for s in only.json()["items"]] == [("s-api", 3)]
 

@@ -86,6 +86,8 @@ def test_show_names_the_operation_a_needs_human_saga_waits_for(
     assert shown.code == 0, shown
     assert "waiting for a person" in shown.stdout
     assert f"outbox ops show {undo}" in shown.stdout
+    op = outbox_cli("ops", "show", str(undo))
+    assert "s-cli-human (the undo of step release; outbox sagas show s-cli-human)" in op.stdout
     listed = outbox_cli("sagas", "list", "--state", "needs_human")
     assert "s-cli-human" in listed.stdout
 

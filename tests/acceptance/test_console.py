@@ -430,9 +430,10 @@ def test_the_sagas_page_and_a_compensated_sagas_timeline(
     expect(rows).to_have_count(3)
     expect(rows.nth(1)).to_contain_text("release-1.2.4")
     expect(rows.nth(2)).to_contain_text("compensated")
-    page.get_by_role("navigation", name="Sagas by state").get_by_role(
-        "link", name="compensated"
-    ).click()
+    by_state = page.get_by_role("navigation", name="Sagas by state")
+    expect(by_state).to_contain_text("running (1)")
+    expect(by_state).to_contain_text("compensated (1)")
+    by_state.get_by_role("link", name="compensated").click()
     expect(page.get_by_role("row")).to_have_count(2)
     page.screenshot(path=tmp_path / "sagas.png", full_page=True)
     page.get_by_role("link", name="release-1.2.3").click()
@@ -487,16 +488,20 @@ def test_a_saga_held_by_an_undo_in_needs_human_links_to_it(
 def test_a_running_saga_is_cancelled_through_the_form(
     page: Page, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
 ) -> None:
-    """Cancel on a running saga's page cancels it under alice's name (actor operator)."""
-    ops = open_saga(engine, "s-cancel", THREE)
+    """Cancel on a running saga's page (its key holding a slash and a space) cancels it under
+    alice's name (actor operator)."""
+    key = "team-a/release 1.2.4"
+    ops = open_saga(engine, key, THREE)
     sign_in(page, server, alice)
-    page.goto(f"{server.url}/sagas/s-cancel")
+    page.goto(f"{server.url}/sagas")
+    page.get_by_role("link", name=key).click()
+    expect(page.get_by_role("heading", level=1)).to_contain_text(key)
     page.get_by_label("Why cancel it").fill("wrong version")
     page.get_by_role("button", name="Cancel this saga").click()
     expect(page.get_by_role("status")).to_contain_text("cancelled by alice")
     expect(page.locator("#saga-reason")).to_contain_text("cancelled")
     page.screenshot(path=tmp_path / "cancelled.png", full_page=True)
-    saga = view(engine, "s-cancel")
+    saga = view(engine, key)
     assert (saga.state, saga.cancelled_by) == (SagaState.CANCELLED, "alice")
     moved = [e for e in saga.events if e.from_state is SagaState.RUNNING and e.detail]
     assert [(e.actor, e.detail) for e in moved] == [

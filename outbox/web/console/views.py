@@ -187,6 +187,8 @@ class SagaList:
 
     sagas: list[SagaSummary]
     state: SagaState | None
+    #: How many sagas are in each state (every state, zero included).
+    counts: dict[SagaState, int]
     now: datetime
 
 
@@ -207,9 +209,11 @@ class SagaPage:
 
 def read_sagas(session: Executor, state: SagaState | None) -> SagaList:
     """The newest sagas (at most :data:`SAGAS_LIMIT`), only those in ``state`` if given."""
+    counted = sql.sagas.count_by_state(session)
     return SagaList(
         sagas=sagas.list_sagas(session, state=state, limit=SAGAS_LIMIT),
         state=state,
+        counts={known: counted.get(known.value, 0) for known in SagaState},
         now=sql.deployment.clock(session),
     )
 
