@@ -82,7 +82,7 @@ class OperationView:
     def saga_key(self) -> str | None:
         """The saga this operation is a step (or a compensation) of, if any."""
         key = self.operation.metadata.get("saga")
-        return key if isinstance(key, str) and key else None
+        return key if isinstance(key, str) and key and self.saga_role is not None else None
 
     @property
     def saga_role(self) -> str | None:
