@@ -132,3 +132,23 @@ def test_cancel_a_running_saga_as_an_operator(engine: Engine, outbox_cli: CLI) -
     assert "only a running saga can be cancelled" in line
     empty = outbox_cli("sagas", "cancel", "s-cli-cancel", "--by", " ", "--reason", "x")
     assert empty.code == 2, empty
+
+
+def test_show_says_a_refused_undo_is_left_to_a_person(engine: Engine, outbox_cli: CLI) -> None:
+    """A saga whose undo was refused is needs_human, and `show` says to undo that step by hand."""
+    release, point, _ = open_saga(engine, "s-cli-refused-undo", THREE)
+    finish(engine, release.id, State.CONFIRMED)
+    advance(engine, "s-cli-refused-undo")
+    finish(engine, point.id, State.FAILED)
+    advance(engine, "s-cli-refused-undo")
+    undo = view(engine, "s-cli-refused-undo").steps[0].compensation_operation_id
+    assert undo is not None
+    finish(engine, undo, State.FAILED)
+    assert advance(engine, "s-cli-refused-undo") is SagaState.NEEDS_HUMAN
+    shown = outbox_cli("sagas", "show", "s-cli-refused-undo")
+    assert shown.code == 0, shown
+    assert "the undo of step release was refused: undo it by hand" in shown.stdout
+    listed = outbox_cli("sagas", "list", "--state", "needs_human", "--json")
+    assert [(s["key"], s["state"]) for s in listed.json()] == [
+        ("s-cli-refused-undo", "needs_human")
+    ]
