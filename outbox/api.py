@@ -116,12 +116,16 @@ class Enqueued:
     created: bool
 
 
-def enqueue_intent(session: Executor, intent: Intent) -> Enqueued:
+def enqueue_intent(
+    session: Executor, intent: Intent, *, announce_approval: bool = True
+) -> Enqueued:
     """:func:`enqueue` for one :class:`Intent`, saying whether this call created the operation
     or found the same intent recorded already (the HTTP API answers 201 or 200).
 
     The same rules, errors and transaction as :func:`enqueue`: it joins the caller's
-    transaction and never commits.
+    transaction and never commits. ``announce_approval=False`` leaves out the
+    ``approval_requested`` webhook of an operation created awaiting approval: a saga's held
+    step is announced when the saga releases it (:mod:`outbox.sagas`).
     """
     one = _check(intent)
     intent_key, tool, target = intent.intent_key, one.tool, one.target
@@ -142,7 +146,7 @@ def enqueue_intent(session: Executor, intent: Intent) -> Enqueued:
         if isinstance(created, sql.intents.Budgeted):
             created = _insert_budgeted(session, [one], created.definitions).get(0)
         if created is not None:
-            if created.state is State.AWAITING_APPROVAL:
+            if created.state is State.AWAITING_APPROVAL and announce_approval:
                 webhooks.record_approval_requested(session, created)
             return Enqueued(created, created=True)
         # A generated key is the new operation's id and cannot collide, so intent_key is set.

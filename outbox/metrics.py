@@ -53,6 +53,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox import sql
 from outbox.logs import Action
 from outbox.models import DeliveryStatus
+from outbox.saga_rules import SagaState
 from outbox.sql.budgets import BudgetTotals
 from outbox.states import ALLOWED, Actor, State
 
@@ -134,6 +135,8 @@ class _Snapshot:
     breakers: list[sql.guards.BreakerListed] | None = None
     buckets: list[sql.guards.BucketListed] | None = None
     in_flight: list[sql.guards.InFlight] | None = None
+    #: Sagas by state (docs/sagas.md).
+    sagas: dict[str, int] | None = None
 
 
 #: ``outbox_guard_breaker_state``'s value per breaker state.
@@ -293,6 +296,7 @@ class OutboxCollector:
             snapshot.breakers = sql.guards.list_breakers(conn)
             snapshot.buckets = sql.guards.list_buckets(conn)
             snapshot.in_flight = sql.guards.list_in_flight(conn)
+            snapshot.sagas = sql.sagas.count_by_state(conn)
             # Last: the only read that scans a whole table, so its timeout loses nothing else.
             snapshot.operations = [
                 (count.state, count.tool, count.n) for count in sql.metrics.operation_counts(conn)
@@ -406,6 +410,12 @@ def _families() -> dict[str, Any]:
             "moved to and who moved it, for moves since the exporter started.",
             labels=["to_state", "actor"],
         ),
+        "sagas": GaugeMetricFamily(
+            "outbox_sagas",
+            "Sagas by state (running, compensating, completed, compensated, needs_human, "
+            "cancelled).",
+            labels=["state"],
+        ),
         "webhooks": GaugeMetricFamily(
             "outbox_webhook_deliveries",
             "Escalation webhook deliveries in the table, by status.",
@@ -496,6 +506,11 @@ def _add_snapshot(families: dict[str, Any], snapshot: _Snapshot) -> None:
             for state in State:
                 value = float(counts.get((state.value, tool), 0))
                 families["operations"].add_metric([state.value, tool], value)
+    if snapshot.sagas is not None:
+        # Every state, so a state that empties reads 0, not absent.
+        for saga_state in SagaState:
+            count = float(snapshot.sagas.get(saga_state.value, 0))
+            families["sagas"].add_metric([saga_state.value], count)
     if snapshot.oldest is not None:
         for state, age in snapshot.oldest.items():
             families["oldest"].add_metric([state.value], age)

@@ -439,10 +439,15 @@ def _add_step(session: Executor, saga_key: str, request: _StepRequest) -> Operat
             field="group",
         )
     if joins_last:
-        release_now = steps[-1].released_at is not None
+        # Beside its group's released steps, unless one was refused already: then it is held
+        # and the saga's next pass cancels it with the other held steps.
+        release_now = steps[-1].released_at is not None and not any(
+            s.state in (State.FAILED, State.CANCELLED) for s in steps
+        )
     else:
         release_now = all(s.state is State.CONFIRMED for s in steps)
-    enqueued = api.enqueue_intent(session, intent)
+    # A held step awaiting approval is announced when it is released, with its real expiry.
+    enqueued = api.enqueue_intent(session, intent, announce_approval=release_now)
     if not enqueued.created:
         raise IntentConflict(
             f"intent key {intent.intent_key!r} already names operation {enqueued.operation.id}, "
@@ -788,6 +793,10 @@ def _release(
         state = transitions.release_for_saga(
             session, step.operation_id, approval_ttl_s=step.approval_ttl_s
         )
+        if state is State.AWAITING_APPROVAL:
+            released = sql.intents.get_operation(session, step.operation_id)
+            if released is not None:  # its approval request, now that it can be acted on
+                webhooks.record_approval_requested(session, released)
         sql.sagas.insert_note(
             session,
             row.key,

@@ -49,7 +49,15 @@ def lookup_task(self: Task, operation_id: str) -> str:
         raise retry_soon(self)
     if report.outcome in (LookupOutcome.CONFIRMED, LookupOutcome.FAILED):
         # A saga's step decided: its saga may release the next step or compensate now.
-        nudge_sagas_of_and_commit(engine, [report.operation_id])
+        # Best effort: the lookup is committed whatever happens here; the sweep catches up.
+        try:
+            nudge_sagas_of_and_commit(engine, [report.operation_id])
+        except Exception:
+            log.exception(
+                "advancing the saga of %s failed",
+                report.operation_id,
+                extra={"action": Action.SAGA_ADVANCE_FAILED, "operation_id": operation_id},
+            )
     return report.outcome.value
 
 

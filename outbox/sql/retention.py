@@ -42,6 +42,13 @@ _PRUNE_BATCH = text(
                    AND o.first_sent_at + make_interval(secs => t.window_s) > now())
           AND NOT EXISTS (SELECT FROM outbox.webhook_deliveries d
                           WHERE d.operation_id = o.id AND d.status = 'pending')
+          -- A live saga still judges its steps and compensations by their rows.
+          AND NOT EXISTS (SELECT FROM outbox.saga_steps s JOIN outbox.sagas g ON g.key = s.saga_key
+                          WHERE s.operation_id = o.id
+                            AND g.state IN ('compensating', 'needs_human', 'running'))
+          AND NOT EXISTS (SELECT FROM outbox.saga_steps s JOIN outbox.sagas g ON g.key = s.saga_key
+                          WHERE s.compensation_operation_id = o.id
+                            AND g.state IN ('compensating', 'needs_human', 'running'))
         ORDER BY o.resolved_at
         LIMIT :limit
         FOR UPDATE OF o SKIP LOCKED
@@ -68,6 +75,10 @@ _COUNT_PRUNABLE = text(
                           AND o.first_sent_at + make_interval(secs => t.window_s) > now())
                  AND NOT EXISTS (SELECT FROM outbox.webhook_deliveries d
                                  WHERE d.operation_id = o.id AND d.status = 'pending')
+                 AND NOT EXISTS (SELECT FROM outbox.saga_steps s
+                                 JOIN outbox.sagas g ON g.key = s.saga_key
+                                 WHERE o.id IN (s.operation_id, s.compensation_operation_id)
+                                   AND g.state IN ('compensating', 'needs_human', 'running'))
            ) AS prunable,
            count(*) FILTER (WHERE t.tool IS NULL) AS unknown_tool,
            count(*) FILTER (
@@ -118,7 +129,9 @@ def prune_terminal(
     """Delete up to ``limit`` terminal operations resolved more than ``older_than_s`` ago,
     oldest first, outside their tool's dedup window; returns how many went.
 
-    Their events and webhook deliveries go with them (``ON DELETE CASCADE``), and what
+    Never an operation of a live saga (``running``, ``compensating``, ``needs_human``): the
+    saga still judges it by its row. Their events and webhook deliveries go with them
+    (``ON DELETE CASCADE``), a finished saga's step keeps its row without it, and what
     identifies each one stays in ``outbox.pruned_intents`` (a trigger, same statement). Rows
     locked by another transaction are skipped (``SKIP LOCKED``), so two prunes never wait on
     each other. One batch per call, in the caller's transaction (never commits): keep

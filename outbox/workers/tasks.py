@@ -113,7 +113,9 @@ def nudge_sagas(operation_ids: list[str]) -> None:
     these operations, whose outcome is committed. Best effort: a lost message costs only
     time, the periodic pass advances every live saga anyway."""
     try:
-        app.send_task(SAGA_TASK, kwargs={"operation_ids": operation_ids}, queue="reconcile")
+        app.send_task(
+            SAGA_TASK, kwargs={"operation_ids": operation_ids}, queue="reconcile", retry=False
+        )
     except Exception:  # the periodic pass advances the saga; this message still acks
         log.exception(
             "nudging the sagas of %d operations failed",

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -16,12 +18,13 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import aio, approval, sql, transitions
+from outbox import aio, approval, sagas, sql, transitions
 from outbox.config import get_settings
 from outbox.contracts import ContractTable
 from outbox.db import create_async_engine
 from outbox.errors import IntentConflict, InvalidIntent, SagaNotRunning
-from outbox.models import Operation
+from outbox.metrics import OutboxCollector
+from outbox.models import Operation, iso_utc
 from outbox.reconcilers.sagas import (
     advance_due_sagas_and_commit,
     advance_saga_and_commit,
@@ -610,8 +613,11 @@ def test_a_held_step_approved_early_stays_held(engine: Engine) -> None:
     assert not is_held(engine, point.id)
 
 
-def test_a_held_step_awaiting_approval_gets_its_ttl_when_released(engine: Engine) -> None:
-    """A held step awaiting approval never expires while held; released, its TTL starts."""
+def test_a_held_step_awaiting_approval_gets_its_ttl_when_released(
+    engine: Engine, webhooks_on: None
+) -> None:
+    """A held step awaiting approval never expires while held; released, its TTL starts and
+    its approval is requested then, with that expiry."""
     require_approval(engine, "lb.point", ttl_s=600)
     release, point, _ = open_saga(engine, "s-ttl", THREE)
     with engine.begin() as conn:  # far past its TTL: still not expired, since it is held
@@ -631,6 +637,16 @@ def test_a_held_step_awaiting_approval_gets_its_ttl_when_released(engine: Engine
     assert released.state is State.AWAITING_APPROVAL
     assert released.approval_expires_at is not None
     assert released.approval_expires_at - released.available_at == timedelta(seconds=600)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT event, payload FROM outbox.webhook_deliveries"
+                " WHERE operation_id = :id ORDER BY created_at"
+            ),
+            {"id": point.id},
+        ).all()
+    assert [row[0] for row in rows] == ["approval_requested"]
+    assert rows[0][1]["data"]["approval_expires_at"] == iso_utc(released.approval_expires_at)
 
 
 # --- cancel_saga ----------------------------------------------------------------------------
@@ -718,7 +734,12 @@ def test_list_sagas_filters_by_state(engine: Engine) -> None:
     assert [s.key for s in everything] == ["s-list-2", "s-list-1"]
     assert [(s.key, s.steps) for s in compensated] == [("s-list-2", 1)]
     assert bad.value.field == "state"
-    assert view(engine, "s-list-2").to_dict()["steps"][0]["state"] == "failed"
+    shown = json.loads(json.dumps(view(engine, "s-list-2").to_dict()))  # the --json shape
+    assert shown["state"] == "compensated"
+    assert shown["steps"][0]["state"] == "failed"
+    assert shown["steps"][0]["compensate"]["payload"] == {"release": "{remote_ref}", "why": "undo"}
+    assert [e["to_state"] for e in shown["events"]] == ["running", "compensated"]
+    assert json.loads(json.dumps([s.to_dict() for s in everything]))[0]["key"] == "s-list-2"
 
 
 def test_the_async_api_runs_the_same_saga(database_url: str, engine: Engine) -> None:
@@ -774,3 +795,125 @@ def test_the_dispatcher_sends_only_released_steps_and_reports_saga_outcomes(
     with engine.begin() as conn:
         plain = outbox.enqueue(conn, tool="x.a", target="t", payload={"plain": True})
     assert dispatch(plain.id, engine=engine, registry=registry).saga is False
+
+
+def test_retention_keeps_a_live_sagas_operations_and_prunes_a_finished_ones(
+    engine: Engine,
+) -> None:
+    """Prune skips the operations of a live saga; a finished saga's step keeps its row."""
+    windows = sql.retention.DedupWindows(dict.fromkeys(("x.a", "x.b", "x.c")))
+    steps = [
+        {"name": "a", "tool": "x.a", "target": "t", "payload": {}},
+        {"name": "b", "tool": "x.b", "target": "t", "payload": {}},
+    ]
+    a, b = open_saga(engine, "s-prune", steps)
+    finish(engine, a.id, State.CONFIRMED)
+    advance(engine, "s-prune")
+
+    def prune() -> int:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "UPDATE outbox.operations SET resolved_at = now() - interval '1 day'"
+                    " WHERE resolved_at IS NOT NULL"
+                )
+            )
+            return sql.retention.prune_terminal(conn, older_than_s=60, limit=100, windows=windows)
+
+    assert prune() == 0
+    finish(engine, b.id, State.CONFIRMED)
+    assert advance(engine, "s-prune") is SagaState.COMPLETED
+    assert prune() == 2
+    saga = view(engine, "s-prune")
+    assert [(s.name, s.operation_id, s.state) for s in saga.steps] == [
+        ("a", None, None),
+        ("b", None, None),
+    ]
+
+
+def test_the_metrics_count_sagas_by_state(engine: Engine) -> None:
+    """outbox_sagas reads every saga state, 0 for the empty ones."""
+    open_saga(engine, "s-metric-1", THREE[:1])
+    (only,) = open_saga(engine, "s-metric-2", THREE[:1])
+    finish(engine, only.id, State.FAILED)
+    advance(engine, "s-metric-2")
+    samples = {
+        sample.labels["state"]: sample.value
+        for family in OutboxCollector(engine).collect()
+        if family.name == "outbox_sagas"
+        for sample in family.samples
+    }
+    assert samples == {
+        "running": 1.0,
+        "compensating": 0.0,
+        "completed": 0.0,
+        "compensated": 1.0,
+        "needs_human": 0.0,
+        "cancelled": 0.0,
+    }
+
+
+def test_a_saga_held_by_another_transaction_is_skipped_not_waited_for(engine: Engine) -> None:
+    """While an agent's transaction adding a step holds the saga, a driver pass skips it."""
+    release, _, _ = open_saga(engine, "s-busy", THREE)
+    finish(engine, release.id, State.CONFIRMED)
+    with Session(engine) as session, session.begin():
+        outbox.saga(session, "s-busy").step(**THREE[0])  # takes the saga's row lock
+        assert advance_saga_and_commit(engine, "s-busy") is None
+        assert advance_due_sagas_and_commit(engine).busy == 1
+    assert advance(engine, "s-busy") is SagaState.RUNNING
+    assert [s.held for s in view(engine, "s-busy").steps] == [False, False, True]
+
+
+def test_a_pass_that_dies_before_its_commit_leaves_nothing_and_the_next_resumes(
+    engine: Engine,
+) -> None:
+    """A driver pass rolled back (its process killed before the commit) records nothing; the
+    next pass records the compensation once, and further passes never again."""
+    release, point = open_saga(engine, "s-crash", THREE[:2])
+    finish(engine, release.id, State.CONFIRMED)
+    advance(engine, "s-crash")
+    finish(engine, point.id, State.FAILED)
+    with engine.connect() as conn:
+        conn.begin()
+        done = sagas.advance(conn, "s-crash")
+        assert done is not None
+        assert done.state is SagaState.COMPENSATING
+        conn.rollback()  # what a SIGKILL before the commit leaves
+    assert compensations(engine, "s-crash") == []
+    assert state_of(engine, "s-crash") is SagaState.RUNNING
+    advance(engine, "s-crash")
+    nudge_sagas_of_and_commit(engine, [point.id])
+    advance_due_sagas_and_commit(engine)
+    (undo,) = compensations(engine, "s-crash")
+    assert undo.intent_key == "saga:s-crash:release:compensate"
+
+
+def test_agents_racing_on_one_saga_end_with_one_saga_and_one_operation_per_step(
+    engine: Engine,
+) -> None:
+    """Several agents opening one saga and adding the same steps at once: one of each."""
+    results: list[list[UUID]] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def agent() -> None:
+        try:
+            start.wait(timeout=10)
+            results.append([op.id for op in open_saga(engine, "s-race", THREE)])
+        except BaseException as exc:  # noqa: BLE001 -- reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=agent) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == []
+    assert len({tuple(ids) for ids in results}) == 1
+    assert len(view(engine, "s-race").steps) == 3
+    with engine.connect() as conn:
+        count = conn.execute(
+            text("SELECT count(*) FROM outbox.operations WHERE metadata->>'saga' = 's-race'")
+        ).scalar_one()
+    assert count == 3
