@@ -31,9 +31,10 @@ STATE_HELP: dict[SagaState, str] = {
     SagaState.NEEDS_HUMAN: (
         "a person must act. If an operation holds it (a compensation in needs_human), resolve "
         "that operation (`outbox ops show ID`, then `outbox ops resolve`, or its console page): "
-        "the saga carries on at its next pass. If a compensation failed, or a step was refused "
-        "after a confirmed pivot, nothing in the outbox can undo it: undo by hand what must be "
-        "undone; the saga stays needs_human, as the record."
+        "the saga carries on at its next pass. If an undo could not be recorded (its checks or a "
+        "budget refused it), fix that: every pass tries again. If a compensation failed, or a "
+        "step was refused after a confirmed pivot, nothing in the outbox can undo it: undo by "
+        "hand what must be undone; the saga stays needs_human, as the record."
     ),
     SagaState.CANCELLED: "cancelled before anything was applied. Final.",
 }
