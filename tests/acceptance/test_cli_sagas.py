@@ -152,3 +152,17 @@ def test_show_says_a_refused_undo_is_left_to_a_person(engine: Engine, outbox_cli
     assert [(s["key"], s["state"]) for s in listed.json()] == [
         ("s-cli-refused-undo", "needs_human")
     ]
+
+
+def test_help_explains_every_saga_state_and_what_to_do_about_needs_human(
+    outbox_cli: CLI,
+) -> None:
+    """`outbox sagas --help` names every saga state and tells an operator how to handle
+    needs_human."""
+    result = outbox_cli("sagas", "--help")
+    assert result.code == 0, result
+    text = " ".join(result.stdout.replace("│", " ").split())
+    for state in SagaState:
+        assert f"{state.value}:" in text
+    assert "outbox ops resolve" in text
+    assert "undo by hand" in text
