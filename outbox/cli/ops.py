@@ -358,7 +358,25 @@ def _details(op: Operation) -> str:
         ("resolved", op.resolved_at),
         ("payload", json.dumps(op.payload, ensure_ascii=False)),
     ]
+    saga = _saga_line(op)
+    if saga is not None:  # only for a saga's step or undo: most operations have none
+        rows.insert(5, ("saga", saga))
     return "\n".join(f"{name:>14}: {'-' if value is None else value}" for name, value in rows)
+
+
+def _saga_line(op: Operation) -> str | None:
+    """The saga the operation is a step or an undo of (`outbox sagas show KEY`), if any."""
+    key = op.metadata.get("saga")
+    step, undone = op.metadata.get("saga_step"), op.metadata.get("saga_compensates")
+    if not isinstance(key, str):
+        return None
+    if isinstance(step, str):
+        role = f"step {step}"
+    elif isinstance(undone, str):
+        role = f"the undo of step {undone}"
+    else:
+        return None  # free metadata that happens to say "saga": not one of its operations
+    return f"{key} ({role}; outbox sagas show {key})"
 
 
 def _approval_status(op: Operation) -> str | None:

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import __version__, aio, migrate
 from outbox.config import Settings, get_settings
 from outbox.db import create_async_engine, create_engine, database_url
-from outbox.web import console, health, operations, problems
+from outbox.web import console, health, operations, problems, sagas
 from outbox.web.auth import TokenCache
 from outbox.web.context import ApiContext
 from outbox.web.observe import Observe, RequestMetrics
@@ -85,6 +85,7 @@ def create_app(
     app.state.tokens = TokenCache(settings.api_token_cache)
     problems.install(app)
     app.include_router(operations.router)
+    app.include_router(sagas.router)
     app.include_router(health.router)
     metrics = RequestMetrics()
 

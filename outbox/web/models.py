@@ -14,6 +14,7 @@ from uuid import UUID
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from outbox.models import Event, Operation
+from outbox.saga_rules import SagaState
 from outbox.states import State
 from outbox.storable import unstorable_text
 
@@ -178,6 +179,83 @@ class EventList(BaseModel):
     """``GET /v1/operations/{id}/events``: oldest first."""
 
     items: list[EventOut]
+
+
+class CompensateOut(BaseModel):
+    """A step's declared compensation: the tool call that undoes it."""
+
+    tool: str
+    target: str
+    payload: dict[str, Any] = Field(
+        description='Its payload; "{remote_ref}" in a string stands for the step\'s remote_ref.'
+    )
+
+
+class SagaStepOut(BaseModel):
+    """One step of a saga: its declaration, its operation and its compensation's."""
+
+    position: int
+    name: str
+    group: str | None = Field(description="Its parallel group, if any.")
+    pivot: bool = Field(description="It cannot be undone.")
+    operation_id: UUID | None = Field(description="Its operation (null once pruned).")
+    state: State | None = Field(description="Its operation's state (null once pruned).")
+    remote_ref: str | None
+    tool: str | None
+    target: str | None
+    held: bool = Field(description="The saga still holds it: never released, never sent.")
+    released_at: datetime | None
+    compensate: CompensateOut | None
+    compensation_operation_id: UUID | None = Field(
+        description="The operation that undoes it, once the saga started undoing it."
+    )
+    compensation_state: State | None
+    compensation_remote_ref: str | None
+
+
+class SagaEventOut(BaseModel):
+    """One line of a saga's audit trail: a move, or a note (from_state = to_state)."""
+
+    id: int
+    at: datetime
+    from_state: SagaState | None
+    to_state: SagaState
+    actor: str = Field(description="agent, operator or driver.")
+    reason: str
+    detail: dict[str, Any] | None
+
+
+class SagaOut(BaseModel):
+    """``GET /v1/sagas/{key}``: a saga, its steps in order and its audit trail
+    (``outbox sagas show --json``)."""
+
+    key: str
+    state: SagaState
+    reason: str | None = Field(description="Why it is where it is.")
+    requested_by: str | None
+    cancelled_by: str | None
+    created_at: datetime
+    updated_at: datetime
+    steps: list[SagaStepOut]
+    events: list[SagaEventOut]
+
+
+class SagaSummaryOut(BaseModel):
+    """A saga as listed."""
+
+    key: str
+    state: SagaState
+    reason: str | None
+    requested_by: str | None
+    steps: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class SagaList(BaseModel):
+    """``GET /v1/sagas``: newest first."""
+
+    items: list[SagaSummaryOut]
 
 
 class ProblemOut(BaseModel):

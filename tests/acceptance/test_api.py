@@ -1,5 +1,5 @@
 """The HTTP API (`outbox api`) as a real subprocess on a real PostgreSQL, over real HTTP:
-every status it promises, agent isolation, conditional decisions, long-polling."""
+every status it promises, agent isolation, conditional decisions, long-polling, saga reads."""
 
 from __future__ import annotations
 
@@ -24,9 +24,11 @@ from outbox.db import create_engine
 from outbox.models import TokenScope
 from outbox.states import State
 from tests.acceptance.conftest import clean_environment, run_outbox
+from tests.acceptance.test_cli_sagas import compensated_saga
 from tests.api_server import ApiServer, api_environment, running_api
 from tests.conftest import Databases
 from tests.factories import events_of, make_operation, operation_count, reload
+from tests.integration.test_sagas import THREE, open_saga
 from tests.processes import wait_until
 
 pytestmark = pytest.mark.slow
@@ -588,3 +590,59 @@ def test_readyz_is_503_when_the_schema_is_not_at_head(databases: Databases, tmp_
             assert httpx.get(f"{running.url}/healthz").status_code == 200
     finally:
         own.dispose()
+
+
+# --- sagas ------------------------------------------------------------------------------------
+
+
+def test_an_operator_reads_a_saga_and_lists_sagas_by_state(
+    operator: httpx.Client, engine: Engine
+) -> None:
+    """GET /v1/sagas/{key} (a key may hold a slash) is the saga with its steps in order and
+    its trail; GET /v1/sagas lists newest first, filtered by state."""
+    compensated_saga(engine, "s-api")
+    open_saga(engine, "team-a/s-api running", THREE[:1], requested_by="agent-a")
+    read = operator.get("/v1/sagas/s-api")
+    assert read.status_code == 200, read.text
+    body = read.json()
+    assert (body["key"], body["state"], body["requested_by"]) == ("s-api", "compensated", "agent-7")
+    assert [(s["name"], s["state"], s["compensation_state"]) for s in body["steps"]] == [
+        ("release", "confirmed", "confirmed"),
+        ("point-lb", "confirmed", "confirmed"),
+        ("announce", "failed", None),
+    ]
+    assert body["steps"][0]["compensate"] == {
+        "tool": "deploy.delete_release",
+        "target": "project-a",
+        "payload": {"release": "{remote_ref}", "why": "undo"},
+    }
+    assert body["events"][0]["to_state"] == "running"
+    assert body["events"][-1]["to_state"] == "compensated"
+    listed = operator.get("/v1/sagas")
+    assert [s["key"] for s in listed.json()["items"]] == ["team-a/s-api running", "s-api"]
+    slashed = operator.get("/v1/sagas/team-a%2Fs-api%20running")
+    assert (slashed.status_code, slashed.json()["key"]) == (200, "team-a/s-api running")
+    only = operator.get("/v1/sagas", params={"state": "compensated"})
+    assert [(s["key"], s["steps"]) for s in only.json()["items"]] == [("s-api", 3)]
+
+
+def test_an_agent_reads_only_the_sagas_it_opened(
+    agent: httpx.Client, other_agent: httpx.Client, engine: Engine
+) -> None:
+    """An agent token reads and lists its own sagas; another's is a 404 like an unknown key."""
+    open_saga(engine, "s-mine", THREE[:1], requested_by="agent-a")
+    open_saga(engine, "s-theirs", THREE[:1], requested_by="agent-b")
+    assert agent.get("/v1/sagas/s-mine").status_code == 200
+    problem = assert_problem(agent.get("/v1/sagas/s-theirs"), 404, "no saga 's-theirs'")
+    assert problem["type"] == "urn:agent-outbox:problem:saga-not-found"
+    assert [s["key"] for s in agent.get("/v1/sagas").json()["items"]] == ["s-mine"]
+    assert [s["key"] for s in other_agent.get("/v1/sagas").json()["items"]] == ["s-theirs"]
+
+
+def test_saga_reads_refuse_bad_input_as_problems(server: ApiServer, operator: httpx.Client) -> None:
+    """An unknown key is 404, a bad state or limit 422, no token 401: problem documents."""
+    assert_problem(operator.get("/v1/sagas/no-such-saga"), 404, "no saga")
+    assert_problem(operator.get("/v1/sagas", params={"state": "done"}), 422)
+    assert_problem(operator.get("/v1/sagas", params={"limit": 0}), 422)
+    assert_problem(operator.get("/v1/sagas/a%00b"), 422)
+    assert_problem(httpx.get(f"{server.url}/v1/sagas", timeout=30), 401)

@@ -26,6 +26,7 @@ from outbox.approval import publish_policies_committed
 from outbox.contracts import ToolContract
 from outbox.models import TokenScope
 from outbox.states import State
+from tests.acceptance.test_cli_sagas import compensated_saga
 from tests.api_server import ApiServer, api_environment, running_api
 from tests.factories import make_operation
 
@@ -51,11 +52,13 @@ def server(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture(scope="module")
 def operator_token(_session_engine: Engine) -> str:
-    """An operator token (it may call every route), a known tool, and operations in the
-    states a decision can meet, so that generated requests reach past the 404s."""
+    """An operator token (it may call every route), a known tool, operations in the states a
+    decision can meet, and a saga, so that generated requests reach past the 404s and lists
+    are not empty."""
     publish_policies_committed(_session_engine, [ToolContract(name="deploy.create_release")])
     for state in (State.AWAITING_APPROVAL, State.NEEDS_HUMAN, State.PLANNED, State.CONFIRMED):
         make_operation(_session_engine, state)
+    compensated_saga(_session_engine, "s-fuzzed")
     with Session(_session_engine) as session, session.begin():
         return tokens.create_token(session, name="fuzzer", scope=TokenScope.OPERATOR).token
 

@@ -1,6 +1,7 @@
 """The operator console in a real headless Chromium (Debian's, driven by Playwright) against a
 real `outbox api` subprocess on a real PostgreSQL: sign in, find, approve, resolve, CSRF,
-two operators racing, and the sign-in throttle. Screenshots are kept in each test's tmp dir.
+two operators racing, the sign-in throttle, the sagas' pages and a saga's cancel. Screenshots
+are kept in each test's tmp dir.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from sqlalchemy.orm import Session
 
 from outbox import operators
 from outbox.logs import Action
+from outbox.sagas import SagaState
 from outbox.states import Actor, State
+from tests.acceptance.test_cli_sagas import compensated_saga
 from tests.api_server import ApiServer, api_environment, running_api
 from tests.factories import events_of, make_operation, reload
+from tests.integration.test_sagas import THREE, advance, finish, open_saga, view
 
 pytestmark = pytest.mark.slow
 
@@ -347,12 +351,14 @@ def test_every_control_of_every_page_has_a_label(
     """On each page, every visible input, textarea and button has an accessible name."""
     approve = make_operation(engine, State.AWAITING_APPROVAL)
     stuck = make_operation(engine, State.NEEDS_HUMAN)
+    open_saga(engine, "s-labels", THREE)
     with _context(browser, bypass_csp=True) as context:
         page = context.new_page()
         page.goto(f"{server.url}/signin")
         pages = ["/signin"]
         sign_in(page, server, alice)
         pages += ["/", "/queue", f"/operations/{approve.id}", f"/operations/{stuck.id}"]
+        pages += ["/sagas", "/sagas/s-labels"]
         for path in pages:
             page.goto(f"{server.url}{path}")
             unlabelled = page.locator("input:not([type=hidden]), textarea, select").evaluate_all(
@@ -402,3 +408,135 @@ def test_without_a_configured_secret_the_process_makes_one_and_says_so(
         logs = server.logs()
     assert f"action={Action.CONSOLE_SESSION_KEY_MADE}" in logs
     assert "OUTBOX_CONSOLE_SECRET is unset" in logs
+
+
+# --- sagas ----------------------------------------------------------------------------------
+
+#: Set (with OUTBOX_WRITE_DOCS_SCREENSHOT=1) to write docs/console.md's saga page screenshot.
+DOCS_SAGA_SCREENSHOT = DOCS_SCREENSHOT.parent / "console-saga.png"
+
+
+def test_the_sagas_page_and_a_compensated_sagas_timeline(
+    page: Page, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+) -> None:
+    """The Sagas page lists sagas by state, newest first; a compensated saga's page shows its
+    steps in order with their operations, remote references and undos, and its trail."""
+    compensated_saga(engine, "release-1.2.3")
+    open_saga(engine, "release-1.2.4", THREE)
+    sign_in(page, server, alice)
+    page.get_by_role("link", name="Sagas", exact=True).click()
+    expect(page.get_by_role("heading", name="Sagas", level=1)).to_be_visible()
+    rows = page.get_by_role("row")
+    expect(rows).to_have_count(3)
+    expect(rows.nth(1)).to_contain_text("release-1.2.4")
+    expect(rows.nth(2)).to_contain_text("compensated")
+    by_state = page.get_by_role("navigation", name="Sagas by state")
+    expect(by_state).to_contain_text("running (1)")
+    expect(by_state).to_contain_text("compensated (1)")
+    by_state.get_by_role("link", name="compensated").click()
+    expect(page.get_by_role("row")).to_have_count(2)
+    page.screenshot(path=tmp_path / "sagas.png", full_page=True)
+    page.get_by_role("link", name="release-1.2.3").click()
+    expect(page).to_have_url(f"{server.url}/sagas/release-1.2.3")
+    expect(page.locator("#saga-reason")).to_contain_text(
+        "step announce was refused (failed); every confirmed step compensated"
+    )
+    steps = page.get_by_role("list", name="The steps, in order").locator(":scope > li")
+    expect(steps).to_have_count(3)
+    expect(steps.nth(0)).to_contain_text("release")
+    expect(steps.nth(0)).to_contain_text("rel-42")
+    expect(steps.nth(1)).to_contain_text("lb-change-7")
+    expect(steps.nth(1)).to_contain_text("lb.point → lb-1: confirmed")
+    expect(steps.nth(2)).to_contain_text("failed")
+    expect(steps.nth(2)).to_contain_text("none declared")
+    trail = page.get_by_role("table").filter(has_text="Every move and note of the saga")
+    expect(trail.get_by_role("row").last).to_contain_text("compensating → compensated")
+    expect(page.get_by_role("button", name="Cancel this saga")).to_have_count(0)
+    page.screenshot(path=tmp_path / "saga.png", full_page=True)
+    if os.environ.get("OUTBOX_WRITE_DOCS_SCREENSHOT") == "1":
+        page.screenshot(path=DOCS_SAGA_SCREENSHOT, full_page=True)
+    steps.nth(2).get_by_role("link", name="failed").click()
+    expect(page.get_by_role("heading", level=1)).to_contain_text("chat.post")
+    page.get_by_role("link", name="release-1.2.3").click()
+    expect(page).to_have_url(f"{server.url}/sagas/release-1.2.3")
+
+
+def test_a_saga_held_by_an_undo_in_needs_human_links_to_it(
+    page: Page, server: ApiServer, engine: Engine, alice: str
+) -> None:
+    """A needs_human saga says which operation a person must resolve, and links to it."""
+    release, point, _ = open_saga(engine, "s-human", THREE)
+    finish(engine, release.id, State.CONFIRMED)
+    advance(engine, "s-human")
+    finish(engine, point.id, State.FAILED)
+    advance(engine, "s-human")
+    undo = view(engine, "s-human").steps[0].compensation_operation_id
+    assert undo is not None
+    finish(engine, undo, State.NEEDS_HUMAN)
+    advance(engine, "s-human")
+    sign_in(page, server, alice)
+    page.goto(f"{server.url}/sagas/s-human")
+    expect(page.locator("#saga-reason")).to_contain_text("needs a human")
+    blockers = page.locator("#blockers")
+    expect(blockers).to_contain_text("Step release, its undo")
+    blockers.get_by_role("link", name="needs_human").click()
+    expect(page).to_have_url(f"{server.url}/operations/{undo}")
+    expect(page.get_by_role("heading", name="Resolve")).to_be_visible()
+    expect(page.locator("#saga-link")).to_have_text("s-human")
+
+
+def test_a_running_saga_is_cancelled_through_the_form(
+    page: Page, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+) -> None:
+    """Cancel on a running saga's page (its key holding a slash and a space) cancels it under
+    alice's name (actor operator)."""
+    key = "team-a/release 1.2.4"
+    ops = open_saga(engine, key, THREE)
+    sign_in(page, server, alice)
+    page.goto(f"{server.url}/sagas")
+    page.get_by_role("link", name=key).click()
+    expect(page.get_by_role("heading", level=1)).to_contain_text(key)
+    page.get_by_label("Why cancel it").fill("wrong version")
+    page.get_by_role("button", name="Cancel this saga").click()
+    expect(page.get_by_role("status")).to_contain_text("cancelled by alice")
+    expect(page.locator("#saga-reason")).to_contain_text("cancelled")
+    page.screenshot(path=tmp_path / "cancelled.png", full_page=True)
+    saga = view(engine, key)
+    assert (saga.state, saga.cancelled_by) == (SagaState.CANCELLED, "alice")
+    moved = [e for e in saga.events if e.from_state is SagaState.RUNNING and e.detail]
+    assert [(e.actor, e.detail) for e in moved] == [
+        ("operator", {"by": "alice", "reason": "wrong version"})
+    ]
+    assert [reload(engine, op.id).state for op in ops] == [State.CANCELLED] * 3
+
+
+def test_saga_pages_and_cancel_need_a_signed_in_operator(server: ApiServer, engine: Engine) -> None:
+    """Without a session the saga pages redirect to the sign-in form, and a cancel does nothing."""
+    open_saga(engine, "s-anonymous", THREE)
+    for path in ("/sagas", "/sagas/s-anonymous"):
+        answer = httpx.get(f"{server.url}{path}", timeout=30)
+        assert (answer.status_code, answer.headers["location"]) == (303, "/signin"), path
+    posted = httpx.post(
+        f"{server.url}/sagas/s-anonymous/cancel", data={"reason": "x", "csrf": "x"}, timeout=30
+    )
+    assert (posted.status_code, posted.headers["location"]) == (303, "/signin")
+    assert view(engine, "s-anonymous").state is SagaState.RUNNING
+
+
+def test_a_saga_cancel_posted_without_its_csrf_token_is_refused(
+    browser: Browser, server: ApiServer, engine: Engine, alice: str
+) -> None:
+    """A cancel form whose CSRF field was removed gets the 403 page; the saga runs on."""
+    open_saga(engine, "s-csrf", THREE)
+    with _context(browser, bypass_csp=True) as context:
+        page = context.new_page()
+        sign_in(page, server, alice)
+        page.goto(f"{server.url}/sagas/s-csrf")
+        page.locator('form[action$="/cancel"] input[name="csrf"]').evaluate("e => e.remove()")
+        page.get_by_label("Why cancel it").fill("no token")
+        with page.expect_response(re.compile(r"/cancel$")) as answer:
+            page.get_by_role("button", name="Cancel this saga").click()
+        assert answer.value.status == 403
+        expect(page.get_by_role("heading", level=1)).to_contain_text("Refused")
+    saga = view(engine, "s-csrf")
+    assert (saga.state, saga.cancelled_by) == (SagaState.RUNNING, None)

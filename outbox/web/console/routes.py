@@ -1,4 +1,5 @@
-"""The console's pages and forms: sign-in, overview, queue, operation, search, decisions.
+"""The console's pages and forms: sign-in, overview, queue, operation, search, decisions,
+sagas and a saga's cancel.
 
 Every page but the sign-in form needs a signed-in operator (else a redirect to ``/signin``);
 every POST needs the session's CSRF token (else a 403 page, nothing read or written). A
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 from uuid import UUID
 
 import anyio
@@ -26,18 +28,22 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from starlette.datastructures import FormData
 
-from outbox import approval, operators, sql
+from outbox import approval, operators, sagas, sql
 from outbox.errors import (
     AlreadyDecided,
     ApprovalMismatch,
+    InvalidSagaRequest,
     OperationBusy,
     OperationNotFound,
     OutboxError,
+    SagaNotFound,
+    SagaNotRunning,
     StaleTransition,
 )
 from outbox.logs import Action
 from outbox.models import Executor, Operation, iso_utc
 from outbox.resolve import resolve
+from outbox.saga_rules import SagaState
 from outbox.signins import Throttle
 from outbox.web.console import session, views
 from outbox.web.context import context
@@ -537,3 +543,95 @@ async def reject_operation(request: Request, operation_id: str) -> Response:
 async def resolve_operation(request: Request, operation_id: str) -> Response:
     """Resolve it (applied / not applied / replay), bound to the attempt the page showed."""
     return await _decide(request, operation_id, "resolved", _resolve)
+
+
+# --- sagas ----------------------------------------------------------------------------------
+
+
+@router.get("/sagas", response_class=HTMLResponse)
+async def sagas_page(request: Request, state: str = "") -> Response:
+    """The sagas, newest first, optionally only those in one state (``?state=needs_human``)."""
+    operator = await _operator(request)
+    if operator is None:
+        return _to_signin()
+    notice: str | None = None
+    try:
+        wanted = SagaState(state) if state else None
+    except ValueError:
+        wanted = None
+        notice = f"There is no saga state {state!r}: every saga is listed."
+    found = await _read(request, lambda sync: views.read_sagas(sync, wanted))
+    return _page(
+        request,
+        "sagas.html",
+        operator=operator,
+        listing=found,
+        states=list(SagaState),
+        notice=notice,
+        status_code=200 if notice is None else 422,
+    )
+
+
+@router.get("/sagas/{key:path}", response_class=HTMLResponse)
+async def saga_page(request: Request, key: str) -> Response:
+    """One saga: its state and why, its steps as a timeline, what waits for a person, its
+    audit trail, and (running) the cancel form."""
+    operator = await _operator(request)
+    if operator is None:
+        return _to_signin()
+    return await _saga_response(request, operator, key)
+
+
+async def _saga_response(
+    request: Request, operator: str, key: str, *, notice: str | None = None, status_code: int = 200
+) -> HTMLResponse:
+    found = await _read(request, lambda sync: views.read_saga(sync, key))
+    if found is None:
+        return _page(request, "saga_missing.html", operator=operator, key=key, status_code=404)
+    return _page(
+        request, "saga.html", operator=operator, view=found, notice=notice, status_code=status_code
+    )
+
+
+@router.post("/sagas/{key:path}/cancel")
+async def cancel_saga(request: Request, key: str) -> Response:
+    """Cancel a running saga under the operator's name (actor ``operator``), with a reason;
+    refused, nothing written, once it is no longer running."""
+    operator = await _operator(request)
+    if operator is None:
+        return _to_signin()
+    form = await _form(request)
+    if form is None:
+        return _forbidden(request, operator)
+    reason = _text(form, "reason")
+
+    def cancel(sync: Executor) -> sagas.SagaView:
+        return sagas.cancel_saga(sync, key, by=operator, reason=reason, actor=sagas.OPERATOR)
+
+    try:
+        async with context(request).engine.begin() as conn:
+            done: sagas.SagaView = await conn.run_sync(cancel)
+    except SagaNotFound:
+        return await _saga_response(request, operator, key)
+    except (SagaNotRunning, InvalidSagaRequest) as exc:
+        return await _saga_response(
+            request,
+            operator,
+            key,
+            notice=f"Nothing was written: {exc}",
+            status_code=409 if isinstance(exc, SagaNotRunning) else 422,
+        )
+    log.info(
+        "operator cancelled a saga",
+        extra={
+            "action": Action.CONSOLE_DECIDED,
+            "operator": operator,
+            "saga_key": key,
+            "decision": "saga cancelled",
+            "state": done.state.value,
+        },
+    )
+    request.session["flash"] = f"cancelled by {operator}: the saga is now {done.state.value}."
+    return RedirectResponse(
+        f"/sagas/{quote(done.key, safe='')}", status_code=303, headers=SECURITY_HEADERS
+    )

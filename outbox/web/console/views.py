@@ -8,9 +8,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from uuid import UUID
 
-from outbox import api, sql
+from outbox import api, sagas, sql
 from outbox.models import Delivery, Event, Executor, Operation
 from outbox.resolve import RESOLVABLE_STATES, waiting_reasons
+from outbox.saga_attention import STATE_HELP, Blocker, blockers
+from outbox.saga_rules import SagaState
+from outbox.sagas import SagaSummary, SagaView
 from outbox.sql.console import DecidedRate
 from outbox.states import Actor, State
 
@@ -24,6 +27,8 @@ QUEUE_LIMIT = 200
 DELIVERIES_LIMIT = 50
 #: The actors whose events are lookups' answers: the reconciler's, and evidence it brought.
 LOOKUP_ACTORS = frozenset({Actor.RECONCILER.value, Actor.EVIDENCE.value})
+#: The sagas page lists this many sagas at most.
+SAGAS_LIMIT = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +77,23 @@ class OperationView:
     #: The newest event's id: a form carries it, so a stale one can say what happened since.
     newest_event_id: int
     now: datetime
+
+    @property
+    def saga_key(self) -> str | None:
+        """The saga this operation is a step (or a compensation) of, if any."""
+        key = self.operation.metadata.get("saga")
+        return key if isinstance(key, str) and key and self.saga_role is not None else None
+
+    @property
+    def saga_role(self) -> str | None:
+        """What it is in its saga: ``step NAME`` or ``the undo of step NAME``."""
+        step = self.operation.metadata.get("saga_step")
+        if isinstance(step, str):
+            return f"step {step}"
+        undone = self.operation.metadata.get("saga_compensates")
+        if isinstance(undone, str):
+            return f"the undo of step {undone}"
+        return None
 
     @property
     def resolvable(self) -> bool:
@@ -157,3 +179,53 @@ def find_operation(session: Executor, text: str) -> Operation | None:
     except ValueError:
         found = None
     return found if found is not None else api.find(session, text)
+
+
+@dataclass(frozen=True, slots=True)
+class SagaList:
+    """The sagas page: the sagas (newest first), optionally only those in one state."""
+
+    sagas: list[SagaSummary]
+    state: SagaState | None
+    #: How many sagas are in each state (every state, zero included).
+    counts: dict[SagaState, int]
+    now: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class SagaPage:
+    """A saga page: the saga, what its state means, what waits for a person."""
+
+    saga: SagaView
+    meaning: str
+    blockers: list[Blocker]
+    now: datetime
+
+    @property
+    def cancellable(self) -> bool:
+        """Whether the page offers cancel (only a running saga can be cancelled)."""
+        return self.saga.state is SagaState.RUNNING
+
+
+def read_sagas(session: Executor, state: SagaState | None) -> SagaList:
+    """The newest sagas (at most :data:`SAGAS_LIMIT`), only those in ``state`` if given."""
+    counted = sql.sagas.count_by_state(session)
+    return SagaList(
+        sagas=sagas.list_sagas(session, state=state, limit=SAGAS_LIMIT),
+        state=state,
+        counts={known: counted.get(known.value, 0) for known in SagaState},
+        now=sql.deployment.clock(session),
+    )
+
+
+def read_saga(session: Executor, key: str) -> SagaPage | None:
+    """Everything the saga page shows; ``None`` if there is no such saga."""
+    found = sagas.get_saga(session, key)
+    if found is None:
+        return None
+    return SagaPage(
+        saga=found,
+        meaning=STATE_HELP[found.state],
+        blockers=blockers(found),
+        now=sql.deployment.clock(session),
+    )

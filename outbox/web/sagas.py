@@ -1,0 +1,77 @@
+"""``/v1/sagas``: read sagas (docs/sagas.md) through the Python API (:func:`outbox.get_saga`,
+:func:`outbox.list_sagas`) on the request's connection. An operator token reads every saga;
+an agent token only the sagas it opened (``requested_by`` is its name), as with operations.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Request
+from fastapi.responses import JSONResponse
+
+from outbox import sagas
+from outbox.models import TokenScope
+from outbox.saga_rules import SagaState
+from outbox.web.auth import Token, authorize
+from outbox.web.context import context
+from outbox.web.models import SagaList, SagaOut, Text
+from outbox.web.problems import Problem, documented
+
+router = APIRouter(prefix="/v1", tags=["sagas"])
+
+#: Most sagas one list answers.
+MAX_SAGAS = 500
+
+
+@router.get(
+    "/sagas/{key:path}",
+    response_model=SagaOut,
+    summary="Read one saga: its state and why, its steps in order, its audit trail",
+    responses=documented(401, 404, 422),
+)
+async def get_saga(
+    request: Request,
+    token: Token,
+    key: Annotated[Text, Path(description="The saga key.")],
+) -> JSONResponse:
+    """The saga as it is; an agent reads only the sagas it opened (else 404)."""
+    ctx = context(request)
+    async with ctx.engine.begin() as conn:
+        caller = await authorize(conn, request, token)
+        found = await conn.run_sync(lambda sync: sagas.get_saga(sync, key))
+    if found is None or (
+        caller.scope is not TokenScope.OPERATOR and found.requested_by != caller.name
+    ):
+        raise Problem(404, f"no saga {key!r}", slug="saga-not-found")
+    return JSONResponse(found.to_dict())
+
+
+@router.get(
+    "/sagas",
+    response_model=SagaList,
+    summary="List sagas, newest first",
+    responses=documented(401, 422),
+)
+async def list_sagas(
+    request: Request,
+    token: Token,
+    *,
+    state: Annotated[SagaState | None, Query(description="Only sagas in this state.")] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_SAGAS, description="At most this many.")] = 50,
+) -> JSONResponse:
+    """Sagas matching the filter, newest first; an agent sees only the sagas it opened."""
+    ctx = context(request)
+    async with ctx.engine.begin() as conn:
+        caller = await authorize(conn, request, token)
+        if caller.scope is TokenScope.OPERATOR:
+            found = await conn.run_sync(
+                lambda sync: sagas.list_sagas(sync, state=state, limit=limit)
+            )
+        else:
+            found = await conn.run_sync(
+                lambda sync: sagas.list_sagas_requested_by(
+                    sync, caller.name, state=state, limit=limit
+                )
+            )
+    return JSONResponse({"items": [summary.to_dict() for summary in found]})
