@@ -77,7 +77,7 @@ class WebhookLog:
             return {
                 str(m["data"]["operation_id"])
                 for m in self.valid
-                if m.get("type") == f"operation.{event}"
+                if m.get("type") == f"operation.{event}" and "operation_id" in m["data"]
             }
 
 
@@ -100,7 +100,9 @@ def webhook_receiver(secret: str) -> Iterator[tuple[str, WebhookLog]]:
                     received.invalid += 1
                 self.send_response(400)
             else:
-                hook = (headers["webhook-id"], message["type"], message["data"]["operation_id"])
+                # Guard and saga events name no operation: "" in the log.
+                operation = str(message["data"].get("operation_id", ""))
+                hook = (headers["webhook-id"], message["type"], operation)
                 with received.lock:
                     received.valid.append(message)
                     received.hooks.append(hook)
