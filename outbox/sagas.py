@@ -635,9 +635,10 @@ def advance(
             _cancel_held(session, row, steps, decision, actor)
         elif decision.kind is Kind.COMPENSATE:
             escalated = _compensate(session, row, steps, decision, actor)
-            if escalated is not None:
+            if escalated is not None:  # it could not be recorded: a person decides
+                if escalated.state != row.state:
+                    moves.append(SagaState(escalated.state))
                 row = escalated
-                moves.append(SagaState(row.state))
                 break
     return Advanced(SagaState(row.state), tuple(decisions), tuple(moves))
 
