@@ -12,15 +12,16 @@ The rules, in order:
 * No step refused (``failed`` or ``cancelled``) and no cancel asked: the first *stage* (one
   step, or consecutive steps sharing a group) that is not all ``confirmed`` is the current
   one; its held steps are released; when every stage is confirmed the saga is ``completed``.
-* A step refused, or a cancel asked: the saga *unwinds*. Held steps are cancelled (they
-  never ran). A step whose outcome is not known yet (in flight, ``unknown``,
-  ``needs_human``, awaiting approval) holds everything: nothing is compensated until it is
-  decided, and then it counts as applied (``confirmed``) or not (``failed``). With every step
-  decided: a ``confirmed`` pivot means nothing can be undone, so ``needs_human``; otherwise
-  the ``confirmed`` steps that declare a compensation are undone in reverse order, one at a
-  time (the next only once the previous compensation is ``confirmed``); a compensation that
-  fails, is cancelled or needs a human makes the saga ``needs_human``. All undone:
-  ``compensated`` (``cancelled`` when a cancel found nothing applied).
+* A step refused, or a cancel asked: the saga *unwinds* (``compensating`` from then on).
+  Held steps are cancelled (they never ran). A step whose outcome is not known yet (in
+  flight, ``unknown``, ``needs_human``, awaiting approval) holds everything: nothing is
+  compensated until it is decided, and then it counts as applied (``confirmed``) or not
+  (``failed``). With every step decided: a ``confirmed`` pivot means nothing can be undone,
+  so ``needs_human``; otherwise the ``confirmed`` steps that declare a compensation are
+  undone in reverse order, one at a time (the next only once the previous compensation is
+  ``confirmed``); a compensation that fails, is cancelled or needs a human makes the saga
+  ``needs_human``. All undone: ``compensated`` (``cancelled`` when a cancel found nothing
+  applied).
 * A ``needs_human`` saga is judged again on every pass: once a person decides the operation
   that blocked it, it carries on (``compensating``).
 """
@@ -163,6 +164,11 @@ def _unwinding(  # noqa: PLR0911 -- one return per row of the table
     why = (
         f"step {refused.name} {_state_name(refused.state)}" if refused is not None else "cancelled"
     )
+    if state is SagaState.RUNNING:
+        # Unwinding from the moment a step is refused, even while another is still in
+        # doubt: `outbox sagas list --state compensating` shows it, and its reason says
+        # what it waits for.
+        return Decision(Kind.MOVE, to_state=SagaState.COMPENSATING, reason=why)
     held = tuple(s.name for s in steps if s.held and s.state in _UNDECIDED)
     if held:
         return Decision(Kind.CANCEL_HELD, steps=held)
@@ -188,8 +194,6 @@ def _unwinding(  # noqa: PLR0911 -- one return per row of the table
     for step in to_undo:
         if step.compensation is State.CONFIRMED:
             continue
-        if state is SagaState.RUNNING:
-            return Decision(Kind.MOVE, to_state=SagaState.COMPENSATING, reason=why)
         if step.compensation is None:
             # From needs_human too (its compensation could not be recorded before): once
             # recorded, the wait below resumes the saga.

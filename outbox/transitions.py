@@ -427,7 +427,15 @@ def apply(executor: Executor, move: Move) -> Moved:
     webhooks.record_for_move(
         executor, moved, from_state=from_state, to_state=to_state, actor=move.actor, reason=reason
     )
+    if move.actor in _DECIDERS and "saga" in moved.metadata:
+        # A person's or the agent's word on a saga's operation (resolve, approve, reject,
+        # cancel): its saga is looked at on the sweep's next pass, not after its recheck
+        # delay. Workers nudge it themselves after they commit.
+        saga_sql.check_now_sagas_of(executor, moved.id)
     return Moved(moved, from_state, move.actor)
+
+
+_DECIDERS = frozenset({Actor.OPERATOR, Actor.AGENT})
 
 
 def _params(move: Move, reason: str) -> dict[str, Any]:

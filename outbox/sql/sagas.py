@@ -400,6 +400,28 @@ def check_again_in(executor: Executor, key: str, *, delay_s: float) -> None:
     executor.execute(_CHECK_AT, {"key": key, "delay_s": delay_s})
 
 
+# SKIP LOCKED: a saga row held by the driver (which may be moving this very operation, or
+# others of the saga, and so holds their locks) is skipped, never waited for: no deadlock
+# with a pass, whose own commit or recheck looks at the saga again.
+_CHECK_NOW_OF_OPERATION = text(
+    """
+    UPDATE outbox.sagas SET next_check_at = clock_timestamp()
+    WHERE key IN (
+        SELECT sagas.key FROM outbox.sagas
+        JOIN outbox.saga_steps s ON s.saga_key = sagas.key
+        WHERE (s.operation_id = :id OR s.compensation_operation_id = :id)
+          AND sagas.state IN ('compensating', 'needs_human', 'running')
+        FOR NO KEY UPDATE OF sagas SKIP LOCKED
+    )
+    """
+)
+
+
+def check_now_sagas_of(executor: Executor, operation_id: UUID) -> None:
+    """Make the live sagas this operation belongs to due on the sweep's next pass."""
+    executor.execute(_CHECK_NOW_OF_OPERATION, {"id": operation_id})
+
+
 _DUE = text(
     """
     SELECT key FROM outbox.sagas

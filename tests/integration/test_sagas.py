@@ -464,7 +464,7 @@ def test_an_unknown_step_holds_the_compensation_until_it_is_decided(engine: Engi
     advance(engine, "s-doubt")
     finish(engine, b.id, State.UNKNOWN)
     finish(engine, c.id, State.FAILED)
-    assert advance(engine, "s-doubt") is SagaState.RUNNING
+    assert advance(engine, "s-doubt") is SagaState.COMPENSATING
     assert compensations(engine, "s-doubt") == []
     assert "waiting for step b (unknown)" in (view(engine, "s-doubt").reason or "")
     decide_unknown(engine, b.id, applied=True)
@@ -477,6 +477,29 @@ def test_an_unknown_step_holds_the_compensation_until_it_is_decided(engine: Engi
         "saga:s-doubt:b:compensate",
         "saga:s-doubt:release:compensate",
     ]
+
+
+def _due_now(engine: Engine, key: str) -> bool:
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                text("SELECT next_check_at <= clock_timestamp() FROM outbox.sagas WHERE key = :k"),
+                {"k": key},
+            ).scalar_one()
+        )
+
+
+def test_an_operators_word_on_a_step_makes_its_saga_due_at_once(engine: Engine) -> None:
+    """An operator's verdict on a saga's step makes the saga due for the next pass at once,
+    where a pass that found it waiting had put its next look 10 s out."""
+    release, point, _ = open_saga(engine, "s-due", THREE)
+    finish(engine, release.id, State.CONFIRMED)
+    advance(engine, "s-due")
+    finish(engine, point.id, State.NEEDS_HUMAN)
+    assert advance(engine, "s-due") is SagaState.RUNNING
+    assert not _due_now(engine, "s-due")
+    decide_unknown(engine, point.id, applied=True)
+    assert _due_now(engine, "s-due")
 
 
 def test_a_step_resolved_not_applied_is_not_compensated(engine: Engine) -> None:
@@ -714,7 +737,7 @@ def test_the_periodic_pass_advances_due_sagas_and_the_nudge_finds_them(engine: E
     finish(engine, second.id, State.FAILED)
     done = advance_due_sagas_and_commit(engine)
     assert (done.advanced, done.failed) == (2, 0)
-    assert done.moves == {"compensated": 1}
+    assert done.moves == {"compensating": 1, "compensated": 1}
     assert advance_due_sagas_and_commit(engine).advanced == 0  # looked at again later
     nudged = nudge_sagas_of_and_commit(engine, [first.id])
     assert nudged.advanced == 1
@@ -738,7 +761,7 @@ def test_list_sagas_filters_by_state(engine: Engine) -> None:
     assert shown["state"] == "compensated"
     assert shown["steps"][0]["state"] == "failed"
     assert shown["steps"][0]["compensate"]["payload"] == {"release": "{remote_ref}", "why": "undo"}
-    assert [e["to_state"] for e in shown["events"]] == ["running", "compensated"]
+    assert [e["to_state"] for e in shown["events"]] == ["running", "compensating", "compensated"]
     assert json.loads(json.dumps([s.to_dict() for s in everything]))[0]["key"] == "s-list-2"
 
 

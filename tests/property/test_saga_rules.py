@@ -303,13 +303,16 @@ def test_a_cancel_at_any_moment_ends_where_the_model_says(
 
 
 def test_a_step_in_doubt_holds_a_refused_saga() -> None:
-    """A refusal beside a step in unknown waits; nothing is compensated until it is decided."""
+    """A refusal beside a step in unknown moves the saga to compensating and waits; nothing
+    is compensated until it is decided."""
     steps = [
         StepFacts("a", None, State.CONFIRMED, compensable=True),
         StepFacts("b", "g", State.UNKNOWN, compensable=True),
         StepFacts("c", "g", State.FAILED),
     ]
-    decision = decide(SagaState.RUNNING, steps)
+    first = decide(SagaState.RUNNING, steps)
+    assert (first.kind, first.to_state) == (Kind.MOVE, SagaState.COMPENSATING)
+    decision = decide(SagaState.COMPENSATING, steps)
     assert decision.kind is Kind.WAIT
     assert "waiting for step b (unknown)" in decision.reason
 
