@@ -346,10 +346,17 @@ async def get_saga(session: AsyncExecutor, saga_key: str) -> SagaView | None:
 
 
 async def list_sagas(
-    session: AsyncExecutor, *, state: SagaState | str | None = None, limit: int = 50
+    session: AsyncExecutor,
+    *,
+    state: SagaState | str | None = None,
+    limit: int = 50,
+    requested_by: str | None = None,
 ) -> list[SagaSummary]:
     """Sagas, newest first (:func:`outbox.list_sagas`)."""
-    return await _run(session, lambda s: sagas.list_sagas(s, state=state, limit=limit))
+    return await _run(
+        session,
+        lambda s: sagas.list_sagas(s, state=state, limit=limit, requested_by=requested_by),
+    )
 
 
 async def cancel_saga(session: AsyncExecutor, saga_key: str, *, by: str, reason: str) -> SagaView:

@@ -226,10 +226,16 @@ def get_saga(session: Executor, saga_key: str) -> SagaView | None:
 
 
 def list_sagas(
-    session: Executor, *, state: SagaState | str | None = None, limit: int = 50
+    session: Executor,
+    *,
+    state: SagaState | str | None = None,
+    limit: int = 50,
+    requested_by: str | None = None,
 ) -> list[SagaSummary]:
-    """Sagas, newest first, optionally only those in ``state``; at most ``limit``.
-    Reads in the caller's transaction. :class:`InvalidSagaRequest` names a bad argument."""
+    """Sagas, newest first, optionally only those in ``state`` and only those opened with
+    ``requested_by`` (an agent's own); at most ``limit``. Reads in the caller's transaction.
+    :class:`InvalidSagaRequest` names a bad argument."""
+    who = None if requested_by is None else _required_text(requested_by, "requested_by")
     wanted: str | None = None
     if state is not None:
         try:
@@ -251,7 +257,7 @@ def list_sagas(
             created_at=listed.saga.created_at,
             updated_at=listed.saga.updated_at,
         )
-        for listed in sql.sagas.list_sagas(session, state=wanted, limit=limit)
+        for listed in sql.sagas.list_sagas(session, state=wanted, limit=limit, requested_by=who)
     ]
 
 
@@ -923,45 +929,3 @@ def _compensate(
         },
     )
     return None
-
-
-# --- added by the operator surfaces (the HTTP API's agent-scoped list) -----------------------
-
-
-def list_sagas_requested_by(
-    session: Executor,
-    requested_by: str,
-    *,
-    state: SagaState | str | None = None,
-    limit: int = 50,
-) -> list[SagaSummary]:
-    """The sagas opened with ``requested_by`` (an agent's own), newest first, optionally
-    only those in ``state``; at most ``limit``. Reads in the caller's transaction;
-    :class:`InvalidSagaRequest` names a bad argument (``requested_by``, ``state``,
-    ``limit``), as :func:`list_sagas` does."""
-    who = _required_text(requested_by, "requested_by")
-    wanted: str | None = None
-    if state is not None:
-        try:
-            wanted = SagaState(state).value
-        except ValueError:
-            known = ", ".join(s.value for s in SagaState)
-            raise InvalidSagaRequest(
-                f"unknown saga state {state!r}; one of: {known}", field="state"
-            ) from None
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise InvalidSagaRequest("limit must be a positive integer", field="limit")
-    return [
-        SagaSummary(
-            key=listed.saga.key,
-            state=SagaState(listed.saga.state),
-            reason=listed.saga.reason,
-            requested_by=listed.saga.requested_by,
-            steps=listed.steps,
-            created_at=listed.saga.created_at,
-            updated_at=listed.saga.updated_at,
-        )
-        for listed in sql.sagas.list_sagas_requested_by(
-            session, requested_by=who, state=wanted, limit=limit
-        )
-    ]

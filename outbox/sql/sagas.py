@@ -457,7 +457,8 @@ _LIST = text(
     SELECT *,
            (SELECT count(*) FROM outbox.saga_steps s WHERE s.saga_key = sagas.key) AS steps
     FROM outbox.sagas
-    WHERE CAST(:state AS text) IS NULL OR state = :state
+    WHERE (CAST(:state AS text) IS NULL OR state = :state)
+      AND (CAST(:requested_by AS text) IS NULL OR requested_by = :requested_by)
     ORDER BY created_at DESC, key
     LIMIT :limit
     """
@@ -472,9 +473,12 @@ class ListedSaga:
     steps: int
 
 
-def list_sagas(executor: Executor, *, state: str | None, limit: int) -> list[ListedSaga]:
-    """Sagas, newest first, optionally in one state."""
-    rows = executor.execute(_LIST, {"state": state, "limit": limit}).mappings()
+def list_sagas(
+    executor: Executor, *, state: str | None, limit: int, requested_by: str | None = None
+) -> list[ListedSaga]:
+    """Sagas, newest first, optionally in one state, optionally only ``requested_by``'s."""
+    params = {"state": state, "limit": limit, "requested_by": requested_by}
+    rows = executor.execute(_LIST, params).mappings()
     return [ListedSaga(SagaRow.from_row(row), int(row["steps"])) for row in rows]
 
 
@@ -511,27 +515,3 @@ _COUNT_BY_STATE = text("SELECT state, count(*) AS n FROM outbox.sagas GROUP BY s
 def count_by_state(executor: Executor) -> dict[str, int]:
     """How many sagas are in each state (states with none are absent)."""
     return {row.state: int(row.n) for row in executor.execute(_COUNT_BY_STATE)}
-
-
-# --- added by the operator surfaces (the HTTP API's agent-scoped list) -----------------------
-
-_LIST_REQUESTED_BY = text(
-    """
-    SELECT *,
-           (SELECT count(*) FROM outbox.saga_steps s WHERE s.saga_key = sagas.key) AS steps
-    FROM outbox.sagas
-    WHERE requested_by = :requested_by AND (CAST(:state AS text) IS NULL OR state = :state)
-    ORDER BY created_at DESC, key
-    LIMIT :limit
-    """
-)
-
-
-def list_sagas_requested_by(
-    executor: Executor, *, requested_by: str, state: str | None, limit: int
-) -> list[ListedSaga]:
-    """The sagas ``requested_by`` opened, newest first, optionally in one state."""
-    rows = executor.execute(
-        _LIST_REQUESTED_BY, {"requested_by": requested_by, "state": state, "limit": limit}
-    ).mappings()
-    return [ListedSaga(SagaRow.from_row(row), int(row["steps"])) for row in rows]

@@ -64,14 +64,9 @@ async def list_sagas(
     ctx = context(request)
     async with ctx.engine.begin() as conn:
         caller = await authorize(conn, request, token)
-        if caller.scope is TokenScope.OPERATOR:
-            found = await conn.run_sync(
-                lambda sync: sagas.list_sagas(sync, state=state, limit=limit)
-            )
-        else:
-            found = await conn.run_sync(
-                lambda sync: sagas.list_sagas_requested_by(
-                    sync, caller.name, state=state, limit=limit
-                )
-            )
+        # An operator reads every saga; an agent the ones it opened.
+        mine = None if caller.scope is TokenScope.OPERATOR else caller.name
+        found = await conn.run_sync(
+            lambda sync: sagas.list_sagas(sync, state=state, limit=limit, requested_by=mine)
+        )
     return JSONResponse({"items": [summary.to_dict() for summary in found]})
