@@ -1,9 +1,12 @@
 """The guards at work, against their state in PostgreSQL (:mod:`outbox.sql.guards`).
 
-* :func:`admit` runs in the transaction of the dispatcher's ``sent`` commit: the breaker (one
-  probe when its time is up), the concurrency cap (a count of ``sent`` rows under the key's
-  transaction lock), then the rate (a GCRA step). It returns ``None`` (send) or a
-  :class:`Hold`; the caller rolls back, so a refused attempt takes no token and no probe.
+* :func:`admission` is what the dispatcher's `sent` move asks in its own statement
+  (:func:`outbox.transitions.apply_admitted_and_commit`): the breaker, the concurrency cap (a
+  count of ``sent`` rows under the key's transaction lock), then the rate (a GCRA step);
+  :func:`refusal` turns a refusal into a :class:`Hold`, so a refused attempt takes no token.
+* :func:`admit` is the same in the transaction of the ``sent`` commit, with the probe's
+  claim, while a breaker is not closed. It returns ``None`` (send) or a :class:`Hold`; the
+  caller rolls back, so a refused attempt takes no token and no probe.
 * :func:`record_outcome_committed` counts an attempt's outcome against its breaker.
 * :func:`report` and :func:`reset` are ``outbox guards list`` and ``outbox guards reset``.
 
@@ -70,6 +73,47 @@ class Hold:
     reason: str
 
 
+def admission(contract: ToolContract, target: str) -> sql.Admission:
+    """The guards ``contract`` declares, keyed for ``target``, as an admission asks them."""
+    breaker, cap, rate = contract.breaker, contract.concurrency, contract.rate
+    b_key = GuardKey.of(contract.name, target, breaker.per) if breaker else None
+    c_key = GuardKey.of(contract.name, target, cap.per) if cap else None
+    r_key = GuardKey.of(contract.name, target, rate.per) if rate else None
+    return sql.Admission(
+        breaker=(b_key.tool, b_key.target) if b_key else None,
+        cap=(c_key.tool, c_key.target, cap.max_in_flight) if cap and c_key else None,
+        rate=(r_key.tool, r_key.target, rate.interval_s, rate.burst) if rate and r_key else None,
+    )
+
+
+def breaker_refused(admitted: sql.Admitted) -> bool:
+    """Whether the admission found the breaker not closed: only :func:`admit` (in a
+    transaction with the move) may then claim its probe."""
+    return admitted.breaker.state not in (None, BreakerState.CLOSED)
+
+
+def refusal(
+    contract: ToolContract, target: str, admitted: sql.Admitted, *, probe: bool = False
+) -> Hold | None:
+    """The :class:`Hold` for an admission's answer by the cap or the rate (``None``: send).
+    ``probe``: the attempt is a breaker's probe, sent whatever the rate says (no token was
+    taken)."""
+    cap, rate = contract.concurrency, contract.rate
+    in_flight = admitted.in_flight
+    if cap is not None and (in_flight or 0) >= cap.max_in_flight:
+        c_key = GuardKey.of(contract.name, target, cap.per)
+        reason = (
+            f"held: {in_flight} attempts of {c_key} in flight (max_in_flight {cap.max_in_flight})"
+        )
+        delay = cap.retry_s * (1 + random.random())  # noqa: S311 -- jitter
+        return Hold("concurrency", c_key, delay, reason)
+    if rate is not None and not admitted.token and not probe:
+        r_key = GuardKey.of(contract.name, target, rate.per)
+        reason = f"held: rate of {r_key} ({rate.per_second:g}/s) reached"
+        return Hold("rate", r_key, max(admitted.wait_s, 0.001), reason)
+    return None
+
+
 def admit(
     conn: Executor,
     contract: ToolContract,
@@ -82,42 +126,22 @@ def admit(
     (the one that commits ``sent``; never commits). ``None``: send (a probe claimed, a token
     taken); else the :class:`Hold`: the caller rolls back and holds the operation.
 
-    One statement (:func:`outbox.sql.guards.admit`), after the key's lock with a cap
-    (:func:`~outbox.sql.guards.lock_in_flight`), and one more only while a breaker is not
-    closed (its probe's claim)."""
-    breaker, cap, rate = contract.breaker, contract.concurrency, contract.rate
-    b_key = GuardKey.of(contract.name, target, breaker.per) if breaker else None
-    c_key = GuardKey.of(contract.name, target, cap.per) if cap else None
-    r_key = GuardKey.of(contract.name, target, rate.per) if rate else None
-    if c_key is not None:
-        sql.lock_in_flight(conn, str(c_key))
-    admitted = sql.admit(
-        conn,
-        breaker=(b_key.tool, b_key.target) if b_key else None,
-        cap=(c_key.tool, c_key.target, cap.max_in_flight) if cap and c_key else None,
-        rate=(r_key.tool, r_key.target, rate.interval_s, rate.burst) if rate and r_key else None,
-    )
+    One statement (:func:`outbox.sql.guards.admit`: with a cap, the key's lock is held until
+    the caller's transaction ends), and one more while a breaker is not closed (its probe's
+    claim). The dispatcher asks this only when the breaker is not closed; otherwise the
+    admission is part of the `sent` move's own statement
+    (:func:`outbox.transitions.apply_admitted_and_commit`)."""
+    admitted = sql.admit(conn, admission(contract, target))
     if observed is not None:
         observed.breaker_quiet = admitted.breaker_quiet
     probe = False
-    if b_key is not None and admitted.breaker.state not in (None, BreakerState.CLOSED):
-        held = _breaker_admits(
-            conn, contract, b_key, admitted.breaker, operation_id, scope=DISPATCH
-        )
+    if contract.breaker is not None and breaker_refused(admitted):
+        key = GuardKey.of(contract.name, target, contract.breaker.per)
+        held = _breaker_admits(conn, contract, key, admitted.breaker, operation_id, scope=DISPATCH)
         if held is not None:
             return held
         probe = True  # the one probe: sent whatever the rate says (no token was taken)
-    in_flight = admitted.in_flight
-    if cap is not None and c_key is not None and (in_flight or 0) >= cap.max_in_flight:
-        reason = (
-            f"held: {in_flight} attempts of {c_key} in flight (max_in_flight {cap.max_in_flight})"
-        )
-        delay = cap.retry_s * (1 + random.random())  # noqa: S311 -- jitter
-        return Hold("concurrency", c_key, delay, reason)
-    if rate is not None and r_key is not None and not admitted.token and not probe:
-        reason = f"held: rate of {r_key} ({rate.per_second:g}/s) reached"
-        return Hold("rate", r_key, max(admitted.wait_s, 0.001), reason)
-    return None
+    return refusal(contract, target, admitted, probe=probe)
 
 
 def _breaker_admits(

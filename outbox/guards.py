@@ -2,10 +2,11 @@
 
 A tool declares them (TOML sub-tables ``[tools."x".breaker]``, ``.rate``, ``.concurrency``, or
 ``@tool(breaker=Breaker(...), rate=Rate(...), concurrency=Concurrency(...))``); the dispatcher
-asks :func:`outbox.guards_admit.admit` in the transaction of the ``sent`` commit. Their state
-lives in PostgreSQL (``outbox.guard_breakers``, ``outbox.guard_buckets``; the in-flight count is
-the ``sent`` rows themselves), so every process and host shares it, a SIGKILL forgets nothing,
-and time is the database's clock.
+asks them in the statement of its ``sent`` move (:func:`outbox.guard_state.admission`,
+migration 0020's ``outbox.guard_admit``). Their state lives in PostgreSQL
+(``outbox.guard_breakers``, ``outbox.guard_buckets``; the in-flight count is the ``sent`` rows
+themselves), so every process and host shares it, a SIGKILL forgets nothing, and time is the
+database's clock.
 
 This module holds the declarations and the pure arithmetic (the breaker's next state, the
 GCRA's verdict), which tests check without a database.

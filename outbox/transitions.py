@@ -55,10 +55,12 @@ from outbox.states import (
 )
 
 __all__ = [
+    "AdmittedMove",
     "LateEvidence",
     "Move",
     "Moved",
     "apply",
+    "apply_admitted_and_commit",
     "apply_and_commit",
     "apply_guarded_and_commit",
     "approve",
@@ -402,13 +404,20 @@ def apply(executor: Executor, move: Move) -> Moved:
     The reason, the detail and the remote's values are made storable first
     (:mod:`outbox.storable`): a NUL byte in a remote's answer must not make the move raise.
     """
-    from_state, to_state = move.from_state, move.to_state
-    check_allowed(from_state, to_state, move.actor)
-    check_remote_ref(from_state, to_state, move.actor, move.remote_ref)
     reason = storable.text(move.reason)
-    shape = sql.MoveShape(
-        from_state=from_state,
-        to_state=to_state,
+    moved = sql.move(executor, _shape(move), _params(move, reason))
+    if moved is None:
+        raise _why_missed(executor, move)
+    return _moved(executor, move, moved, reason)
+
+
+def _shape(move: Move, *, guarded: bool = False) -> sql.MoveShape:
+    """The statement shape of ``move``, once the table allows it to its actor."""
+    check_allowed(move.from_state, move.to_state, move.actor)
+    check_remote_ref(move.from_state, move.to_state, move.actor, move.remote_ref)
+    return sql.MoveShape(
+        from_state=move.from_state,
+        to_state=move.to_state,
         actor=move.actor,
         fenced=move.attempt is not None,
         remote_ref=move.remote_ref is not None,
@@ -420,19 +429,26 @@ def apply(executor: Executor, move: Move) -> Moved:
         decided=move.decided_by is not None,
         approval=move.approved_payload_hash is not None,
         approval_ttl=move.approval_ttl_s is not None,
+        guarded=guarded,
     )
-    moved = sql.move(executor, shape, _params(move, reason))
-    if moved is None:
-        raise _why_missed(executor, move)
+
+
+def _moved(executor: Executor, move: Move, moved: Operation, reason: str) -> Moved:
+    """A move that happened: its webhook deliveries written in the same transaction."""
     webhooks.record_for_move(
-        executor, moved, from_state=from_state, to_state=to_state, actor=move.actor, reason=reason
+        executor,
+        moved,
+        from_state=move.from_state,
+        to_state=move.to_state,
+        actor=move.actor,
+        reason=reason,
     )
     if move.actor in _DECIDERS and "saga" in moved.metadata:
         # A person's or the agent's word on a saga's operation (resolve, approve, reject,
         # cancel): its saga is looked at on the sweep's next pass, not after its recheck
         # delay. Workers nudge it themselves after they commit.
         saga_sql.check_now_sagas_of(executor, moved.id)
-    return Moved(moved, from_state, move.actor)
+    return Moved(moved, move.from_state, move.actor)
 
 
 _DECIDERS = frozenset({Actor.OPERATOR, Actor.AGENT})
@@ -498,6 +514,39 @@ def apply_guarded_and_commit(
             return apply(conn, move)
     except StaleTransition as missed:
         return missed
+
+
+@dataclass(frozen=True, slots=True)
+class AdmittedMove:
+    """A `sent` move asked of the guards in its own statement: the move (``None``: the
+    guards refused it, nothing written) and what the guards said."""
+
+    moved: Moved | StaleTransition | None
+    admitted: guard_sql.Admitted
+
+
+def apply_admitted_and_commit(
+    conn: Connection, move: Move, admission: guard_sql.Admission
+) -> AdmittedMove:
+    """Make the `sent` ``move`` only if the guards of ``admission`` admit it, in one statement
+    with their admission (``outbox.guard_admit``: with a cap, the key's lock is held until
+    this commits), and commit. A refusal writes nothing (no token taken). An admitted move
+    whose compare-and-set misses (a duplicate message) returns the
+    :class:`StaleTransition` and has used a token for nothing (it only ever sends less)."""
+    reason = storable.text(move.reason)
+    shape = _shape(move, guarded=True)
+    missed: StaleTransition | None = None
+    with _own_transaction(conn, move):
+        row, admitted = sql.move_admitted(conn, shape, _params(move, reason), admission)
+        if not admitted.admitted:
+            return AdmittedMove(None, admitted)
+        if row is not None:
+            return AdmittedMove(_moved(conn, move, row, reason), admitted)
+        why = _why_missed(conn, move)
+        if not isinstance(why, StaleTransition):
+            raise why
+        missed = why
+    return AdmittedMove(missed, admitted)
 
 
 def hold_and_commit(

@@ -4,12 +4,13 @@ in-flight count, and the audit of resets. Every instant is the database's
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import text
+from sqlalchemy import Double, Integer, Text, bindparam, cast, func, select, text
 
 from outbox.driver import DriverStatement
 from outbox.models import Executor
@@ -186,7 +187,7 @@ def clear_bucket(executor: Executor, tool: str, target: str) -> bool:
     return executor.execute(_CLEAR_BUCKET, params).one_or_none() is not None
 
 
-# --- the admission, folded: two statements in the `sent` commit's transaction ------------------
+# --- the admission: one function (migration 0020), alone or in the `sent` move's statement ----
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,18 +197,6 @@ class BreakerSeen:
     state: str | None
     open_until: datetime | None
     now: datetime
-
-
-# With a cap: the key's transaction lock, held until the `sent` move commits, taken before
-# the count (a statement of its own: the count's snapshot must see the last holder's commit).
-_LOCK_IN_FLIGHT = DriverStatement.of(
-    text(
-        "SELECT pg_advisory_xact_lock("
-        "hashtextextended('outbox.guards.concurrency:' || CAST(:lock_key AS text), 0))::text "
-        "AS locked"
-    ),
-    ["locked"],
-)
 
 
 _READ_SEEN = text(
@@ -222,9 +211,30 @@ def breaker_seen(executor: Executor, scope: str, tool: str, target: str) -> Brea
     return BreakerSeen(row.state, row.open_until, row.now) if row is not None else None
 
 
-def lock_in_flight(executor: Executor, lock_key: str) -> None:
-    """Take the concurrency lock of ``lock_key`` until the caller's transaction ends."""
-    _LOCK_IN_FLIGHT.fetch_one(executor, {"lock_key": lock_key})
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The guards an admission asks (``None``: not declared): the dispatch breaker of
+    ``breaker`` (tool, target), the concurrency cap ``cap`` (tool, target, max in flight),
+    the rate ``rate`` (tool, target, interval_s, burst)."""
+
+    breaker: tuple[str, str] | None
+    cap: tuple[str, str, int] | None
+    rate: tuple[str, str, float, int] | None
+
+    def params(self) -> dict[str, Any]:
+        """The bound values of ``outbox.guard_admit`` (named ``g_*``: they may join a move's)."""
+        breaker, cap, rate = self.breaker, self.cap, self.rate
+        return {
+            "g_b_tool": breaker[0] if breaker else None,
+            "g_b_target": breaker[1] if breaker else None,
+            "g_cap": cap[2] if cap else None,
+            "g_c_tool": cap[0] if cap else None,
+            "g_c_target": cap[1] if cap else None,
+            "g_r_tool": rate[0] if rate else None,
+            "g_r_target": rate[1] if rate else None,
+            "g_interval_s": rate[2] if rate else None,
+            "g_burst": rate[3] if rate else 1,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,95 +248,66 @@ class Admitted:
     breaker: BreakerSeen
     #: The breaker was closed with no failure counted (or never written).
     breaker_quiet: bool
+    #: Every declared guard let the attempt through (the breaker closed, under the cap, a
+    #: token taken).
+    admitted: bool
 
-
-# One statement (after the lock, if any: a fresh snapshot): the breaker's row (no lock: a
-# closed one is all most calls see), the `sent` rows of a capped key, and, with the breaker
-# closed and under the cap, one GCRA step (the row lock of ON CONFLICT makes it exact: its
-# WHERE is judged on the newest tat). A refusal by the breaker or the cap takes no token. The
-# next slot is read from this statement's snapshot (at worst a little early: held again).
-# An absent guard's parameters are NULL: nothing read or written for it.
-_ADMIT = DriverStatement.of(
-    text(
-        """
-        WITH brk AS (
-            SELECT state, open_until, failures FROM outbox.guard_breakers
-            WHERE scope = 'dispatch' AND tool = CAST(:b_tool AS text)
-              AND target = CAST(:b_target AS text)
-        ), in_flight AS (
-            SELECT count(*) AS n FROM outbox.operations
-            WHERE CAST(:cap AS integer) IS NOT NULL AND state = 'sent'
-              AND tool = CAST(:c_tool AS text)
-              AND (CAST(:c_target AS text) = '' OR target = CAST(:c_target AS text))
-        ), token AS (
-            INSERT INTO outbox.guard_buckets AS b (tool, target, tat)
-            SELECT CAST(:r_tool AS text), CAST(:r_target AS text),
-                   statement_timestamp()
-                   + make_interval(secs => CAST(:interval_s AS double precision))
-            WHERE CAST(:interval_s AS double precision) IS NOT NULL
-              AND NOT EXISTS (SELECT 1 FROM brk WHERE state <> 'closed')
-              AND (CAST(:cap AS integer) IS NULL OR (SELECT n FROM in_flight) < :cap)
-            ON CONFLICT (tool, target) DO UPDATE
-            SET tat = greatest(b.tat, statement_timestamp())
-                      + make_interval(secs => CAST(:interval_s AS double precision))
-            WHERE greatest(b.tat, statement_timestamp())
-                  + make_interval(secs => CAST(:interval_s AS double precision))
-                  <= statement_timestamp()
-                     + make_interval(secs => CAST(:interval_s AS double precision) * :burst)
-            RETURNING tat
+    @classmethod
+    def of(cls, row: Mapping[str, Any], *, rate: bool) -> Admitted:
+        """From a row with :data:`ADMITTED_COLUMNS`."""
+        return cls(
+            in_flight=row["in_flight"],
+            token=bool(row["token"]) if rate else None,
+            wait_s=max(float(row["wait_s"] or 0.0), 0.0),
+            breaker=BreakerSeen(row["breaker_state"], row["open_until"], row["now"]),
+            breaker_quiet=bool(row["quiet"]),
+            admitted=bool(row["admitted"]),
         )
-        SELECT CASE WHEN CAST(:cap AS integer) IS NULL THEN NULL
-                    ELSE (SELECT n FROM in_flight) END AS in_flight,
-               EXISTS (SELECT 1 FROM token) AS token,
-               coalesce((
-                   SELECT extract(epoch FROM g.tat - make_interval(
-                              secs => CAST(:interval_s AS double precision) * (:burst - 1))
-                          - statement_timestamp())::float8
-                   FROM outbox.guard_buckets AS g
-                   WHERE g.tool = CAST(:r_tool AS text) AND g.target = CAST(:r_target AS text)
-               ), 0) AS wait_s,
-               (SELECT state FROM brk) AS breaker_state,
-               (SELECT open_until FROM brk) AS open_until,
-               coalesce((SELECT state = 'closed' AND failures = 0 FROM brk), true) AS quiet,
-               clock_timestamp() AS now
-        """
-    ),
-    ["in_flight", "token", "wait_s", "breaker_state", "open_until", "quiet", "now"],
+
+
+#: What ``outbox.guard_admit`` returns, in order.
+ADMITTED_COLUMNS = (
+    "in_flight",
+    "token",
+    "wait_s",
+    "breaker_state",
+    "open_until",
+    "quiet",
+    "now",
+    "admitted",
 )
 
 
-def admit(
-    executor: Executor,
-    *,
-    breaker: tuple[str, str] | None,
-    cap: tuple[str, str, int] | None,
-    rate: tuple[str, str, float, int] | None,
-) -> Admitted:
-    """Read the dispatch breaker of ``breaker`` (tool, target), count the in-flight attempts
-    of ``cap`` (tool, target, max) and, with the breaker closed and under the cap, take a
-    token from ``rate`` (tool, target, interval_s, burst); one round trip."""
-    row = _ADMIT.fetch_one(
-        executor,
-        {
-            "b_tool": breaker[0] if breaker else None,
-            "b_target": breaker[1] if breaker else None,
-            "cap": cap[2] if cap else None,
-            "c_tool": cap[0] if cap else None,
-            "c_target": cap[1] if cap else None,
-            "r_tool": rate[0] if rate else None,
-            "r_target": rate[1] if rate else None,
-            "interval_s": rate[2] if rate else None,
-            "burst": rate[3] if rate else 1,
-        },
-    )
+def admit_call() -> Any:
+    """``outbox.guard_admit(...)`` (migration 0020) as a table-valued function of the
+    ``g_*`` parameters of :meth:`Admission.params`, for a statement that joins it to a move:
+    the key's lock (with a cap), the breaker's read, the count of ``sent`` rows and the GCRA
+    step, each on a snapshot taken after the lock."""
+    return func.outbox.guard_admit(
+        cast(bindparam("g_b_tool"), Text),
+        cast(bindparam("g_b_target"), Text),
+        cast(bindparam("g_cap"), Integer),
+        cast(bindparam("g_c_tool"), Text),
+        cast(bindparam("g_c_target"), Text),
+        cast(bindparam("g_r_tool"), Text),
+        cast(bindparam("g_r_target"), Text),
+        cast(bindparam("g_interval_s"), Double),
+        cast(bindparam("g_burst"), Integer),
+    ).table_valued(*ADMITTED_COLUMNS)
+
+
+# The admission alone (a breaker that is not closed: its probe's claim follows in the same
+# transaction as the move). With a cap, the key's lock is held until that transaction ends.
+_ADMIT = DriverStatement.of(select(admit_call()), ADMITTED_COLUMNS)
+
+
+def admit(executor: Executor, admission: Admission) -> Admitted:
+    """Ask every guard of ``admission`` in the caller's transaction (with a cap, its lock
+    held until the transaction ends); a token is taken only when the breaker is closed and
+    the cap not reached. One round trip."""
+    row = _ADMIT.fetch_one(executor, admission.params())
     assert row is not None  # noqa: S101 -- one row by construction
-    return Admitted(
-        in_flight=row["in_flight"],
-        token=bool(row["token"]) if rate else None,
-        wait_s=max(float(row["wait_s"] or 0.0), 0.0),
-        breaker=BreakerSeen(row["breaker_state"], row["open_until"], row["now"]),
-        breaker_quiet=bool(row["quiet"]),
-    )
+    return Admitted.of(row, rate=admission.rate is not None)
 
 
 # --- holding an operation back ----------------------------------------------------------------

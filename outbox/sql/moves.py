@@ -44,6 +44,7 @@ from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 from outbox.driver import DriverStatement
 from outbox.models import Executor, Operation
 from outbox.schema import events, operations, waiters
+from outbox.sql import guards
 from outbox.sql.columns import HELD_UNTIL, OPERATION_COLUMNS
 from outbox.sql.notify import SETTLED_CHANNEL
 from outbox.states import SETTLED_STATES, TERMINAL_STATES, Actor, State
@@ -77,6 +78,9 @@ class MoveShape:
     approval: bool = False
     #: Entering ``awaiting_approval``: ``approval_ttl`` (an interval) sets the expiry.
     approval_ttl: bool = False
+    #: The `sent` move of a tool with guards: the guards' admission (``outbox.guard_admit``,
+    #: its ``g_*`` parameters) in the same statement, the move only if it admits.
+    guarded: bool = False
 
 
 def _interval(name: str) -> ColumnElement[Any]:
@@ -165,6 +169,12 @@ def _move_statement(shape: MoveShape) -> DriverStatement:
     ]
     if shape.fenced:
         conditions.append(o.attempts == bindparam("attempt", type_=Integer))
+    admission = None
+    if shape.guarded:
+        # First, a condition on no column (a one-time filter, run before the row is read):
+        # the function takes the cap's lock and reads on snapshots of its own, after it.
+        admission = select(guards.admit_call()).cte("admission")
+        conditions.insert(0, select(admission.c.admitted).scalar_subquery())
     if shape.to_state is State.SENT:
         conditions.append(
             or_(o.replay_deadline.is_(None), func.statement_timestamp() < o.replay_deadline)
@@ -210,6 +220,12 @@ def _move_statement(shape: MoveShape) -> DriverStatement:
     )
     columns: list[Any] = [moved]
     names = list(OPERATION_COLUMNS)
+    if admission is not None:
+        # The admission's row whether or not the move happened: why it was refused.
+        statement = select(*[admission.c[name] for name in guards.ADMITTED_COLUMNS], moved)
+        statement = statement.select_from(admission.outerjoin(moved, true()))
+        names = [*guards.ADMITTED_COLUMNS, *names]
+        return DriverStatement.of(statement.add_cte(logged.cte("logged")), names)
     if shape.to_state in SETTLED_STATES:
         # Only while someone waits for this operation (outbox.waiters): a NOTIFY holds a
         # cluster-wide lock from before the commit until it is flushed, so one on every
@@ -229,6 +245,19 @@ def move(executor: Executor, shape: MoveShape, params: Mapping[str, Any]) -> Ope
     commits): the operation as moved, or ``None`` if the compare-and-set missed."""
     row = _move_statement(shape).fetch_one(executor, params)
     return Operation.from_row(row) if row is not None else None
+
+
+def move_admitted(
+    executor: Executor, shape: MoveShape, params: Mapping[str, Any], admission: guards.Admission
+) -> tuple[Operation | None, guards.Admitted]:
+    """Run the guarded move of ``shape`` (:attr:`MoveShape.guarded`) with ``params`` and the
+    guards of ``admission``, in ``executor``'s transaction (never commits): the operation as
+    moved (``None``: refused, or the compare-and-set missed) and what the guards said."""
+    row = _move_statement(shape).fetch_one(executor, {**params, **admission.params()})
+    assert row is not None  # noqa: S101 -- the admission's row, always
+    admitted = guards.Admitted.of(row, rate=admission.rate is not None)
+    moved = Operation.from_row(row) if row["id"] is not None else None
+    return moved, admitted
 
 
 def insert_note(

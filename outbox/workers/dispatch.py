@@ -371,23 +371,27 @@ def _mark_sent(
 ) -> Moved | guard_state.Hold | Exception:
     """The `sent` move, one statement.
 
-    With a concurrency cap, the guards and the move are one transaction: the count of `sent`
-    rows must not change between the count and the move. Without one, the breaker's read
-    and the rate's token are each committed on their own just before the move (one
-    statement each, no transaction around the move): a move that then misses (a duplicate
-    message) has used a token or a probe's lease for nothing, which only ever sends less.
+    With guards, their admission is part of that statement (``outbox.guard_admit``): the
+    breaker's read, the concurrency cap's count of `sent` rows under the key's lock (held
+    until the move commits: two dispatchers cannot both see room for one), the rate's token;
+    the move happens only if they all admit it. A breaker that is not closed is asked again
+    with the move in one transaction, where its probe may be claimed.
     """
     move = transitions.mark_sent(
         op.id, attempt=op.attempts, reason=f"dispatching attempt {op.attempts + 1}"
     )
     if not contract.guarded:
         return transitions.apply_and_commit(conn, move)
-    if contract.concurrency is None:
-        held = guard_state.admit(
-            conn, contract, operation_id=op.id, target=op.target, observed=observed
-        )
-        conn.commit()  # each statement committed itself (AUTOCOMMIT): ends SQLAlchemy's
-        return held if held is not None else transitions.apply_and_commit(conn, move)
+    asked = transitions.apply_admitted_and_commit(
+        conn, move, guard_state.admission(contract, op.target)
+    )
+    observed.breaker_quiet = asked.admitted.breaker_quiet
+    if asked.moved is not None:
+        return asked.moved
+    if not guard_state.breaker_refused(asked.admitted):
+        held = guard_state.refusal(contract, op.target, asked.admitted)
+        assert held is not None  # noqa: S101 -- refused by the cap or the rate
+        return held
     return transitions.apply_guarded_and_commit(
         conn,
         move,

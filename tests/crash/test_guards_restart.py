@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from outbox import api, migrate
@@ -20,16 +21,18 @@ from outbox.contracts import ContractTable
 from outbox.db import create_engine
 from outbox.dev.clusters import LocalCluster
 from outbox.errors import BudgetExceeded
-from outbox.guards import Breaker, Rate
+from outbox.guards import Breaker, Concurrency, Rate
+from outbox.states import State
 from outbox.tools import Applied, NotDelivered, ToolCall, ToolRegistry, tool
 from outbox.workers.dispatch import Outcome, dispatch
-from tests.factories import make_operation
+from tests.factories import make_operation, reload
 
 pytestmark = pytest.mark.slow
 
 FLAKY = "deploy.create_release"
 SLOW = "mail.send"
 CHARGE = "billing.charge"
+CAPPED = "ticket.open"
 
 
 @pytest.fixture
@@ -92,3 +95,34 @@ def test_an_open_breaker_a_spent_bucket_and_a_budgets_use_survive_a_crash(
     assert dispatch(second.id, engine=engine, registry=registry).outcome is Outcome.HELD
     with pytest.raises(BudgetExceeded):
         _charge(engine, 1)
+
+
+def test_a_sent_move_admitted_under_a_cap_is_on_disk_before_the_call(
+    engine_on_own_cluster: tuple[LocalCluster, Engine],
+) -> None:
+    """Under a cap the `sent` move (its admission in the same statement) is on disk before
+    the call: PostgreSQL crashed during the call gives the row back in `sent`, even with the
+    WAL writer's own flush 10 s away."""
+    cluster, engine = engine_on_own_cluster
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("ALTER SYSTEM SET wal_writer_delay = '10s'"))
+        conn.execute(text("SELECT pg_reload_conf()"))
+    registry = ToolRegistry(ContractTable())
+    calls: list[str] = []
+
+    def crash_during_the_call(call: ToolCall) -> Applied:
+        calls.append(call.operation_id)
+        cluster.crash()
+        return Applied(f"ref-{call.operation_id}")
+
+    tool(CAPPED, concurrency=Concurrency(max_in_flight=2), timeout=2, registry=registry)(
+        crash_during_the_call
+    )
+    op = make_operation(engine, tool=CAPPED)
+    with pytest.raises(DBAPIError):
+        dispatch(op.id, engine=engine, registry=registry)
+    engine.dispose()
+    cluster.start()
+
+    row = reload(engine, op.id)
+    assert (calls, row.state, row.attempts) == ([str(op.id)], State.SENT, 1)

@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
-from outbox import guard_state
+from outbox import guard_state, transitions
 from outbox.config import get_settings
 from outbox.contracts import ContractTable
 from outbox.guards import Breaker, Concurrency, Rate
 from outbox.metrics import OutboxCollector
 from outbox.reconcilers.lookup import LookupOutcome, lookup
+from outbox.sql import guards as guard_sql
 from outbox.states import State
 from outbox.tools import (
     Applied,
@@ -186,6 +187,40 @@ def test_concurrency_cap_counts_sent_rows(engine: Engine) -> None:
     other = make_operation(engine, target="project-b")
     assert dispatch(other.id, engine=engine, registry=registry).outcome is Outcome.CONFIRMED
     assert len(remote.calls) == 1
+
+
+def test_cap_admission_waits_for_the_keys_lock_and_counts_its_holders_move(
+    engine: Engine,
+) -> None:
+    """A `sent` move asked of a cap of 1 while another transaction holds the key's lock waits
+    for it, then counts that transaction's committed `sent` row (its snapshot is taken after
+    the lock, not at the statement's start) and is held."""
+    registry, remote = guarded(concurrency=Concurrency(max_in_flight=1))
+    found = registry.get(TOOL)
+    assert found is not None
+    first, second = make_operation(engine), make_operation(engine)
+    outcomes: list[Outcome] = []
+    waiter = threading.Thread(
+        target=lambda: outcomes.append(
+            dispatch(second.id, engine=engine, registry=registry).outcome
+        )
+    )
+    with engine.connect() as holder, holder.begin():
+        admission = guard_state.admission(found.contract, first.target)
+        assert guard_sql.admit(holder, admission).admitted
+        transitions.apply(holder, transitions.mark_sent(first.id, attempt=0, reason="holder"))
+        waiter.start()
+        waiting = text(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+        deadline = time.monotonic() + 10
+        with engine.connect() as watch:
+            while not watch.execute(waiting).scalar_one() and time.monotonic() < deadline:
+                time.sleep(0.01)
+    waiter.join(10)
+    assert outcomes == [Outcome.HELD]
+    assert (reload(engine, second.id).attempts, remote.calls) == (0, [])
 
 
 def test_guards_reset_closes_and_is_audited(engine: Engine) -> None:

@@ -117,6 +117,7 @@ def test_upgrade_from_empty_matches_create_all(
     invariants = importlib.import_module("outbox.migrations.versions.0012_approval")
     identity = importlib.import_module("outbox.migrations.versions.0010_immutable_identity")
     pruned = importlib.import_module("outbox.migrations.versions.0011_pruned_intents")
+    guard_admit = importlib.import_module("outbox.migrations.versions.0020_guard_admit")
     reference = create_engine(databases.create())
     try:
         with reference.begin() as conn:
@@ -130,6 +131,7 @@ def test_upgrade_from_empty_matches_create_all(
                 conn.exec_driver_sql(ddl)
             conn.exec_driver_sql(identity.EVENTS_KEPT)
             conn.exec_driver_sql(pruned.REMEMBER)
+            conn.exec_driver_sql(guard_admit.GUARD_ADMIT)
         expected = catalog(reference)
     finally:
         reference.dispose()
