@@ -64,6 +64,14 @@ class CancelRequest(BaseModel):
     reason: Text | None = Field(default=None, description="Why, for the audit trail.")
 
 
+class SagaCancelRequest(BaseModel):
+    """``POST /v1/sagas/{key}/cancel``."""
+
+    model_config = _STRICT
+
+    reason: Text = Field(min_length=1, description="Why, for the saga's audit trail.")
+
+
 class ApproveRequest(BaseModel):
     """``POST /v1/operations/{id}/approve``: bound to the payload the approver read."""
 

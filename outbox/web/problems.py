@@ -39,6 +39,8 @@ from outbox.errors import (
     OutboxError,
     PayloadTooLarge,
     ResolutionRefused,
+    SagaNotFound,
+    SagaNotRunning,
     StaleResolution,
     TransitionError,
 )
@@ -99,11 +101,22 @@ _ANSWERS: tuple[tuple[type[OutboxError], int, str], ...] = (
     (ApprovalMismatch, 409, "payload-hash-mismatch"),
     (AlreadyDecided, 409, "already-decided"),
     (NotCancellable, 409, "not-cancellable"),
+    (SagaNotFound, 404, "saga-not-found"),
+    (SagaNotRunning, 409, "saga-not-running"),
     (DatabaseUnavailable, 503, "unavailable"),
     (TransitionError, 409, "refused"),
 )
 # The error's identifiers a program may need, copied as extension members when set.
-_MEMBERS = ("field", "limit", "size", "operation_id", "state", "remote_ref", "decided_by")
+_MEMBERS = (
+    "field",
+    "limit",
+    "size",
+    "operation_id",
+    "saga_key",
+    "state",
+    "remote_ref",
+    "decided_by",
+)
 # A budget's refusal: which budget, its window and what is left (numbers kept as numbers).
 _BUDGET_MEMBERS = ("budget", "key", "window_s", "measure", "used", "remaining", "asked")
 

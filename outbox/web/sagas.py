@@ -1,6 +1,8 @@
 """``/v1/sagas``: read sagas (docs/sagas.md) through the Python API (:func:`outbox.get_saga`,
-:func:`outbox.list_sagas`) on the request's connection. An operator token reads every saga;
-an agent token only the sagas it opened (``requested_by`` is its name), as with operations.
+:func:`outbox.list_sagas`) on the request's connection, and cancel one
+(:func:`outbox.cancel_saga`). An operator token reads every saga; an agent token only the
+sagas it opened (``requested_by`` is its name), as with operations. Only an operator cancels,
+as with operations; the token's name is recorded as who did.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from outbox.models import TokenScope
 from outbox.saga_rules import SagaState
 from outbox.web.auth import Token, authorize
 from outbox.web.context import context
-from outbox.web.models import SagaList, SagaOut, Text
+from outbox.web.models import SagaCancelRequest, SagaList, SagaOut, Text
 from outbox.web.problems import Problem, documented
 
 router = APIRouter(prefix="/v1", tags=["sagas"])
@@ -45,6 +47,33 @@ async def get_saga(
     ):
         raise Problem(404, f"no saga {key!r}", slug="saga-not-found")
     return JSONResponse(found.to_dict())
+
+
+@router.post(
+    "/sagas/{key:path}/cancel",
+    response_model=SagaOut,
+    summary="Cancel a running saga: its unsent steps are cancelled, its confirmed ones undone",
+    responses=documented(400, 401, 403, 404, 409, 413, 422),
+)
+async def cancel_saga(
+    request: Request,
+    token: Token,
+    key: Annotated[Text, Path(description="The saga key.")],
+    body: SagaCancelRequest,
+) -> JSONResponse:
+    """``outbox.cancel_saga`` under the operator token's name: the held and unsent steps are
+    cancelled and the saga moves to ``compensating`` (its confirmed steps are undone in
+    reverse order once every step in flight is decided). 409 ``saga-not-running`` when it
+    finished, compensates already or waits for a person; nothing is written then."""
+    ctx = context(request)
+    async with ctx.engine.begin() as conn:
+        caller = await authorize(conn, request, token, operator_only=True)
+        done = await conn.run_sync(
+            lambda sync: sagas.cancel_saga(
+                sync, key, by=caller.name, reason=body.reason, actor=sagas.OPERATOR
+            )
+        )
+    return JSONResponse(done.to_dict())
 
 
 @router.get(

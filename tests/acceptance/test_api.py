@@ -646,3 +646,55 @@ def test_saga_reads_refuse_bad_input_as_problems(server: ApiServer, operator: ht
     assert_problem(operator.get("/v1/sagas", params={"limit": 0}), 422)
     assert_problem(operator.get("/v1/sagas/a%00b"), 422)
     assert_problem(httpx.get(f"{server.url}/v1/sagas", timeout=30), 401)
+
+
+def test_an_operator_cancels_a_running_saga_once(
+    operator: httpx.Client, agent: httpx.Client, engine: Engine
+) -> None:
+    """POST /v1/sagas/{key}/cancel (operator only): the unsent steps are cancelled and the
+    saga compensates under the token's name (here nothing was confirmed: it ends
+    cancelled); again, 409 saga-not-running and nothing more."""
+    first, second = open_saga(engine, "team-a/s-cancel", THREE[:2], requested_by="agent-a")
+    refused = assert_problem(
+        agent.post("/v1/sagas/team-a%2Fs-cancel/cancel", json={"reason": "mine"}), 403
+    )
+    assert "operator" in refused["detail"]
+    done = operator.post("/v1/sagas/team-a%2Fs-cancel/cancel", json={"reason": "wrong target"})
+    assert done.status_code == 200, done.text
+    body = done.json()
+    assert body["key"] == "team-a/s-cancel"
+    # Nothing was confirmed, so nothing is undone: compensating, then cancelled at once.
+    assert body["state"] == "cancelled"
+    by_operator = [
+        e for e in body["events"] if e["reason"] == "cancelled by ops-alice: wrong target"
+    ]
+    assert [(e["to_state"], e["actor"]) for e in by_operator] == [("compensating", "operator")]
+    assert {reload(engine, op.id).state for op in (first, second)} == {State.CANCELLED}
+    again = assert_problem(
+        operator.post("/v1/sagas/team-a%2Fs-cancel/cancel", json={"reason": "twice"}),
+        409,
+        "only a running saga can be cancelled",
+    )
+    assert again["type"] == "urn:agent-outbox:problem:saga-not-running"
+    assert again["saga_key"] == "team-a/s-cancel"
+    trail = operator.get("/v1/sagas/team-a%2Fs-cancel").json()["events"]
+    assert [e["reason"] for e in trail].count("cancelled by ops-alice: wrong target") == 1
+
+
+def test_saga_cancel_refuses_bad_input_as_problems(
+    server: ApiServer, operator: httpx.Client, engine: Engine
+) -> None:
+    """No reason or an empty one is 422, an unknown key 404, no token 401; nothing moves."""
+    open_saga(engine, "s-cancel-bad", THREE[:1])
+    assert_problem(operator.post("/v1/sagas/s-cancel-bad/cancel", json={}), 422)
+    assert_problem(operator.post("/v1/sagas/s-cancel-bad/cancel", json={"reason": ""}), 422)
+    assert_problem(operator.post("/v1/sagas/s-cancel-bad/cancel", json={"reason": 7}), 422)
+    missing = assert_problem(
+        operator.post("/v1/sagas/no-such-saga/cancel", json={"reason": "x"}), 404, "no saga"
+    )
+    assert missing["type"] == "urn:agent-outbox:problem:saga-not-found"
+    assert_problem(
+        httpx.post(f"{server.url}/v1/sagas/s-cancel-bad/cancel", json={"reason": "x"}, timeout=30),
+        401,
+    )
+    assert operator.get("/v1/sagas/s-cancel-bad").json()["state"] == "running"
