@@ -36,7 +36,7 @@ from outbox.api import Intent, _as_uuid
 from outbox.errors import OperationNotFound, WaitTimeout
 from outbox.models import Executor, Operation
 from outbox.resolve import resolve as _resolve
-from outbox.sagas import Compensate, SagaState, SagaSummary, SagaView
+from outbox.sagas import Compensate, SagaPosition, SagaState, SagaSummary, SagaView
 from outbox.states import State
 
 __all__ = [
@@ -351,11 +351,14 @@ async def list_sagas(
     state: SagaState | str | None = None,
     limit: int = 50,
     requested_by: str | None = None,
+    after: SagaPosition | None = None,
 ) -> list[SagaSummary]:
     """Sagas, newest first (:func:`outbox.list_sagas`)."""
     return await _run(
         session,
-        lambda s: sagas.list_sagas(s, state=state, limit=limit, requested_by=requested_by),
+        lambda s: sagas.list_sagas(
+            s, state=state, limit=limit, requested_by=requested_by, after=after
+        ),
     )
 
 

@@ -215,6 +215,20 @@ class SagaSummary:
         """A JSON-ready mapping (``outbox sagas list --json``)."""
         return json_fields(self)
 
+    @property
+    def position(self) -> SagaPosition:
+        """Where a page ending with this saga ended: :func:`list_sagas`' ``after``."""
+        return SagaPosition(self.created_at, self.key)
+
+
+@dataclass(frozen=True, slots=True)
+class SagaPosition:
+    """A place in :func:`list_sagas`' order (newest first, then by key): a saga's
+    ``created_at`` and ``key``."""
+
+    created_at: datetime
+    key: str
+
 
 def get_saga(session: Executor, saga_key: str) -> SagaView | None:
     """The saga with this key (its steps and their operations, its trail), or ``None``.
@@ -231,10 +245,13 @@ def list_sagas(
     state: SagaState | str | None = None,
     limit: int = 50,
     requested_by: str | None = None,
+    after: SagaPosition | None = None,
 ) -> list[SagaSummary]:
     """Sagas, newest first, optionally only those in ``state`` and only those opened with
-    ``requested_by`` (an agent's own); at most ``limit``. Reads in the caller's transaction.
-    :class:`InvalidSagaRequest` names a bad argument."""
+    ``requested_by`` (an agent's own); at most ``limit``. ``after``: where the previous
+    page ended (its last saga's :attr:`SagaSummary.position`), for the next one (keyset: no
+    saga is skipped or listed twice as sagas are opened meanwhile). Reads in the caller's
+    transaction. :class:`InvalidSagaRequest` names a bad argument."""
     who = None if requested_by is None else _required_text(requested_by, "requested_by")
     wanted: str | None = None
     if state is not None:
@@ -257,7 +274,13 @@ def list_sagas(
             created_at=listed.saga.created_at,
             updated_at=listed.saga.updated_at,
         )
-        for listed in sql.sagas.list_sagas(session, state=wanted, limit=limit, requested_by=who)
+        for listed in sql.sagas.list_sagas(
+            session,
+            state=wanted,
+            limit=limit,
+            requested_by=who,
+            after=None if after is None else (after.created_at, after.key),
+        )
     ]
 
 

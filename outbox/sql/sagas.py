@@ -459,6 +459,9 @@ _LIST = text(
     FROM outbox.sagas
     WHERE (CAST(:state AS text) IS NULL OR state = :state)
       AND (CAST(:requested_by AS text) IS NULL OR requested_by = :requested_by)
+      -- The next page: after the previous page's last saga in this order.
+      AND (CAST(:after_at AS timestamptz) IS NULL
+           OR created_at < :after_at OR (created_at = :after_at AND key > :after_key))
     ORDER BY created_at DESC, key
     LIMIT :limit
     """
@@ -474,10 +477,24 @@ class ListedSaga:
 
 
 def list_sagas(
-    executor: Executor, *, state: str | None, limit: int, requested_by: str | None = None
+    executor: Executor,
+    *,
+    state: str | None,
+    limit: int,
+    requested_by: str | None = None,
+    after: tuple[datetime, str] | None = None,
 ) -> list[ListedSaga]:
-    """Sagas, newest first, optionally in one state, optionally only ``requested_by``'s."""
-    params = {"state": state, "limit": limit, "requested_by": requested_by}
+    """Sagas, newest first (then by key), optionally in one state, optionally only
+    ``requested_by``'s, optionally only those after ``after`` (a saga's ``created_at`` and
+    ``key``) in that order."""
+    after_at, after_key = after if after is not None else (None, None)
+    params = {
+        "state": state,
+        "limit": limit,
+        "requested_by": requested_by,
+        "after_at": after_at,
+        "after_key": after_key,
+    }
     rows = executor.execute(_LIST, params).mappings()
     return [ListedSaga(SagaRow.from_row(row), int(row["steps"])) for row in rows]
 

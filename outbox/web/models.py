@@ -261,9 +261,12 @@ class SagaSummaryOut(BaseModel):
 
 
 class SagaList(BaseModel):
-    """``GET /v1/sagas``: newest first."""
+    """``GET /v1/sagas``: newest first, a page at a time."""
 
     items: list[SagaSummaryOut]
+    next_cursor: str | None = Field(
+        default=None, description="Pass as cursor for the next page; null on the last one."
+    )
 
 
 class ProblemOut(BaseModel):

@@ -7,6 +7,10 @@ as with operations; the token's name is recorded as who did.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request
@@ -79,8 +83,8 @@ async def cancel_saga(
 @router.get(
     "/sagas",
     response_model=SagaList,
-    summary="List sagas, newest first",
-    responses=documented(401, 422),
+    summary="List sagas, newest first, by keyset pages",
+    responses=documented(400, 401, 422),
 )
 async def list_sagas(
     request: Request,
@@ -88,14 +92,45 @@ async def list_sagas(
     *,
     state: Annotated[SagaState | None, Query(description="Only sagas in this state.")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_SAGAS, description="At most this many.")] = 50,
+    cursor: Annotated[
+        str | None, Query(description="next_cursor of the previous page (opaque).")
+    ] = None,
 ) -> JSONResponse:
-    """Sagas matching the filter, newest first; an agent sees only the sagas it opened."""
+    """Sagas matching the filter, newest first; an agent sees only the sagas it opened.
+    ``next_cursor`` is set when the page is full: pass it as ``cursor`` for the next one."""
+    after = _decode_cursor(cursor) if cursor is not None else None
     ctx = context(request)
     async with ctx.engine.begin() as conn:
         caller = await authorize(conn, request, token)
         # An operator reads every saga; an agent the ones it opened.
         mine = None if caller.scope is TokenScope.OPERATOR else caller.name
         found = await conn.run_sync(
-            lambda sync: sagas.list_sagas(sync, state=state, limit=limit, requested_by=mine)
+            lambda sync: sagas.list_sagas(
+                sync, state=state, limit=limit, requested_by=mine, after=after
+            )
         )
-    return JSONResponse({"items": [summary.to_dict() for summary in found]})
+    more = _encode_cursor(found[-1].position) if len(found) == limit else None
+    return JSONResponse({"items": [summary.to_dict() for summary in found], "next_cursor": more})
+
+
+def _encode_cursor(last: sagas.SagaPosition) -> str:
+    raw = json.dumps([last.created_at.isoformat(), last.key], separators=(",", ":"))
+    return base64.urlsafe_b64encode(raw.encode()).rstrip(b"=").decode()
+
+
+def _decode_cursor(cursor: str) -> sagas.SagaPosition:
+    invalid = Problem(
+        400,
+        "cursor is not one this API gave: pass next_cursor from the previous page as is",
+        slug="invalid-cursor",
+        field="cursor",
+    )
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        at, key = json.loads(raw)
+        when = datetime.fromisoformat(at)
+    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
+        raise invalid from None
+    if not isinstance(key, str) or "\x00" in key or when.tzinfo is None:
+        raise invalid
+    return sagas.SagaPosition(when, key)

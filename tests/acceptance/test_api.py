@@ -698,3 +698,27 @@ def test_saga_cancel_refuses_bad_input_as_problems(
         401,
     )
     assert operator.get("/v1/sagas/s-cancel-bad").json()["state"] == "running"
+
+
+def test_sagas_are_listed_in_keyset_pages(operator: httpx.Client, engine: Engine) -> None:
+    """GET /v1/sagas pages by next_cursor: every saga once, newest first, even when a saga
+    is opened between two pages; a cursor this API did not give is 400 invalid-cursor."""
+    for n in range(5):
+        open_saga(engine, f"s-page-{n}", THREE[:1], requested_by="agent-a")
+    first = operator.get("/v1/sagas", params={"limit": 2}).json()
+    assert [s["key"] for s in first["items"]] == ["s-page-4", "s-page-3"]
+    open_saga(engine, "s-page-new", THREE[:1])  # newer than every page: never in a later one
+    seen = [s["key"] for s in first["items"]]
+    cursor = first["next_cursor"]
+    while cursor is not None:
+        page = operator.get("/v1/sagas", params={"limit": 2, "cursor": cursor}).json()
+        seen += [s["key"] for s in page["items"]]
+        cursor = page["next_cursor"]
+    assert seen == [f"s-page-{n}" for n in (4, 3, 2, 1, 0)]
+    assert operator.get("/v1/sagas", params={"limit": 6}).json()["next_cursor"] is not None
+    assert operator.get("/v1/sagas", params={"limit": 7}).json()["next_cursor"] is None
+    for bad in ("not-a-cursor", "W10", "WyJ4IiwieSJd", "WzEsMl0"):
+        problem = assert_problem(
+            operator.get("/v1/sagas", params={"cursor": bad}), 400, "cursor is not one"
+        )
+        assert problem["field"] == "cursor"

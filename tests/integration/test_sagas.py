@@ -765,6 +765,31 @@ def test_list_sagas_filters_by_state(engine: Engine) -> None:
     assert json.loads(json.dumps([s.to_dict() for s in everything]))[0]["key"] == "s-list-2"
 
 
+def test_list_sagas_pages_after_a_position(engine: Engine) -> None:
+    """``after=`` a page's last position gives the next page: each saga once, in order, the
+    sagas of one instant ordered by key."""
+    for key in ("s-at-b", "s-at-a", "s-at-c"):
+        open_saga(engine, key, THREE[:1])
+    with engine.begin() as conn:  # three sagas opened in the same microsecond
+        conn.execute(
+            text(
+                "UPDATE outbox.sagas SET created_at = (SELECT created_at FROM outbox.sagas"
+                " WHERE key = 's-at-b') WHERE key LIKE 's-at-%'"
+            )
+        )
+    open_saga(engine, "s-later", THREE[:1])
+    pages: list[list[str]] = []
+    with Session(engine) as session:
+        after = None
+        while True:
+            page = outbox.list_sagas(session, limit=2, after=after)
+            if not page:
+                break
+            pages.append([s.key for s in page])
+            after = page[-1].position
+    assert pages == [["s-later", "s-at-a"], ["s-at-b", "s-at-c"]]
+
+
 def test_the_async_api_runs_the_same_saga(database_url: str, engine: Engine) -> None:
     """outbox.aio's saga, step, get_saga, list_sagas and cancel_saga run the sync rules."""
 
