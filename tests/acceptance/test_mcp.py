@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -22,7 +23,8 @@ import httpx2
 import pytest
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
-from mcp_types import CallToolResult, TextContent
+from mcp.shared.exceptions import MCPError
+from mcp_types import CallToolResult, TextContent, TextResourceContents
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
@@ -249,6 +251,86 @@ def test_an_approval_tool_answers_at_once_and_status_waits_through_the_approval(
     assert "Waiting for approval" in _text(asked)
     assert _report(checked)["outcome"] == "confirmed", _text(checked)
     assert _report(checked)["operation_id"] == _report(asked)["operation_id"]
+
+
+def test_status_by_id_or_key_the_list_and_the_resource_show_the_callers_own(
+    stack: Stack,
+) -> None:
+    """Over stdio: the tool is listed with its annotations and a required, described
+    intent_key; outbox_status finds an operation by operation_id and by intent_key alike,
+    outbox_list filters by state (a wrong one named), `outbox://operations/{id}` reads it;
+    another agent sees none of it."""
+    key = "conversation-11/step-1"
+
+    async def own() -> dict[str, Any]:
+        async with Client(_stdio(stack.env)) as client:
+            tools = {tool.name: tool for tool in (await client.list_tools()).tools}
+            done = await client.call_tool(MCP_TOOL, _intent(key, "5.0.0"))
+            op_id = _report(done)["operation_id"]
+            return {
+                "tools": tools,
+                "done": done,
+                "by_id": await client.call_tool("outbox_status", {"operation_id": op_id}),
+                "by_key": await client.call_tool("outbox_status", {"intent_key": key}),
+                "confirmed": await client.call_tool(
+                    "outbox_list", {"state": "confirmed", "limit": 100}
+                ),
+                "needing": await client.call_tool("outbox_list", {"state": "needs_human"}),
+                "wrong": await client.call_tool("outbox_list", {"state": "lost"}),
+                "templates": await client.list_resource_templates(),
+                "resource": await client.read_resource(f"outbox://operations/{op_id}"),
+            }
+
+    async def another(op_id: str) -> tuple[CallToolResult, CallToolResult, CallToolResult, str]:
+        env = {**stack.env, "OUTBOX_MCP_AGENT": "another-agent"}
+        async with Client(_stdio(env)) as client:
+            by_id = await client.call_tool("outbox_status", {"operation_id": op_id})
+            by_key = await client.call_tool("outbox_status", {"intent_key": key})
+            listed = await client.call_tool("outbox_list", {})
+            with pytest.raises(MCPError) as unreadable:
+                await client.read_resource(f"outbox://operations/{op_id}")
+            return by_id, by_key, listed, unreadable.value.message
+
+    seen = asyncio.run(own())
+    tool = seen["tools"][MCP_TOOL]
+    hints = tool.annotations
+    assert hints is not None
+    assert (hints.destructive_hint, hints.idempotent_hint, hints.open_world_hint) == (
+        True,
+        True,
+        True,
+    )
+    assert "intent_key" in tool.input_schema["required"]
+    assert "stays the same" in tool.input_schema["properties"]["intent_key"]["description"]
+    assert tool.input_schema["properties"]["payload"]["required"] == ["version"]
+    assert {"outbox_status", "outbox_list"} <= set(seen["tools"])
+    done = _report(seen["done"])
+    assert done["outcome"] == "confirmed", _text(seen["done"])
+    for name in ("by_id", "by_key"):
+        found = _report(seen[name])
+        assert (found["operation_id"], found["intent_key"], found["remote_ref"]) == (
+            done["operation_id"],
+            key,
+            done["remote_ref"],
+        ), name
+        assert found["outcome"] == "confirmed"
+    listed = _report(seen["confirmed"])["operations"]
+    assert done["operation_id"] in [op["operation_id"] for op in listed]
+    assert {op["state"] for op in listed} == {"confirmed"}
+    assert done["operation_id"] not in _text(seen["needing"])
+    assert (seen["wrong"].is_error, _report(seen["wrong"])["field"]) == (True, "state")
+    [template] = seen["templates"].resource_templates
+    assert template.uri_template == "outbox://operations/{id}"
+    [content] = seen["resource"].contents
+    assert isinstance(content, TextResourceContents)
+    assert content.mime_type == "application/json"
+    assert json.loads(content.text)["remote_ref"] == done["remote_ref"]
+
+    by_id, by_key, listed_by_another, unreadable = asyncio.run(another(done["operation_id"]))
+    assert (by_id.is_error, _report(by_id)["field"]) == (True, "operation_id")
+    assert (by_key.is_error, _report(by_key)["field"]) == (True, "intent_key")
+    assert done["operation_id"] not in _text(listed_by_another)
+    assert "no operation of yours" in unreadable
 
 
 # --- streamable HTTP --------------------------------------------------------------------------

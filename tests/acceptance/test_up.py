@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pty
 import re
@@ -14,12 +15,17 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import httpx2
 import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import CallToolResult
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import api
+from outbox import api, tokens
 from outbox.dev.service import DeployService
+from outbox.models import TokenScope
 from tests.acceptance.conftest import REPO
 from tests.processes import wait_until
 from tests.tool_configs import TOOL
@@ -209,3 +215,64 @@ def test_up_shows_a_live_panel_on_a_terminal(
         assert "stopped" in up.output
     finally:
         up.kill()
+
+
+@pytest.mark.parametrize("broker", ["database"], indirect=True)
+def test_up_with_mcp_serves_the_tools_over_http_to_an_agent_token(
+    engine: Engine, service: DeployService, up_env: dict[str, str]
+) -> None:
+    """`outbox up --mcp` supervises `outbox mcp --http`: it refuses a request without a token,
+    and an agent's token calls a tool through the SDK's streamable HTTP client to one
+    confirmed effect; Ctrl-C stops it with the rest."""
+    token = _agent_token(engine, "agent-up")
+    up = Up(
+        up_env,
+        "--no-panel",
+        "--metrics-port",
+        "0",
+        "--workers",
+        "1",
+        "--no-api",
+        "--mcp",
+        "--mcp-port",
+        str(_free_port()),
+    )
+    try:
+        wait_until(lambda: "started mcp" in up.output, timeout=60, what="every process started")
+        [url] = re.findall(r"mcp:\s+(\S+)", up.output)
+        wait_until(lambda: _healthy(url), timeout=60, what="the MCP server's /healthz")
+        refused = httpx.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "ping"}, timeout=10)
+        assert refused.status_code == 401
+
+        result = asyncio.run(_call_over_mcp(url, token))
+
+        report = result.structured_content
+        assert isinstance(report, dict), result
+        assert report["outcome"] == "confirmed", report
+        assert service.effects_by_key() == {report["operation_id"]: 1}
+        mcp_pid = _pid(up.output, "mcp")
+        assert up.interrupt() == 0
+        assert _gone(mcp_pid)
+    finally:
+        up.kill()
+
+
+def _agent_token(engine: Engine, name: str) -> str:
+    with Session(engine) as session, session.begin():
+        return tokens.create_token(session, name=name, scope=TokenScope.AGENT).token
+
+
+def _healthy(mcp_url: str) -> bool:
+    try:
+        return httpx.get(mcp_url.removesuffix("/mcp") + "/healthz", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+async def _call_over_mcp(url: str, token: str) -> CallToolResult:
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http,
+        Client(streamable_http_client(url, http_client=http)) as client,
+    ):
+        intent = {"intent_key": "up-mcp/step-1", "target": "web", "payload": {"n": 1}}
+        return await client.call_tool(TOOL.replace(".", "_"), intent)
