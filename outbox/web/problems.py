@@ -193,11 +193,21 @@ def _error(error: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+#: FastAPI's detail when decoding a JSON body raised (beyond pydantic's json_invalid).
+_UNPARSED = "There was an error parsing the body"
+
+
 async def _http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)  # noqa: S101 -- registered for it only
     detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
     if exc.status_code == 404 and detail == "Not Found":
         detail = f"no such resource: {request.method} {request.url.path} (see /docs)"
+    if exc.status_code == 400 and detail == _UNPARSED:  # FastAPI's, e.g. JSON nested too deep
+        return Problem(
+            400,
+            "the body could not be parsed as JSON (is it nested too deeply?)",
+            slug="malformed-json",
+        ).response(request)
     return Problem(exc.status_code, detail, headers=exc.headers).response(request)
 
 

@@ -180,6 +180,29 @@ def test_no_idempotency_key_is_400(agent: httpx.Client, engine: Engine) -> None:
     assert operation_count(engine) == 0
 
 
+def test_an_empty_idempotency_key_is_400_naming_the_header(
+    agent: httpx.Client, engine: Engine
+) -> None:
+    """An empty key, bare or quoted, names no effect: 400 naming the header; nothing written."""
+    for empty in ("", '""', '" "'):
+        problem = assert_problem(enqueue(agent, empty), 400, "Idempotency-Key")
+        assert (problem["field"], problem["type"]) == (
+            "Idempotency-Key",
+            "urn:agent-outbox:problem:idempotency-key-missing",
+        )
+    assert operation_count(engine) == 0
+
+
+def test_a_too_long_idempotency_key_is_422_naming_the_header(
+    agent: httpx.Client, engine: Engine
+) -> None:
+    """A key over 255 characters is 422 naming the header (not the core's intent_key)."""
+    problem = assert_problem(enqueue(agent, "k" * 256), 422, "Idempotency-Key", "255")
+    assert (problem["field"], problem["limit"], problem["size"]) == ("Idempotency-Key", 255, 256)
+    assert enqueue(agent, "k" * 255).status_code == 201
+    assert operation_count(engine) == 1
+
+
 def test_malformed_json_is_400(agent: httpx.Client) -> None:
     """A body that is not JSON is a 400 problem."""
     sent = agent.post(
@@ -187,7 +210,26 @@ def test_malformed_json_is_400(agent: httpx.Client) -> None:
         content=b'{"tool": "deploy.create_release",',
         headers={"Idempotency-Key": "k", "Content-Type": "application/json"},
     )
-    assert_problem(sent, 400, "not valid JSON")
+    problem = assert_problem(sent, 400, "not valid JSON")
+    assert problem["type"] == "urn:agent-outbox:problem:malformed-json"
+
+
+def test_json_nested_too_deeply_to_parse_is_a_400_malformed_json_problem(
+    agent: httpx.Client, engine: Engine
+) -> None:
+    """A body whose decoding fails beyond a syntax error (nesting past the parser's depth) is
+    the same 400 malformed-json problem; nothing is written."""
+    depth = 3000
+    nested = "[" * depth + "]" * depth
+    body = f'{{"tool": "{TOOL}", "target": "t", "payload": {{"a": {nested}}}}}'
+    sent = agent.post(
+        "/v1/operations",
+        content=body.encode(),
+        headers={"Idempotency-Key": "deep", "Content-Type": "application/json"},
+    )
+    problem = assert_problem(sent, 400, "JSON")
+    assert problem["type"] == "urn:agent-outbox:problem:malformed-json"
+    assert operation_count(engine) == 0
 
 
 def test_an_unknown_tool_is_422_naming_the_tool(agent: httpx.Client, engine: Engine) -> None:
