@@ -6,8 +6,11 @@ are kept in each test's tmp dir.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from itsdangerous import TimestampSigner
 from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
@@ -224,6 +228,98 @@ def test_a_form_posted_without_its_csrf_token_is_refused(
     finally:
         context.close()
     assert reload(engine, op.id).state is State.AWAITING_APPROVAL
+
+
+_CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+
+
+def _signed_in(server: ApiServer, name: str) -> tuple[httpx.Client, str]:
+    """A plain HTTP client signed in as ``name`` through the form, and its session's CSRF."""
+    client = httpx.Client(base_url=server.url, timeout=30)
+    token = _CSRF.search(client.get("/signin").text)
+    assert token is not None
+    done = client.post("/signin", data={"name": name, "password": PASSWORD, "csrf": token[1]})
+    assert (done.status_code, done.headers["location"]) == (303, "/")
+    page = _CSRF.search(client.get("/").text)
+    assert page is not None
+    return client, page[1]
+
+
+def test_every_form_is_refused_without_this_sessions_csrf_token(
+    server: ApiServer, engine: Engine, alice: str
+) -> None:
+    """Sign-in, sign-out, approve, reject and resolve, posted with no CSRF token or another
+    session's, get the 403 page and change nothing; the same forms with the token work."""
+    anonymous = httpx.Client(base_url=server.url, timeout=30)
+    anonymous.get("/signin")
+    credentials = {"name": alice, "password": PASSWORD}
+    for forged in ({}, {"csrf": "not-this-sessions"}):
+        refused = anonymous.post("/signin", data=credentials | forged)
+        assert refused.status_code == 403
+        assert "Refused" in refused.text
+    assert anonymous.get("/").headers["location"] == "/signin"
+    awaiting = make_operation(engine, State.AWAITING_APPROVAL)
+    stuck = make_operation(engine, State.NEEDS_HUMAN)
+    client, own = _signed_in(server, alice)
+    other_client, others = _signed_in(server, add_operator(engine, "dave"))
+    seen = {"seen_state": "awaiting_approval", "expect_attempts": "0"}
+    forms = {
+        "/signout": {},
+        f"/operations/{awaiting.id}/approve": seen | {"payload_hash": awaiting.payload_hash},
+        f"/operations/{awaiting.id}/reject": seen | {"reason": "wrong project"},
+        f"/operations/{stuck.id}/resolve": {
+            "seen_state": "needs_human",
+            "expect_attempts": str(stuck.attempts),
+            "verdict": "applied",
+            "remote_ref": "rel-1",
+            "note": "checked",
+        },
+    }
+    seen_event = {"seen_event": "0"}
+    try:
+        for path, form in forms.items():
+            for forged in ({}, {"csrf": others}):
+                refused = client.post(path, data=form | seen_event | forged)
+                assert refused.status_code == 403, path
+                assert "Refused" in refused.text, path
+            assert client.get("/").status_code == 200, path  # still signed in
+        assert reload(engine, awaiting.id).state is State.AWAITING_APPROVAL
+        assert reload(engine, stuck.id).state is State.NEEDS_HUMAN
+        # The control: the very same forms with this session's token are accepted.
+        resolved = client.post(
+            f"/operations/{stuck.id}/resolve",
+            data=forms[f"/operations/{stuck.id}/resolve"] | seen_event | {"csrf": own},
+        )
+        assert resolved.status_code == 303, resolved.text
+        assert reload(engine, stuck.id).state is State.CONFIRMED
+        assert client.post("/signout", data={"csrf": own}).headers["location"] == "/signin"
+    finally:
+        for opened in (client, other_client, anonymous):
+            opened.close()
+
+
+def test_a_session_cookie_not_signed_with_the_servers_key_is_refused(
+    server: ApiServer, alice: str
+) -> None:
+    """A session cookie naming alice, unsigned or signed with another key, signs no one in;
+    the same content signed with OUTBOX_CONSOLE_SECRET does (the cookie's format is right)."""
+    content = base64.b64encode(
+        json.dumps({"operator": alice, "since": time.time(), "csrf": "x"}).encode()
+    )
+    secret = _environment("", Path())["OUTBOX_CONSOLE_SECRET"]
+    cookies = {
+        "unsigned": content.decode(),
+        "another key": TimestampSigner("another-" + "k" * 40).sign(content).decode(),
+        "the server's key": TimestampSigner(secret).sign(content).decode(),
+    }
+    answers = {
+        what: httpx.get(f"{server.url}/", cookies={"outbox_console": value}, timeout=30)
+        for what, value in cookies.items()
+    }
+    assert answers["unsigned"].headers["location"] == "/signin"
+    assert answers["another key"].headers["location"] == "/signin"
+    assert answers["the server's key"].status_code == 200
+    assert "Signed in as" in answers["the server's key"].text
 
 
 def test_two_operators_deciding_one_operation_the_second_is_told_who_won(
