@@ -13,7 +13,7 @@ from uuid import uuid4
 
 import httpx
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 from sqlalchemy.orm import Session
 
 from outbox import api, migrate, resolve, tokens
@@ -30,6 +30,7 @@ from tests.conftest import Databases
 from tests.factories import events_of, make_operation, operation_count, reload
 from tests.integration.test_sagas import THREE, open_saga
 from tests.processes import wait_until
+from tests.proxy import TcpProxy
 
 pytestmark = pytest.mark.slow
 
@@ -632,6 +633,52 @@ def test_readyz_is_503_when_the_schema_is_not_at_head(databases: Databases, tmp_
             assert httpx.get(f"{running.url}/healthz").status_code == 200
     finally:
         own.dispose()
+
+
+def test_readyz_and_v1_are_503_while_the_database_is_unreachable(
+    database_url: str, engine: Engine, known_tool: str, tmp_path: Path
+) -> None:
+    """With the database cut off (a TCP proxy reset), /readyz is 503 `database: unreachable`,
+    /healthz still 200, and /v1 reads and enqueues 503 `unavailable` problems (no stack trace,
+    nothing written); once it is back, all answer again."""
+    url = make_url(database_url)
+    proxy = TcpProxy(url.port or 5432, upstream_host=url.host or "127.0.0.1").start()
+    token = make_token(engine, "cut-off", TokenScope.AGENT)
+    env = api_environment(
+        url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False),
+        tmp_path,
+        OUTBOX_API_TOKEN_CACHE="0",  # noqa: S106 -- seconds, not a secret
+    )
+    try:
+        with (
+            running_api(env, tmp_path / "api.log") as running,
+            httpx.Client(base_url=running.url, headers=_bearer(token), timeout=30) as client,
+        ):
+            assert client.get("/readyz").status_code == 200
+            assert enqueue(client, "before").status_code == 201
+            proxy.cut()
+            problem = assert_problem(client.get("/readyz"), 503, "cannot be reached")
+            assert (problem["type"], problem["database"]) == (
+                "urn:agent-outbox:problem:not-ready",
+                "unreachable",
+            )
+            assert client.get("/healthz").status_code == 200
+            for answer in (client.get("/v1/operations"), enqueue(client, "during")):
+                assert_problem(answer, 503, "cannot be reached")
+                assert answer.headers["retry-after"] == "1"
+            proxy.restore()
+            wait_until(
+                lambda: client.get("/readyz").status_code == 200, timeout=30, what="/readyz again"
+            )
+            assert enqueue(client, "after").status_code == 201
+        logs = running.logs()
+        assert "Traceback" not in logs
+        assert "path=/v1/operations status=503" in logs  # the access log has the real status
+    finally:
+        proxy.stop()
+    with engine.connect() as conn:
+        assert api.find(conn, "during") is None
+    assert operation_count(engine) == 2
 
 
 # --- sagas ------------------------------------------------------------------------------------
