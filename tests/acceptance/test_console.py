@@ -24,12 +24,13 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from outbox import operators
+from outbox.config import get_settings
 from outbox.logs import Action
 from outbox.sagas import SagaState
 from outbox.states import Actor, State
 from tests.acceptance.test_cli_sagas import compensated_saga
 from tests.api_server import ApiServer, api_environment, running_api
-from tests.factories import events_of, make_operation, reload
+from tests.factories import events_of, make_operation, move, reload
 from tests.integration.test_sagas import THREE, advance, finish, open_saga, view
 
 pytestmark = pytest.mark.slow
@@ -187,6 +188,49 @@ def test_approve_from_the_operation_page_records_the_operator(
         "alice",
         op.payload_hash,
     )
+
+
+def test_the_operation_page_shows_attempts_timeline_last_lookup_and_webhooks(
+    page: Page,
+    server: ApiServer,
+    engine: Engine,
+    alice: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """An escalated operation's page shows its attempts, every move of its timeline, what the
+    last lookup said, and the escalation webhook written about it."""
+    monkeypatch.setenv("OUTBOX_WEBHOOK_URL", "http://127.0.0.1:9/hooks")
+    monkeypatch.setenv("OUTBOX_WEBHOOK_SECRET", "whsec_" + base64.b64encode(bytes(32)).decode())
+    get_settings.cache_clear()
+    try:
+        unknown = make_operation(engine, State.UNKNOWN, target="web-7")
+        lookup = "lookup: no release for this key at the remote after 3 tries"
+        op = move(engine, unknown, State.NEEDS_HUMAN, Actor.RECONCILER, reason=lookup)
+    finally:
+        monkeypatch.delenv("OUTBOX_WEBHOOK_URL")
+        monkeypatch.delenv("OUTBOX_WEBHOOK_SECRET")
+        get_settings.cache_clear()
+    sign_in(page, server, alice)
+    page.goto(f"{server.url}/operations/{op.id}")
+    facts = page.locator("dl.facts")
+    expect(facts).to_contain_text(f"Attempts{op.attempts}")
+    expect(facts).to_contain_text("read timeout")  # the last error
+    lookup_section = page.get_by_role("region", name="The last lookup")
+    expect(lookup_section).to_contain_text(lookup)
+    expect(lookup_section).to_contain_text("reconciler")
+    timeline = page.get_by_role("table").filter(has_text="Every state change")
+    moves = [
+        f"{e.from_state.value if e.from_state else '(new)'} → {e.to_state.value}"
+        for e in events_of(engine, op.id)
+    ]
+    expect(timeline.locator("tbody tr")).to_have_count(len(moves))
+    for n, shown in enumerate(moves):
+        expect(timeline.locator("tbody tr").nth(n)).to_contain_text(shown)
+    webhooks = page.get_by_role("table").filter(has_text="Escalation webhooks")
+    expect(webhooks.locator("tbody tr")).to_have_count(1)
+    expect(webhooks.locator("tbody tr").first).to_contain_text("needs_human")
+    page.screenshot(path=tmp_path / "escalated.png", full_page=True)
 
 
 def test_resolve_applied_from_the_operation_page_confirms_it(
