@@ -30,7 +30,7 @@ from outbox.sagas import SagaState
 from outbox.states import Actor, State
 from tests.acceptance.test_cli_sagas import compensated_saga
 from tests.api_server import ApiServer, api_environment, running_api
-from tests.factories import events_of, make_operation, move, reload
+from tests.factories import age, events_of, make_operation, move, reload
 from tests.integration.test_sagas import THREE, advance, finish, open_saga, view
 
 pytestmark = pytest.mark.slow
@@ -119,11 +119,13 @@ def test_signing_in_shows_the_overview_and_the_queue_with_reasons(
     expect(page).to_have_url(re.compile(r"/signin$"))
     waiting = make_operation(engine, State.AWAITING_APPROVAL, target="first")
     stuck = make_operation(engine, State.NEEDS_HUMAN, target="second")
+    age(engine, stuck.id, 2 * 3600 + 5 * 60 + 30, "updated_at")  # escalated 2 h 5 min ago
     sign_in(page, server, alice)
     expect(page.get_by_role("heading", name="Overview")).to_be_visible()
     expect(page.get_by_text("Signed in as alice")).to_be_visible()
     row = page.get_by_role("row").filter(has_text="needs_human")
     expect(row.get_by_role("cell").first).to_have_text("1")
+    expect(row.get_by_role("cell").nth(1)).to_have_text("2 h 5 min")  # its oldest wait
     flower = page.get_by_role("link", name="Flower (the Celery workers)")
     expect(flower).to_have_attribute("href", "http://flower.example:5555/")
     expect(page.get_by_role("link", name="Metrics", exact=True)).to_have_attribute(
@@ -133,9 +135,11 @@ def test_signing_in_shows_the_overview_and_the_queue_with_reasons(
     page.get_by_role("link", name="Queue", exact=True).click()
     rows = page.get_by_role("row")
     expect(rows).to_have_count(3)
-    expect(rows.nth(1)).to_contain_text(str(waiting.id))
-    expect(rows.nth(2)).to_contain_text(str(stuck.id))
-    expect(rows.nth(2)).to_contain_text(events_of(engine, stuck.id)[-1].reason)
+    # The longest-waiting first: the one escalated 2 h ago, though it was enqueued later.
+    expect(rows.nth(1)).to_contain_text(str(stuck.id))
+    expect(rows.nth(1)).to_contain_text(events_of(engine, stuck.id)[-1].reason)
+    expect(rows.nth(1)).to_contain_text("2 h 5 min")
+    expect(rows.nth(2)).to_contain_text(str(waiting.id))
     page.screenshot(path=tmp_path / "queue.png", full_page=True)
 
 
