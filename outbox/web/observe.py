@@ -20,9 +20,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.requests import Request
 
 from outbox.logs import Action
-from outbox.web.problems import MEDIA_TYPE, TYPE_PREFIX
+from outbox.web.problems import MEDIA_TYPE, TYPE_PREFIX, unexpected
 
 log = logging.getLogger("outbox.web.access")
 
@@ -87,10 +88,12 @@ class Observe:
             return
         started = time.perf_counter()
         status = [500]
+        answering = [False]
 
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                answering[0] = True
             await send(message)
 
         try:
@@ -98,7 +101,16 @@ class Observe:
             if body is None:
                 await _too_large(scope, sending, self.max_body_bytes)
             else:
-                await self.app(scope, _replay(body, receive), sending)
+                try:
+                    await self.app(scope, _replay(body, receive), sending)
+                except Exception as exc:
+                    if answering[0]:
+                        raise
+                    # Answered here, not re-raised: the server would log its traceback (whose
+                    # message may quote a statement's parameters: a payload) and close the
+                    # client's keep-alive connection. One log line names its type.
+                    answer = await unexpected(Request(scope), exc)
+                    await answer(scope, receive, sending)
         finally:
             self._record(scope, status[0], time.perf_counter() - started)
 

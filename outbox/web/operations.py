@@ -152,6 +152,24 @@ def _intent_key(header: str | None) -> str:
     # The IETF draft sends it as a structured-field string ("..."); a bare value is kept as is.
     if len(header) >= 2 and header[0] == header[-1] == '"':
         header = header[1:-1]
+    if not header.strip():
+        raise Problem(
+            400,
+            "the Idempotency-Key header is empty: it is the intent key that names the effect "
+            "across retries, and must name one",
+            slug="idempotency-key-missing",
+            field="Idempotency-Key",
+        )
+    if len(header) > api.MAX_INTENT_KEY_LENGTH:
+        raise Problem(
+            422,
+            f"the Idempotency-Key is {len(header)} characters; at most "
+            f"{api.MAX_INTENT_KEY_LENGTH} are allowed",
+            slug="invalid-intent",
+            field="Idempotency-Key",
+            limit=api.MAX_INTENT_KEY_LENGTH,
+            size=len(header),
+        )
     if unstorable_text(header) is not None:
         raise Problem(
             422,

@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError, InterfaceError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from outbox.errors import (
@@ -159,7 +159,13 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(OutboxError, _core)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
-    app.add_exception_handler(Exception, _unexpected)
+    # The database's errors by class: answered where the others are (Starlette's exception
+    # middleware), so the connection stays open and the access log has the real status. A
+    # handler for Exception itself runs in Starlette's outermost middleware, which re-raises
+    # to the server (a traceback logged, the keep-alive connection closed): what reaches it
+    # is answered by outbox.web.observe first.
+    app.add_exception_handler(DBAPIError, unexpected)
+    app.add_exception_handler(Exception, unexpected)
 
 
 async def _problem(request: Request, exc: Exception) -> JSONResponse:
@@ -206,15 +212,27 @@ def _error(error: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+#: FastAPI's detail when decoding a JSON body raised (beyond pydantic's json_invalid).
+_UNPARSED = "There was an error parsing the body"
+
+
 async def _http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)  # noqa: S101 -- registered for it only
     detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
     if exc.status_code == 404 and detail == "Not Found":
         detail = f"no such resource: {request.method} {request.url.path} (see /docs)"
+    if exc.status_code == 400 and detail == _UNPARSED:  # FastAPI's, e.g. JSON nested too deep
+        return Problem(
+            400,
+            "the body could not be parsed as JSON (is it nested too deeply?)",
+            slug="malformed-json",
+        ).response(request)
     return Problem(exc.status_code, detail, headers=exc.headers).response(request)
 
 
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """The answer to an error no handler expects: 422 for a value PostgreSQL refused, 503 when
+    the database cannot be reached, else a bare 500 and one log line naming only its type."""
     if isinstance(exc, DataError):  # input the checks let through and the database refused
         return Problem(
             422,

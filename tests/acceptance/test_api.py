@@ -13,7 +13,7 @@ from uuid import uuid4
 
 import httpx
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 from sqlalchemy.orm import Session
 
 from outbox import api, migrate, resolve, tokens
@@ -30,6 +30,7 @@ from tests.conftest import Databases
 from tests.factories import events_of, make_operation, operation_count, reload
 from tests.integration.test_sagas import THREE, open_saga
 from tests.processes import wait_until
+from tests.proxy import TcpProxy
 
 pytestmark = pytest.mark.slow
 
@@ -180,6 +181,29 @@ def test_no_idempotency_key_is_400(agent: httpx.Client, engine: Engine) -> None:
     assert operation_count(engine) == 0
 
 
+def test_an_empty_idempotency_key_is_400_naming_the_header(
+    agent: httpx.Client, engine: Engine
+) -> None:
+    """An empty key, bare or quoted, names no effect: 400 naming the header; nothing written."""
+    for empty in ("", '""', '" "'):
+        problem = assert_problem(enqueue(agent, empty), 400, "Idempotency-Key")
+        assert (problem["field"], problem["type"]) == (
+            "Idempotency-Key",
+            "urn:agent-outbox:problem:idempotency-key-missing",
+        )
+    assert operation_count(engine) == 0
+
+
+def test_a_too_long_idempotency_key_is_422_naming_the_header(
+    agent: httpx.Client, engine: Engine
+) -> None:
+    """A key over 255 characters is 422 naming the header (not the core's intent_key)."""
+    problem = assert_problem(enqueue(agent, "k" * 256), 422, "Idempotency-Key", "255")
+    assert (problem["field"], problem["limit"], problem["size"]) == ("Idempotency-Key", 255, 256)
+    assert enqueue(agent, "k" * 255).status_code == 201
+    assert operation_count(engine) == 1
+
+
 def test_malformed_json_is_400(agent: httpx.Client) -> None:
     """A body that is not JSON is a 400 problem."""
     sent = agent.post(
@@ -187,7 +211,26 @@ def test_malformed_json_is_400(agent: httpx.Client) -> None:
         content=b'{"tool": "deploy.create_release",',
         headers={"Idempotency-Key": "k", "Content-Type": "application/json"},
     )
-    assert_problem(sent, 400, "not valid JSON")
+    problem = assert_problem(sent, 400, "not valid JSON")
+    assert problem["type"] == "urn:agent-outbox:problem:malformed-json"
+
+
+def test_json_nested_too_deeply_to_parse_is_a_400_malformed_json_problem(
+    agent: httpx.Client, engine: Engine
+) -> None:
+    """A body whose decoding fails beyond a syntax error (nesting past the parser's depth) is
+    the same 400 malformed-json problem; nothing is written."""
+    depth = 3000
+    nested = "[" * depth + "]" * depth
+    body = f'{{"tool": "{TOOL}", "target": "t", "payload": {{"a": {nested}}}}}'
+    sent = agent.post(
+        "/v1/operations",
+        content=body.encode(),
+        headers={"Idempotency-Key": "deep", "Content-Type": "application/json"},
+    )
+    problem = assert_problem(sent, 400, "JSON")
+    assert problem["type"] == "urn:agent-outbox:problem:malformed-json"
+    assert operation_count(engine) == 0
 
 
 def test_an_unknown_tool_is_422_naming_the_tool(agent: httpx.Client, engine: Engine) -> None:
@@ -590,6 +633,52 @@ def test_readyz_is_503_when_the_schema_is_not_at_head(databases: Databases, tmp_
             assert httpx.get(f"{running.url}/healthz").status_code == 200
     finally:
         own.dispose()
+
+
+def test_readyz_and_v1_are_503_while_the_database_is_unreachable(
+    database_url: str, engine: Engine, known_tool: str, tmp_path: Path
+) -> None:
+    """With the database cut off (a TCP proxy reset), /readyz is 503 `database: unreachable`,
+    /healthz still 200, and /v1 reads and enqueues 503 `unavailable` problems (no stack trace,
+    nothing written); once it is back, all answer again."""
+    url = make_url(database_url)
+    proxy = TcpProxy(url.port or 5432, upstream_host=url.host or "127.0.0.1").start()
+    token = make_token(engine, "cut-off", TokenScope.AGENT)
+    env = api_environment(
+        url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False),
+        tmp_path,
+        OUTBOX_API_TOKEN_CACHE="0",  # noqa: S106 -- seconds, not a secret
+    )
+    try:
+        with (
+            running_api(env, tmp_path / "api.log") as running,
+            httpx.Client(base_url=running.url, headers=_bearer(token), timeout=30) as client,
+        ):
+            assert client.get("/readyz").status_code == 200
+            assert enqueue(client, "before").status_code == 201
+            proxy.cut()
+            problem = assert_problem(client.get("/readyz"), 503, "cannot be reached")
+            assert (problem["type"], problem["database"]) == (
+                "urn:agent-outbox:problem:not-ready",
+                "unreachable",
+            )
+            assert client.get("/healthz").status_code == 200
+            for answer in (client.get("/v1/operations"), enqueue(client, "during")):
+                assert_problem(answer, 503, "cannot be reached")
+                assert answer.headers["retry-after"] == "1"
+            proxy.restore()
+            wait_until(
+                lambda: client.get("/readyz").status_code == 200, timeout=30, what="/readyz again"
+            )
+            assert enqueue(client, "after").status_code == 201
+        logs = running.logs()
+        assert "Traceback" not in logs
+        assert "path=/v1/operations status=503" in logs  # the access log has the real status
+    finally:
+        proxy.stop()
+    with engine.connect() as conn:
+        assert api.find(conn, "during") is None
+    assert operation_count(engine) == 2
 
 
 # --- sagas ------------------------------------------------------------------------------------

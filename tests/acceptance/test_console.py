@@ -6,8 +6,11 @@ are kept in each test's tmp dir.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,17 +18,19 @@ from typing import Any
 
 import httpx
 import pytest
+from itsdangerous import TimestampSigner
 from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from outbox import operators
+from outbox.config import get_settings
 from outbox.logs import Action
 from outbox.sagas import SagaState
 from outbox.states import Actor, State
 from tests.acceptance.test_cli_sagas import compensated_saga
 from tests.api_server import ApiServer, api_environment, running_api
-from tests.factories import events_of, make_operation, reload
+from tests.factories import age, events_of, make_operation, move, reload
 from tests.integration.test_sagas import THREE, advance, finish, open_saga, view
 
 pytestmark = pytest.mark.slow
@@ -114,11 +119,13 @@ def test_signing_in_shows_the_overview_and_the_queue_with_reasons(
     expect(page).to_have_url(re.compile(r"/signin$"))
     waiting = make_operation(engine, State.AWAITING_APPROVAL, target="first")
     stuck = make_operation(engine, State.NEEDS_HUMAN, target="second")
+    age(engine, stuck.id, 2 * 3600 + 5 * 60 + 30, "updated_at")  # escalated 2 h 5 min ago
     sign_in(page, server, alice)
     expect(page.get_by_role("heading", name="Overview")).to_be_visible()
     expect(page.get_by_text("Signed in as alice")).to_be_visible()
     row = page.get_by_role("row").filter(has_text="needs_human")
     expect(row.get_by_role("cell").first).to_have_text("1")
+    expect(row.get_by_role("cell").nth(1)).to_have_text("2 h 5 min")  # its oldest wait
     flower = page.get_by_role("link", name="Flower (the Celery workers)")
     expect(flower).to_have_attribute("href", "http://flower.example:5555/")
     expect(page.get_by_role("link", name="Metrics", exact=True)).to_have_attribute(
@@ -128,9 +135,11 @@ def test_signing_in_shows_the_overview_and_the_queue_with_reasons(
     page.get_by_role("link", name="Queue", exact=True).click()
     rows = page.get_by_role("row")
     expect(rows).to_have_count(3)
-    expect(rows.nth(1)).to_contain_text(str(waiting.id))
-    expect(rows.nth(2)).to_contain_text(str(stuck.id))
-    expect(rows.nth(2)).to_contain_text(events_of(engine, stuck.id)[-1].reason)
+    # The longest-waiting first: the one escalated 2 h ago, though it was enqueued later.
+    expect(rows.nth(1)).to_contain_text(str(stuck.id))
+    expect(rows.nth(1)).to_contain_text(events_of(engine, stuck.id)[-1].reason)
+    expect(rows.nth(1)).to_contain_text("2 h 5 min")
+    expect(rows.nth(2)).to_contain_text(str(waiting.id))
     page.screenshot(path=tmp_path / "queue.png", full_page=True)
 
 
@@ -185,6 +194,49 @@ def test_approve_from_the_operation_page_records_the_operator(
     )
 
 
+def test_the_operation_page_shows_attempts_timeline_last_lookup_and_webhooks(
+    page: Page,
+    server: ApiServer,
+    engine: Engine,
+    alice: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """An escalated operation's page shows its attempts, every move of its timeline, what the
+    last lookup said, and the escalation webhook written about it."""
+    monkeypatch.setenv("OUTBOX_WEBHOOK_URL", "http://127.0.0.1:9/hooks")
+    monkeypatch.setenv("OUTBOX_WEBHOOK_SECRET", "whsec_" + base64.b64encode(bytes(32)).decode())
+    get_settings.cache_clear()
+    try:
+        unknown = make_operation(engine, State.UNKNOWN, target="web-7")
+        lookup = "lookup: no release for this key at the remote after 3 tries"
+        op = move(engine, unknown, State.NEEDS_HUMAN, Actor.RECONCILER, reason=lookup)
+    finally:
+        monkeypatch.delenv("OUTBOX_WEBHOOK_URL")
+        monkeypatch.delenv("OUTBOX_WEBHOOK_SECRET")
+        get_settings.cache_clear()
+    sign_in(page, server, alice)
+    page.goto(f"{server.url}/operations/{op.id}")
+    facts = page.locator("dl.facts")
+    expect(facts).to_contain_text(f"Attempts{op.attempts}")
+    expect(facts).to_contain_text("read timeout")  # the last error
+    lookup_section = page.get_by_role("region", name="The last lookup")
+    expect(lookup_section).to_contain_text(lookup)
+    expect(lookup_section).to_contain_text("reconciler")
+    timeline = page.get_by_role("table").filter(has_text="Every state change")
+    moves = [
+        f"{e.from_state.value if e.from_state else '(new)'} → {e.to_state.value}"
+        for e in events_of(engine, op.id)
+    ]
+    expect(timeline.locator("tbody tr")).to_have_count(len(moves))
+    for n, shown in enumerate(moves):
+        expect(timeline.locator("tbody tr").nth(n)).to_contain_text(shown)
+    webhooks = page.get_by_role("table").filter(has_text="Escalation webhooks")
+    expect(webhooks.locator("tbody tr")).to_have_count(1)
+    expect(webhooks.locator("tbody tr").first).to_contain_text("needs_human")
+    page.screenshot(path=tmp_path / "escalated.png", full_page=True)
+
+
 def test_resolve_applied_from_the_operation_page_confirms_it(
     page: Page, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
 ) -> None:
@@ -224,6 +276,98 @@ def test_a_form_posted_without_its_csrf_token_is_refused(
     finally:
         context.close()
     assert reload(engine, op.id).state is State.AWAITING_APPROVAL
+
+
+_CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+
+
+def _signed_in(server: ApiServer, name: str) -> tuple[httpx.Client, str]:
+    """A plain HTTP client signed in as ``name`` through the form, and its session's CSRF."""
+    client = httpx.Client(base_url=server.url, timeout=30)
+    token = _CSRF.search(client.get("/signin").text)
+    assert token is not None
+    done = client.post("/signin", data={"name": name, "password": PASSWORD, "csrf": token[1]})
+    assert (done.status_code, done.headers["location"]) == (303, "/")
+    page = _CSRF.search(client.get("/").text)
+    assert page is not None
+    return client, page[1]
+
+
+def test_every_form_is_refused_without_this_sessions_csrf_token(
+    server: ApiServer, engine: Engine, alice: str
+) -> None:
+    """Sign-in, sign-out, approve, reject and resolve, posted with no CSRF token or another
+    session's, get the 403 page and change nothing; the same forms with the token work."""
+    anonymous = httpx.Client(base_url=server.url, timeout=30)
+    anonymous.get("/signin")
+    credentials = {"name": alice, "password": PASSWORD}
+    for forged in ({}, {"csrf": "not-this-sessions"}):
+        refused = anonymous.post("/signin", data=credentials | forged)
+        assert refused.status_code == 403
+        assert "Refused" in refused.text
+    assert anonymous.get("/").headers["location"] == "/signin"
+    awaiting = make_operation(engine, State.AWAITING_APPROVAL)
+    stuck = make_operation(engine, State.NEEDS_HUMAN)
+    client, own = _signed_in(server, alice)
+    other_client, others = _signed_in(server, add_operator(engine, "dave"))
+    seen = {"seen_state": "awaiting_approval", "expect_attempts": "0"}
+    forms = {
+        "/signout": {},
+        f"/operations/{awaiting.id}/approve": seen | {"payload_hash": awaiting.payload_hash},
+        f"/operations/{awaiting.id}/reject": seen | {"reason": "wrong project"},
+        f"/operations/{stuck.id}/resolve": {
+            "seen_state": "needs_human",
+            "expect_attempts": str(stuck.attempts),
+            "verdict": "applied",
+            "remote_ref": "rel-1",
+            "note": "checked",
+        },
+    }
+    seen_event = {"seen_event": "0"}
+    try:
+        for path, form in forms.items():
+            for forged in ({}, {"csrf": others}):
+                refused = client.post(path, data=form | seen_event | forged)
+                assert refused.status_code == 403, path
+                assert "Refused" in refused.text, path
+            assert client.get("/").status_code == 200, path  # still signed in
+        assert reload(engine, awaiting.id).state is State.AWAITING_APPROVAL
+        assert reload(engine, stuck.id).state is State.NEEDS_HUMAN
+        # The control: the very same forms with this session's token are accepted.
+        resolved = client.post(
+            f"/operations/{stuck.id}/resolve",
+            data=forms[f"/operations/{stuck.id}/resolve"] | seen_event | {"csrf": own},
+        )
+        assert resolved.status_code == 303, resolved.text
+        assert reload(engine, stuck.id).state is State.CONFIRMED
+        assert client.post("/signout", data={"csrf": own}).headers["location"] == "/signin"
+    finally:
+        for opened in (client, other_client, anonymous):
+            opened.close()
+
+
+def test_a_session_cookie_not_signed_with_the_servers_key_is_refused(
+    server: ApiServer, alice: str
+) -> None:
+    """A session cookie naming alice, unsigned or signed with another key, signs no one in;
+    the same content signed with OUTBOX_CONSOLE_SECRET does (the cookie's format is right)."""
+    content = base64.b64encode(
+        json.dumps({"operator": alice, "since": time.time(), "csrf": "x"}).encode()
+    )
+    secret = _environment("", Path())["OUTBOX_CONSOLE_SECRET"]
+    cookies = {
+        "unsigned": content.decode(),
+        "another key": TimestampSigner("another-" + "k" * 40).sign(content).decode(),
+        "the server's key": TimestampSigner(secret).sign(content).decode(),
+    }
+    answers = {
+        what: httpx.get(f"{server.url}/", cookies={"outbox_console": value}, timeout=30)
+        for what, value in cookies.items()
+    }
+    assert answers["unsigned"].headers["location"] == "/signin"
+    assert answers["another key"].headers["location"] == "/signin"
+    assert answers["the server's key"].status_code == 200
+    assert "Signed in as" in answers["the server's key"].text
 
 
 def test_two_operators_deciding_one_operation_the_second_is_told_who_won(
