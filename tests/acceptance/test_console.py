@@ -10,6 +10,7 @@ import base64
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +40,20 @@ CHROMIUM = Path("/usr/bin/chromium")
 PASSWORD = "correct horse battery"  # noqa: S105 -- the test accounts'
 #: Set to write the README's screenshot (docs/img/console.png) from the operation page test.
 DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "console.png"
+
+
+#: Where each test's screenshots are kept after the run, a folder per test (not in git).
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "console"
+
+
+@pytest.fixture
+def shots(request: pytest.FixtureRequest) -> Path:
+    """This test's screenshot folder under test-artifacts/console/, emptied first: the
+    screenshots of the last run stay there to look at (CI prints where)."""
+    folder = ARTIFACTS / re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +127,7 @@ def sign_in(page: Page, server: ApiServer, name: str, password: str = PASSWORD) 
 
 
 def test_signing_in_shows_the_overview_and_the_queue_with_reasons(
-    page: Page, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+    page: Page, server: ApiServer, engine: Engine, alice: str, shots: Path
 ) -> None:
     """A signed-in operator sees counts by state, and the queue oldest first with why each waits."""
     page.goto(f"{server.url}/")
@@ -131,7 +146,7 @@ def test_signing_in_shows_the_overview_and_the_queue_with_reasons(
     expect(page.get_by_role("link", name="Metrics", exact=True)).to_have_attribute(
         "href", "http://grafana.example/d/outbox"
     )
-    page.screenshot(path=tmp_path / "overview.png", full_page=True)
+    page.screenshot(path=shots / "overview.png", full_page=True)
     page.get_by_role("link", name="Queue", exact=True).click()
     rows = page.get_by_role("row")
     expect(rows).to_have_count(3)
@@ -140,11 +155,11 @@ def test_signing_in_shows_the_overview_and_the_queue_with_reasons(
     expect(rows.nth(1)).to_contain_text(events_of(engine, stuck.id)[-1].reason)
     expect(rows.nth(1)).to_contain_text("2 h 5 min")
     expect(rows.nth(2)).to_contain_text(str(waiting.id))
-    page.screenshot(path=tmp_path / "queue.png", full_page=True)
+    page.screenshot(path=shots / "queue.png", full_page=True)
 
 
 def test_search_finds_an_operation_by_intent_key_and_by_id(
-    page: Page, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+    page: Page, server: ApiServer, engine: Engine, alice: str, shots: Path
 ) -> None:
     """The search box goes to the operation named by its intent key or its id; else says none."""
     op = make_operation(engine, State.NEEDS_HUMAN, intent_key="refund-order-77")
@@ -160,11 +175,11 @@ def test_search_finds_an_operation_by_intent_key_and_by_id(
     page.get_by_label("Search by id or intent key").fill("no-such-key")
     page.get_by_role("button", name="Find").click()
     expect(page.get_by_role("alert")).to_contain_text("no-such-key")
-    page.screenshot(path=tmp_path / "not-found.png", full_page=True)
+    page.screenshot(path=shots / "not-found.png", full_page=True)
 
 
 def test_approve_from_the_operation_page_records_the_operator(
-    page: Page, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+    page: Page, server: ApiServer, engine: Engine, alice: str, shots: Path
 ) -> None:
     """Approve on the operation page plans it, bound to the hash shown, decided by alice."""
     op = make_operation(
@@ -178,14 +193,14 @@ def test_approve_from_the_operation_page_records_the_operator(
     page.goto(f"{server.url}/operations/{op.id}")
     expect(page.locator("#payload-hash")).to_have_text(op.payload_hash)
     expect(page.get_by_label("The payload, as JSON")).to_contain_text('"currency": "EUR"')
-    page.screenshot(path=tmp_path / "awaiting.png", full_page=True)
+    page.screenshot(path=shots / "awaiting.png", full_page=True)
     if os.environ.get("OUTBOX_WRITE_DOCS_SCREENSHOT") == "1":
         DOCS_SCREENSHOT.parent.mkdir(exist_ok=True)
         page.screenshot(path=DOCS_SCREENSHOT, full_page=True)
     page.get_by_label("Note (optional)").fill("amount matches the ticket")
     page.get_by_role("button", name="Approve this payload").click()
     expect(page.get_by_role("status")).to_contain_text("approved by alice")
-    page.screenshot(path=tmp_path / "approved.png", full_page=True)
+    page.screenshot(path=shots / "approved.png", full_page=True)
     now = reload(engine, op.id)
     assert (now.state, now.decided_by, now.approved_payload_hash) == (
         State.PLANNED,
@@ -200,7 +215,7 @@ def test_the_operation_page_shows_attempts_timeline_last_lookup_and_webhooks(
     engine: Engine,
     alice: str,
     monkeypatch: pytest.MonkeyPatch,
-    tmp_path: Path,
+    shots: Path,
 ) -> None:
     """An escalated operation's page shows its attempts, every move of its timeline, what the
     last lookup said, and the escalation webhook written about it."""
@@ -234,11 +249,11 @@ def test_the_operation_page_shows_attempts_timeline_last_lookup_and_webhooks(
     webhooks = page.get_by_role("table").filter(has_text="Escalation webhooks")
     expect(webhooks.locator("tbody tr")).to_have_count(1)
     expect(webhooks.locator("tbody tr").first).to_contain_text("needs_human")
-    page.screenshot(path=tmp_path / "escalated.png", full_page=True)
+    page.screenshot(path=shots / "escalated.png", full_page=True)
 
 
 def test_resolve_applied_from_the_operation_page_confirms_it(
-    page: Page, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+    page: Page, server: ApiServer, engine: Engine, alice: str, shots: Path
 ) -> None:
     """Resolve 'applied' with a remote reference confirms it; the event names alice."""
     op = make_operation(engine, State.NEEDS_HUMAN)
@@ -247,7 +262,7 @@ def test_resolve_applied_from_the_operation_page_confirms_it(
     page.get_by_label("Applied: the effect exists (confirm it)").check()
     page.get_by_label("Remote reference (when applied)").fill("rel-42")
     page.get_by_label("What you checked and found").fill("release rel-42 is live")
-    page.screenshot(path=tmp_path / "resolving.png", full_page=True)
+    page.screenshot(path=shots / "resolving.png", full_page=True)
     page.get_by_role("button", name="Resolve").click()
     expect(page.get_by_role("status")).to_contain_text("now confirmed")
     now = reload(engine, op.id)
@@ -258,7 +273,7 @@ def test_resolve_applied_from_the_operation_page_confirms_it(
 
 
 def test_a_form_posted_without_its_csrf_token_is_refused(
-    browser: Browser, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+    browser: Browser, server: ApiServer, engine: Engine, alice: str, shots: Path
 ) -> None:
     """An approve form whose CSRF field was removed gets the 403 page; nothing is written."""
     context = browser.new_context(bypass_csp=True)
@@ -272,7 +287,7 @@ def test_a_form_posted_without_its_csrf_token_is_refused(
             page.get_by_role("button", name="Approve this payload").click()
         assert answer.value.status == 403
         expect(page.get_by_role("heading", level=1)).to_contain_text("Refused")
-        page.screenshot(path=tmp_path / "csrf-refused.png", full_page=True)
+        page.screenshot(path=shots / "csrf-refused.png", full_page=True)
     finally:
         context.close()
     assert reload(engine, op.id).state is State.AWAITING_APPROVAL
@@ -371,7 +386,7 @@ def test_a_session_cookie_not_signed_with_the_servers_key_is_refused(
 
 
 def test_two_operators_deciding_one_operation_the_second_is_told_who_won(
-    browser: Browser, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+    browser: Browser, server: ApiServer, engine: Engine, alice: str, shots: Path
 ) -> None:
     """Of two browsers on the same page, alice's approval wins; bob's reject says so, unwritten."""
     bob = add_operator(engine, "bob")
@@ -392,7 +407,7 @@ def test_two_operators_deciding_one_operation_the_second_is_told_who_won(
         expect(told).to_contain_text("Nothing was written")
         expect(told).to_contain_text("approved by alice")
         expect(told).to_contain_text("now planned")
-        bob_page.screenshot(path=tmp_path / "stale.png", full_page=True)
+        bob_page.screenshot(path=shots / "stale.png", full_page=True)
     finally:
         first.close()
         second.close()
@@ -426,7 +441,7 @@ def test_a_stale_resolve_names_the_resolution_made_meanwhile(
 
 
 def test_wrong_passwords_are_throttled(
-    browser: Browser, database_url: str, engine: Engine, tmp_path: Path
+    browser: Browser, database_url: str, engine: Engine, tmp_path: Path, shots: Path
 ) -> None:
     """After 5 wrong passwords for a name, even the right one is refused with a wait."""
     # A server of its own: the lockout of this client address must not reach other tests.
@@ -440,7 +455,7 @@ def test_wrong_passwords_are_throttled(
         sign_in(page, server, name)
         expect(page.get_by_role("alert")).to_contain_text("Too many failed sign-ins")
         expect(page.get_by_role("alert")).to_contain_text("wait")
-        page.screenshot(path=tmp_path / "throttled.png", full_page=True)
+        page.screenshot(path=shots / "throttled.png", full_page=True)
         page.goto(f"{server.url}/")
         expect(page).to_have_url(re.compile(r"/signin$"))
         assert "not the password" not in server.logs()
@@ -561,7 +576,7 @@ DOCS_SAGA_SCREENSHOT = DOCS_SCREENSHOT.parent / "console-saga.png"
 
 
 def test_the_sagas_page_and_a_compensated_sagas_timeline(
-    page: Page, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+    page: Page, server: ApiServer, engine: Engine, alice: str, shots: Path
 ) -> None:
     """The Sagas page lists sagas by state, newest first; a compensated saga's page shows its
     steps in order with their operations, remote references and undos, and its trail."""
@@ -579,7 +594,7 @@ def test_the_sagas_page_and_a_compensated_sagas_timeline(
     expect(by_state).to_contain_text("compensated (1)")
     by_state.get_by_role("link", name="compensated").click()
     expect(page.get_by_role("row")).to_have_count(2)
-    page.screenshot(path=tmp_path / "sagas.png", full_page=True)
+    page.screenshot(path=shots / "sagas.png", full_page=True)
     page.get_by_role("link", name="release-1.2.3").click()
     expect(page).to_have_url(f"{server.url}/sagas/release-1.2.3")
     expect(page.locator("#saga-reason")).to_contain_text(
@@ -596,7 +611,7 @@ def test_the_sagas_page_and_a_compensated_sagas_timeline(
     trail = page.get_by_role("table").filter(has_text="Every move and note of the saga")
     expect(trail.get_by_role("row").last).to_contain_text("compensating → compensated")
     expect(page.get_by_role("button", name="Cancel this saga")).to_have_count(0)
-    page.screenshot(path=tmp_path / "saga.png", full_page=True)
+    page.screenshot(path=shots / "saga.png", full_page=True)
     if os.environ.get("OUTBOX_WRITE_DOCS_SCREENSHOT") == "1":
         page.screenshot(path=DOCS_SAGA_SCREENSHOT, full_page=True)
     steps.nth(2).get_by_role("link", name="failed").click()
@@ -630,7 +645,7 @@ def test_a_saga_held_by_an_undo_in_needs_human_links_to_it(
 
 
 def test_a_running_saga_is_cancelled_through_the_form(
-    page: Page, server: ApiServer, engine: Engine, alice: str, tmp_path: Path
+    page: Page, server: ApiServer, engine: Engine, alice: str, shots: Path
 ) -> None:
     """Cancel on a running saga's page (its key holding a slash and a space) cancels it under
     alice's name (actor operator)."""
@@ -644,7 +659,7 @@ def test_a_running_saga_is_cancelled_through_the_form(
     page.get_by_role("button", name="Cancel this saga").click()
     expect(page.get_by_role("status")).to_contain_text("cancelled by alice")
     expect(page.locator("#saga-reason")).to_contain_text("cancelled")
-    page.screenshot(path=tmp_path / "cancelled.png", full_page=True)
+    page.screenshot(path=shots / "cancelled.png", full_page=True)
     saga = view(engine, key)
     assert (saga.state, saga.cancelled_by) == (SagaState.CANCELLED, "alice")
     moved = [e for e in saga.events if e.from_state is SagaState.RUNNING and e.detail]
