@@ -4,6 +4,8 @@ A plain ASGI middleware (no per-request task or body copy beyond the one it chec
 
 * a request body larger than ``OUTBOX_API_MAX_BODY_BYTES`` is answered 413 before the app
   reads any of it (by its ``Content-Length``, or as it streams in without one);
+* a body sent to ``/v1`` as anything but JSON (``Content-Type`` other than
+  ``application/json`` or ``…+json``) is answered 415 (the console's forms are not ``/v1``);
 * ``outbox_api_requests_total`` and ``outbox_api_request_duration_seconds`` count and time
   requests by method, route template (never a raw path: ids would explode the series) and
   status, served on ``/metrics`` of the API process;
@@ -100,6 +102,8 @@ class Observe:
             body = await self._read_body(scope, receive)
             if body is None:
                 await _too_large(scope, sending, self.max_body_bytes)
+            elif (media := _not_json(scope, body)) is not None:
+                await _unsupported(scope, sending, media)
             else:
                 try:
                     await self.app(scope, _replay(body, receive), sending)
@@ -165,6 +169,46 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def _not_json(scope: Scope, body: list[Message]) -> str | None:
+    """The media type of a non-empty ``/v1`` body that is not JSON, else ``None`` (no
+    ``Content-Type`` is read as JSON, as FastAPI reads it)."""
+    if not str(scope.get("path", "")).startswith("/v1/"):
+        return None
+    if not any(message.get("body") for message in body):
+        return None
+    for name, value in scope.get("headers", ()):
+        if name == b"content-type":
+            media = value.decode("latin-1").split(";", 1)[0].strip().lower()
+            if media == "application/json" or media.endswith("+json"):
+                return None
+            return media or None
+    return None
+
+
+async def _unsupported(scope: Scope, send: Send, media: str) -> None:
+    body = json.dumps(
+        {
+            "type": TYPE_PREFIX + "unsupported-media-type",
+            "title": "Unsupported Media Type",
+            "status": 415,
+            "detail": f"the request body is {media}: send it as application/json",
+            "instance": scope["path"],
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 415,
+            "headers": [
+                (b"content-type", MEDIA_TYPE.encode()),
+                (b"content-length", str(len(body)).encode()),
+                (b"accept-post", b"application/json"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

@@ -87,7 +87,7 @@ def _not_found(operation_id: UUID) -> Problem:
     summary="Record an intent (enqueue); its key is the Idempotency-Key header",
     responses={
         200: {"model": OperationOut, "description": "The same intent was recorded already."},
-        **documented(400, 401, 409, 413, 422, 429),
+        **documented(400, 401, 409, 413, 415, 422, 429),
     },
 )
 async def create_operation(
@@ -326,7 +326,7 @@ async def list_events(request: Request, token: Token, operation_id: UUID) -> JSO
 
 # --- decide ---------------------------------------------------------------------------------
 
-_DECISION_ERRORS = documented(400, 401, 403, 404, 409, 412, 413, 422)
+_DECISION_ERRORS = documented(400, 401, 403, 404, 409, 412, 413, 415, 422)
 
 #: A decision: the Python API call, on the request's (sync) connection, by the caller, with
 #: the attempt number If-Match named (None without one).

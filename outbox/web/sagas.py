@@ -57,7 +57,7 @@ async def get_saga(
     "/sagas/{key:path}/cancel",
     response_model=SagaOut,
     summary="Cancel a running saga: its unsent steps are cancelled, its confirmed ones undone",
-    responses=documented(400, 401, 403, 404, 409, 413, 422),
+    responses=documented(400, 401, 403, 404, 409, 413, 415, 422),
 )
 async def cancel_saga(
     request: Request,

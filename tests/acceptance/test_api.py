@@ -3,6 +3,7 @@ every status it promises, agent isolation, conditional decisions, long-polling, 
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import threading
@@ -213,6 +214,39 @@ def test_malformed_json_is_400(agent: httpx.Client) -> None:
     )
     problem = assert_problem(sent, 400, "not valid JSON")
     assert problem["type"] == "urn:agent-outbox:problem:malformed-json"
+
+
+def test_a_body_that_is_not_json_is_415_and_writes_nothing(
+    agent: httpx.Client, operator: httpx.Client, engine: Engine, known_tool: str
+) -> None:
+    """A /v1 body sent as text or a form is 415 naming its media type (even when the text is
+    JSON), nothing written; application/json with a charset and a +json type are accepted."""
+    body = json.dumps({"tool": known_tool, "target": "web", "payload": {"version": "1"}})
+    for media in ("text/plain", "application/x-www-form-urlencoded", "application/xml"):
+        sent = agent.post(
+            "/v1/operations",
+            content=body.encode(),
+            headers={"Idempotency-Key": f"k-{media}", "Content-Type": media},
+        )
+        problem = assert_problem(sent, 415, media, "application/json")
+        assert problem["type"] == "urn:agent-outbox:problem:unsupported-media-type"
+        assert sent.headers["accept-post"] == "application/json"
+    assert operation_count(engine) == 0
+    op_id = uuid4()
+    decided = operator.post(
+        f"/v1/operations/{op_id}/reject",
+        content=b"reason=no",
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
+    assert_problem(decided, 415)
+    for media in ("application/json; charset=utf-8", "application/merge-patch+json"):
+        sent = agent.post(
+            "/v1/operations",
+            content=body.encode(),
+            headers={"Idempotency-Key": f"k-{media}", "Content-Type": media},
+        )
+        assert sent.status_code == 201, sent.text
+    assert operation_count(engine) == 2
 
 
 def test_json_nested_too_deeply_to_parse_is_a_400_malformed_json_problem(
