@@ -119,17 +119,25 @@ _COUNT_USAGE = text(
         WHERE u.budget = w.budget AND u.key = w.key
           AND u.used_at <= now.at - make_interval(secs => w.window_s)
     ),
+    -- Per budget, the oldest first along (budget, used_at), up to 50: the scan stops at the
+    -- window's edge, never reading the rows inside it. (Joined to all of the budget's rows,
+    -- PostgreSQL read each of them: 0.9 ms at 5,000 uses, as much as the count; and `id IN`
+    -- hashed the ids and read the whole table to find them: `= ANY(ARRAY(...))` probes the
+    -- primary key.)
     stale AS (
-        DELETE FROM outbox.budget_usage WHERE id IN (
-            SELECT u.id FROM outbox.budget_usage AS u, wanted AS w, now
-            WHERE u.budget = w.budget
-              AND u.used_at <= now.at - make_interval(secs => w.window_s)
-              AND NOT EXISTS (SELECT FROM wanted AS mine
-                              WHERE mine.budget = u.budget AND mine.key = u.key)
-            ORDER BY u.used_at
-            LIMIT 50
-            FOR UPDATE OF u SKIP LOCKED
-        )
+        DELETE FROM outbox.budget_usage WHERE id = ANY(ARRAY(
+            SELECT old.id FROM (SELECT DISTINCT budget, window_s FROM wanted) AS b CROSS JOIN now
+            CROSS JOIN LATERAL (
+                SELECT u.id FROM outbox.budget_usage AS u
+                WHERE u.budget = b.budget
+                  AND u.used_at <= now.at - make_interval(secs => b.window_s)
+                  AND NOT EXISTS (SELECT FROM wanted AS mine
+                                  WHERE mine.budget = u.budget AND mine.key = u.key)
+                ORDER BY u.used_at
+                LIMIT 50
+                FOR UPDATE OF u SKIP LOCKED
+            ) AS old
+        ))
     )
     -- The key's rows inside the window, and nothing else (an index-only scan): a cancelled
     -- operation (withdrawn, refused or expired before any send) gave its share back as it
