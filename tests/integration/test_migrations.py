@@ -118,9 +118,7 @@ def test_upgrade_from_empty_matches_create_all(
     identity = importlib.import_module("outbox.migrations.versions.0010_immutable_identity")
     pruned = importlib.import_module("outbox.migrations.versions.0011_pruned_intents")
     guard_admit = importlib.import_module("outbox.migrations.versions.0020_guard_admit")
-    budget_share = importlib.import_module(
-        "outbox.migrations.versions.0021_budget_share_returned"
-    )
+    budget_share = importlib.import_module("outbox.migrations.versions.0021_budget_share_returned")
     reference = create_engine(databases.create())
     try:
         with reference.begin() as conn:

@@ -68,9 +68,7 @@ def upgrade() -> None:
         schema="outbox",
         postgresql_include=["cost"],
     )
-    op.drop_index(
-        "ix_budget_usage_budget_key_used_at", table_name="budget_usage", schema="outbox"
-    )
+    op.drop_index("ix_budget_usage_budget_key_used_at", table_name="budget_usage", schema="outbox")
     op.create_index(
         "ix_budget_usage_operation_id", "budget_usage", ["operation_id"], schema="outbox"
     )
