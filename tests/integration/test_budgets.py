@@ -541,3 +541,23 @@ def test_0021_deletes_the_rows_of_operations_cancelled_before_it_and_downgrades(
         assert usage_rows_of(fresh, again.id) == 0
     finally:
         fresh.dispose()
+
+
+def test_a_cancel_never_waits_for_an_enqueuer_deleting_its_expired_row(engine: Engine) -> None:
+    """An enqueuer whose count is deleting an operation's expired usage row (its transaction
+    still open) does not hold up that operation's cancel: the cancel skips the row, which
+    left the window for good, and the enqueuer's commit deletes it."""
+    publish(engine, max_operations=5, window_s=60.0)
+    old = charge(engine)
+    age_usage(engine, 61)
+    with engine.connect() as enqueuer:
+        with enqueuer.begin():
+            api.enqueue(
+                enqueuer, tool=TOOL, target="acct", payload={"amount": 1}, requested_by="agent-a"
+            )
+            with Session(engine) as session, session.begin():
+                session.execute(text("SET LOCAL lock_timeout = '2s'"))
+                assert api.cancel(session, old.id).state is State.CANCELLED
+            assert usage_rows_of(engine, old.id) == 1  # skipped: the enqueuer is deleting it
+        assert usage_rows_of(engine, old.id) == 0
+    assert used_by(engine) == 1
