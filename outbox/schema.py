@@ -394,8 +394,9 @@ budgets = Table(
 
 #: What each budgeted operation used (migration 0018): one row per (budget, operation),
 #: written by the INSERT that records the operation. ``enqueue`` counts a key's rows inside the
-#: window (joined to their operations: a ``cancelled`` one no longer counts) and deletes the
-#: rows older than it. No foreign key: a pruned operation still counted when it ran.
+#: window and deletes the rows older than it. A ``cancelled`` operation's rows are deleted by
+#: the trigger ``operations_return_budget_share`` (migration 0021) as it is cancelled: its
+#: share is given back. No foreign key: a pruned operation still counted when it ran.
 budget_usage = Table(
     "budget_usage",
     metadata,
@@ -406,7 +407,16 @@ budget_usage = Table(
     Column("cost", Double, nullable=False, server_default="0"),
     _timestamp("used_at", nullable=False, now=True),
     CheckConstraint("cost >= 0", name="cost_not_negative"),
-    Index("ix_budget_usage_budget_key_used_at", "budget", "key", "used_at"),
+    # A key's count inside its window: an index-only scan (``cost`` carried, migration 0021).
+    Index(
+        "ix_budget_usage_budget_key_used_at_cost",
+        "budget",
+        "key",
+        "used_at",
+        postgresql_include=["cost"],
+    ),
+    # A cancelled operation's rows, deleted by its trigger.
+    Index("ix_budget_usage_operation_id", "operation_id"),
     # The expired rows of keys never counted again, dropped a few at a time by other keys.
     Index("ix_budget_usage_budget_used_at", "budget", "used_at"),
 )

@@ -16,23 +16,28 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from alembic import command
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import aio, api, budgets, sql
+import outbox
+from outbox import aio, api, approval, budgets, migrate, sql
 from outbox.budgets import BUDGETS, Budget, publish_budgets_committed
+from outbox.cli.db import prune_batches
 from outbox.config import get_settings
 from outbox.contracts import CONTRACTS
-from outbox.db import create_async_engine
+from outbox.db import create_async_engine, create_engine
 from outbox.errors import BudgetExceeded, InvalidIntent
 from outbox.integrations._calls import refusal
 from outbox.mcp.calls import Calls
 from outbox.metrics import OutboxCollector
 from outbox.models import Operation
-from outbox.states import State
+from outbox.sql.retention import DedupWindows
+from outbox.states import Actor, State
 from outbox.tools import REGISTRY
 from outbox.workers.runtime import publish_loaded_policies
-from tests.factories import operation_count
+from tests.conftest import Databases
+from tests.factories import age, apply_move, operation_count, reload
 
 TOOL = "billing.charge"
 OTHER = "deploy.create_release"
@@ -144,7 +149,8 @@ def test_window_slides_and_cancelled_operations_give_back(engine: Engine) -> Non
     assert operation_count(engine) == 4
     with engine.connect() as conn:
         keys = conn.execute(text("SELECT key FROM outbox.budget_usage ORDER BY id")).scalars()
-        assert list(keys) == ["agent-a", "agent-a"]  # the expired rows of every key dropped
+        # The expired rows of every key dropped, and the cancelled one's as it was cancelled.
+        assert list(keys) == ["agent-a"]
 
 
 def test_re_enqueue_of_a_recorded_intent_is_never_refused_nor_counted(engine: Engine) -> None:
@@ -413,3 +419,145 @@ def test_agent_processes_without_config_enforce_what_a_worker_published(
     assert sum(r["refused"] for r in results) == 7
     assert any("agent-spend" in r["message"] for r in results)
     assert operation_count(engine) == 5
+
+
+# --- a cancel gives the share back (migration 0021: its usage rows deleted as it is cancelled) ---
+
+
+def used_by(engine: Engine, key: str = "agent-a") -> int:
+    """How many operations ``key`` has used inside the window, as outbox.budgets.usage says."""
+    with Session(engine) as session:
+        return next((u.operations for u in budgets.usage(session) if u.key == key), 0)
+
+
+def usage_rows_of(engine: Engine, operation_id: uuid.UUID) -> int:
+    """The operation's rows in outbox.budget_usage."""
+    with engine.connect() as conn:
+        query = text("SELECT count(*) FROM outbox.budget_usage WHERE operation_id = :id")
+        return int(conn.execute(query, {"id": operation_id}).scalar_one())
+
+
+def test_every_cancel_gives_the_share_back_and_a_pruned_operation_still_counts(
+    engine: Engine,
+) -> None:
+    """The agent's cancel, an approver's rejection, the sweep's approval expiry and a saga's
+    cancel each delete the operation's usage rows in the cancelling transaction; a confirmed
+    operation pruned from outbox.operations keeps counting; enqueue's count agrees."""
+    publish(engine, max_operations=5)
+    withdrawn = charge(engine)
+    rejected = charge(engine, require_approval=True)
+    expired = charge(engine, require_approval=True)
+    with Session(engine) as session, session.begin():
+        step = outbox.saga(session, "s-budget", requested_by="agent-a").step(
+            "charge", tool=TOOL, target="acct", payload={"amount": 1}
+        )
+    done = charge(engine)
+    assert used_by(engine) == 5
+    with pytest.raises(BudgetExceeded):
+        charge(engine)
+
+    with Session(engine) as session, session.begin():
+        api.cancel(session, withdrawn.id)
+    assert (usage_rows_of(engine, withdrawn.id), used_by(engine)) == (0, 4)
+    with Session(engine) as session, session.begin():
+        outbox.reject(session, rejected.id, by="carol", reason="no")
+    assert (usage_rows_of(engine, rejected.id), used_by(engine)) == (0, 3)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE outbox.operations SET approval_expires_at = now() - interval '1 second'"
+                " WHERE id = :id"
+            ),
+            {"id": expired.id},
+        )
+    with engine.connect() as conn:
+        assert approval.expire_due_and_commit(conn).expired == 1
+    assert (usage_rows_of(engine, expired.id), used_by(engine)) == (0, 2)
+    with Session(engine) as session, session.begin():
+        outbox.cancel_saga(session, "s-budget", by="bob", reason="not now")
+    assert reload(engine, step.id).state is State.CANCELLED
+    assert (usage_rows_of(engine, step.id), used_by(engine)) == (0, 1)
+
+    with Session(engine) as session, session.begin():
+        apply_move(
+            session,
+            done.id,
+            from_state=State.PLANNED,
+            to_state=State.SENT,
+            actor=Actor.DISPATCHER,
+            reason="test",
+        )
+        apply_move(
+            session,
+            done.id,
+            from_state=State.SENT,
+            to_state=State.CONFIRMED,
+            actor=Actor.DISPATCHER,
+            reason="test",
+            remote_ref="ch-1",
+        )
+    age(engine, done.id, 7200, "resolved_at", "updated_at", "created_at")
+    windows = DedupWindows({TOOL: None})
+    assert sum(prune_batches(engine, older_than_s=3600, batch_size=100, windows=windows)) == 1
+    assert operation_count(engine) == 4  # the confirmed one is gone; the cancelled ones stay
+    assert (usage_rows_of(engine, done.id), used_by(engine)) == (1, 1)
+    for _ in range(4):
+        charge(engine)
+    with pytest.raises(BudgetExceeded):
+        charge(engine)
+
+
+def test_0021_deletes_the_rows_of_operations_cancelled_before_it_and_downgrades(
+    databases: Databases,
+) -> None:
+    """Upgrading to 0021 deletes the usage rows of operations cancelled already and keeps the
+    others; down to 0020, a cancel leaves its rows again (no trigger), and up again fixes it."""
+    fresh = create_engine(databases.create())
+    try:
+        migrate.upgrade(fresh, "0020")
+        publish(fresh, max_operations=10)
+        kept, cancelled = charge(fresh), charge(fresh)
+
+        def cancel_one(op: Operation) -> None:
+            with Session(fresh) as session, session.begin():
+                api.cancel(session, op.id)
+
+        def rows() -> dict[uuid.UUID, int]:
+            return {op.id: usage_rows_of(fresh, op.id) for op in (kept, cancelled)}
+
+        cancel_one(cancelled)
+        assert rows() == {kept.id: 1, cancelled.id: 1}
+        migrate.upgrade(fresh)
+        assert rows() == {kept.id: 1, cancelled.id: 0}
+        assert used_by(fresh) == 1
+        config = migrate.alembic_config()
+        with fresh.connect() as conn:
+            config.attributes["connection"] = conn
+            command.downgrade(config, "0020")
+        again = charge(fresh)
+        cancel_one(again)
+        assert usage_rows_of(fresh, again.id) == 1
+        migrate.upgrade(fresh)
+        assert usage_rows_of(fresh, again.id) == 0
+    finally:
+        fresh.dispose()
+
+
+def test_a_cancel_never_waits_for_an_enqueuer_deleting_its_expired_row(engine: Engine) -> None:
+    """An enqueuer whose count is deleting an operation's expired usage row (its transaction
+    still open) does not hold up that operation's cancel: the cancel skips the row, which
+    left the window for good, and the enqueuer's commit deletes it."""
+    publish(engine, max_operations=5, window_s=60.0)
+    old = charge(engine)
+    age_usage(engine, 61)
+    with engine.connect() as enqueuer:
+        with enqueuer.begin():
+            api.enqueue(
+                enqueuer, tool=TOOL, target="acct", payload={"amount": 1}, requested_by="agent-a"
+            )
+            with Session(engine) as session, session.begin():
+                session.execute(text("SET LOCAL lock_timeout = '2s'"))
+                assert api.cancel(session, old.id).state is State.CANCELLED
+            assert usage_rows_of(engine, old.id) == 1  # skipped: the enqueuer is deleting it
+        assert usage_rows_of(engine, old.id) == 0
+    assert used_by(engine) == 1

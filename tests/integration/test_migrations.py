@@ -118,6 +118,7 @@ def test_upgrade_from_empty_matches_create_all(
     identity = importlib.import_module("outbox.migrations.versions.0010_immutable_identity")
     pruned = importlib.import_module("outbox.migrations.versions.0011_pruned_intents")
     guard_admit = importlib.import_module("outbox.migrations.versions.0020_guard_admit")
+    budget_share = importlib.import_module("outbox.migrations.versions.0021_budget_share_returned")
     reference = create_engine(databases.create())
     try:
         with reference.begin() as conn:
@@ -132,6 +133,7 @@ def test_upgrade_from_empty_matches_create_all(
             conn.exec_driver_sql(identity.EVENTS_KEPT)
             conn.exec_driver_sql(pruned.REMEMBER)
             conn.exec_driver_sql(guard_admit.GUARD_ADMIT)
+            conn.exec_driver_sql(budget_share.RETURN_SHARE)
         expected = catalog(reference)
     finally:
         reference.dispose()
