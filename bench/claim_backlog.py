@@ -63,7 +63,7 @@ _LOAD = text(
            outbox.intent_hash('deploy.create_release', 'project-' || (g % 50),
                               encode(sha256(convert_to(p.payload::text, 'UTF8')), 'hex')),
            'planned', t.due, t.due, t.due,
-           now() - CAST(:published_ago AS interval)
+           now() - CAST(:published_ago AS interval) + g * interval '1 millisecond'
     FROM generate_series(1, :n) AS g
     CROSS JOIN LATERAL (
         SELECT now() - CAST(:due_ago AS interval) + g * interval '1 millisecond' AS due

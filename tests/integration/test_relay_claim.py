@@ -19,7 +19,7 @@ from outbox.sql.relay import _CLAIM_DUE
 BACKLOG = 3000
 
 # `n` planned rows named `{kind}-{g}`, due `due_ago` ago (1 ms apart, in g's order), published
-# `published_ago` ago (NULL: never).
+# `published_ago` ago (also 1 ms apart, as the relay published them; NULL: never).
 _LOAD = text(
     """
     INSERT INTO outbox.operations
@@ -29,7 +29,8 @@ _LOAD = text(
            encode(sha256(convert_to(p.payload::text, 'UTF8')), 'hex'),
            outbox.intent_hash('deploy.create_release', 'project-a',
                               encode(sha256(convert_to(p.payload::text, 'UTF8')), 'hex')),
-           'planned', t.due, t.due, t.due, now() - CAST(:published_ago AS interval)
+           'planned', t.due, t.due, t.due,
+           now() - CAST(:published_ago AS interval) + g * interval '1 millisecond'
     FROM generate_series(1, :n) AS g
     CROSS JOIN LATERAL (
         SELECT now() - CAST(:due_ago AS interval) + g * interval '1 millisecond' AS due
