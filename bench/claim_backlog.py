@@ -39,11 +39,11 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+# `arguments` and `throwaway` are bench/'s own modules (not a package: the script's directory
+# is on sys.path).
+from arguments import add_common_arguments
 from sqlalchemy import Engine, text
 from sqlalchemy.pool import NullPool
-
-# The bench directory is not a package: `python bench/claim_backlog.py` puts it on sys.path.
-from arguments import add_common_arguments
 from throwaway import throwaway_database
 
 from outbox.db import create_engine
@@ -117,7 +117,7 @@ def _scans(node: dict[str, Any]) -> Iterator[str]:
 
 def explain_claim(engine: Engine) -> tuple[int, float, list[str]]:
     """EXPLAIN (ANALYZE, BUFFERS) of one claim, rolled back: buffers, server ms, scans."""
-    sql = str(relay._CLAIM_DUE.clause)  # noqa: SLF001 -- the statement the relay sends
+    sql = str(relay._CLAIM_DUE.clause)  # the statement as the relay sends it
     with engine.connect() as conn, conn.begin() as tx:
         plan = conn.execute(
             text(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"),
@@ -180,8 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.smoke:
         args.backlogs, args.claims = [0, 500], 3
     results = []
-    print(f"claim: limit {LIMIT}, republish_after {REPUBLISH_AFTER_S:g} s; medians of "
-          f"{args.claims} claims; {args.new} new and {args.lost} lost rows beside the backlog")
+    print(
+        f"claim: limit {LIMIT}, republish_after {REPUBLISH_AFTER_S:g} s; medians of "
+        f"{args.claims} claims; {args.new} new and {args.lost} lost rows beside the backlog"
+    )
     print(f"{'backlog':>8} {'buffers':>8} {'server ms':>10} {'client ms':>10}  scans")
     for backlog in args.backlogs:
         r = measure(args.url, backlog=backlog, new=args.new, lost=args.lost, claims=args.claims)
