@@ -5,7 +5,9 @@ the rows stay `planned` with ``published_at`` set until a worker takes them, and
 claimed again before ``republish_after`` (30 s). The question: does a claim pay for them?
 
 Per backlog size (``--backlogs``, default ``0,2000,20000,100000``), one throw-away database
-(``bench_<hex>``, migrated to the latest revision) holding:
+(``bench_<hex>``, migrated to the latest revision) holding ``--history`` (10^5) finished
+operations as bench/scale.py loads them (so the planner sees a table mostly of history, as in
+a live system), and:
 
 * the backlog: N `planned` rows published 5 s ago (due before they were published, oldest
   first: the order in which the relay published them);
@@ -23,10 +25,10 @@ indexes the plan scanned.
 The script uses the ``outbox`` it imports, so the same file measures another tree when run
 with ``PYTHONPATH`` set to it (before/after a change of the claim).
 
-``--smoke``: backlogs 0 and 500, 3 claims.
+``--smoke``: backlogs 0 and 500, 3 claims, 10^3 finished operations.
 
 Usage: python bench/claim_backlog.py [--url postgresql://...] [--backlogs 0,2000,20000,100000]
-       [--claims 20] [--new 20] [--lost 20] [--smoke] [--json FILE]
+       [--history 1e5] [--claims 20] [--new 20] [--lost 20] [--smoke] [--json FILE]
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-# `arguments` and `throwaway` are bench/'s own modules (not a package: the script's directory
-# is on sys.path).
+# `arguments`, `scale_data` and `throwaway` are bench/'s own modules (not a package: the
+# script's directory is on sys.path).
 from arguments import add_common_arguments
+from scale_data import load_terminal
 from sqlalchemy import Engine, text
 from sqlalchemy.pool import NullPool
 from throwaway import throwaway_database
@@ -148,11 +151,15 @@ def timed_claims(engine: Engine, *, claims: int, new: int, lost: int) -> list[fl
     return elapsed
 
 
-def measure(url: str, *, backlog: int, new: int, lost: int, claims: int) -> dict[str, Any]:
+def measure(
+    url: str, *, history: int, backlog: int, new: int, lost: int, claims: int
+) -> dict[str, Any]:
     """One backlog size on a database of its own."""
     with throwaway_database(url) as db_url:
         engine = create_engine(db_url, poolclass=NullPool)
         try:
+            if history:
+                load_terminal(engine, history, label=f"backlog {backlog:,}")
             load(engine, backlog=backlog, new=new, lost=lost)
             explained = [explain_claim(engine) for _ in range(claims)]
             client_ms = timed_claims(engine, claims=claims, new=new, lost=lost)
@@ -173,12 +180,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--backlogs", type=parse_sizes, default=[0, 2000, 20000, 100000], help="backlog sizes"
     )
+    parser.add_argument(
+        "--history", type=lambda v: int(float(v)), default=100_000, help="finished operations"
+    )
     parser.add_argument("--claims", type=int, default=20, help="claims per size")
     parser.add_argument("--new", type=int, default=20, help="never-published due rows")
     parser.add_argument("--lost", type=int, default=20, help="rows published 10 minutes ago")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.backlogs, args.claims = [0, 500], 3
+        args.backlogs, args.claims, args.history = [0, 500], 3, 1000
     results = []
     print(
         f"claim: limit {LIMIT}, republish_after {REPUBLISH_AFTER_S:g} s; medians of "
@@ -186,7 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"{'backlog':>8} {'buffers':>8} {'server ms':>10} {'client ms':>10}  scans")
     for backlog in args.backlogs:
-        r = measure(args.url, backlog=backlog, new=args.new, lost=args.lost, claims=args.claims)
+        r = measure(
+            args.url,
+            history=args.history,
+            backlog=backlog,
+            new=args.new,
+            lost=args.lost,
+            claims=args.claims,
+        )
         results.append(r)
         print(
             f"{backlog:>8,} {statistics.median(r['buffers']):>8.0f} "
