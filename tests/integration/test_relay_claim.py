@@ -58,12 +58,11 @@ def _backlog(engine: Engine) -> None:
 
 def _keys(engine: Engine, ids: list[UUID]) -> list[str]:
     with engine.connect() as conn:
-        found = dict(
-            conn.execute(
-                text("SELECT id, intent_key FROM outbox.operations WHERE id = ANY(:ids)"),
-                {"ids": ids},
-            ).all()
+        rows = conn.execute(
+            text("SELECT id, intent_key FROM outbox.operations WHERE id = ANY(:ids)"),
+            {"ids": ids},
         )
+        found: dict[UUID, str] = {row.id: row.intent_key for row in rows}
     return [found[i] for i in ids]
 
 
