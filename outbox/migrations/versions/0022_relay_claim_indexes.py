@@ -14,10 +14,10 @@ whose range condition on published_at leaves out the rows published recently. Ea
 own candidates and stops at its LIMIT. `ix_operations_planned_due` stays: `outbox metrics`
 reads the oldest `planned` row's available_at from it.
 
-Expand only: indexes that older code simply does not use. Built in the migration's
-transaction, which blocks writes to the table while they are built (as 0005); IF NOT EXISTS
-lets a DBA build them first with CREATE INDEX CONCURRENTLY (same names and definitions) on a
-large table.
+Expand only: indexes; the previous release's relay runs unchanged beside them. Built in the
+migration's transaction, which blocks writes to the table while they are built (as 0005); IF
+NOT EXISTS lets a DBA build them first with CREATE INDEX CONCURRENTLY (same names and
+definitions) on a large table.
 """
 
 from collections.abc import Sequence
