@@ -36,6 +36,7 @@ bench: $(INSTALLED)  ## The full benchmark suite (docs/performance.md): about an
 	$(BIN)/python bench/pipeline.py --broker both --mode both
 	$(BIN)/python bench/peers.py --rounds 3
 	$(BIN)/python bench/scale.py
+	$(BIN)/python bench/claim_backlog.py
 	$(BIN)/python bench/aio.py
 
 bench-quick: $(INSTALLED)  ## Every benchmark in its few-second smoke form: do they still run.
@@ -43,6 +44,7 @@ bench-quick: $(INSTALLED)  ## Every benchmark in its few-second smoke form: do t
 	$(BIN)/python bench/pipeline.py --smoke
 	$(BIN)/python bench/peers.py --smoke --systems ours,celery
 	$(BIN)/python bench/scale.py --smoke
+	$(BIN)/python bench/claim_backlog.py --smoke
 	$(BIN)/python bench/aio.py --smoke
 
 clean:

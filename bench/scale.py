@@ -70,12 +70,13 @@ Per ``--soak-window`` seconds (30): claims and their latency p50/p99/max, EXPLAI
 BUFFERS) of the relay's last claim at the window's end (buffers and ms at the server: a
 measure the machine's other load does not blur), relay passes, sweeps, throughput, the live
 backlog and, of it, the ``planned`` rows already published and waiting for a worker (the claim
-reads past them), from ``pg_stat_user_tables`` ``n_dead_tup``, the autovacuum count and the
-time since ``last_autovacuum`` of ``operations`` and ``events``, any vacuum running now, the
-size of the relay's partial index and the machine's CPU use. Ratios: the last window's claim
-p50 and p99 over the first's, and the worst window's over the first's. The soak is only
-meaningful while the pipeline keeps up with ``--soak-rate``: a growing "pub wait" means it
-does not, and the claim then measures that backlog, not the table.
+read past them before migration 0022), from ``pg_stat_user_tables`` ``n_dead_tup``, the
+autovacuum count and the time since ``last_autovacuum`` of ``operations`` and ``events``, any
+vacuum running now, the size of the relay's partial index (never-published rows) and the
+machine's CPU use. Ratios: the last window's claim p50 and p99 over the first's, and the
+worst window's over the first's. The soak is only meaningful while the pipeline keeps up with
+``--soak-rate``: a growing "pub wait" means it does not, and the claim then measures that
+backlog, not the table.
 
 Autovacuum must run for the soak to mean anything, and the CI server here has
 ``autovacuum = off``; so, unless ``--soak-url`` names a server, the soak starts a PostgreSQL

@@ -44,7 +44,7 @@ _VACUUMING = text(
     "FROM pg_stat_progress_vacuum p "
     "JOIN pg_class c ON c.oid = p.relid WHERE p.datname = current_database()"
 )
-_INDEX_KB = text("SELECT pg_relation_size('outbox.ix_operations_planned_due') / 1024")
+_INDEX_KB = text("SELECT pg_relation_size('outbox.ix_operations_planned_unpublished') / 1024")
 
 
 def sample(engine: Engine) -> dict[str, Any]:

@@ -110,6 +110,19 @@ operations = Table(
     ),
     # The live queues each component scans: partial, so terminal rows cost nothing.
     Index("ix_operations_planned_due", "available_at", postgresql_where=text("state = 'planned'")),
+    # The relay's claim, in two halves (migration 0022): rows never published, by due time;
+    # then published rows, by publish time, so rows published recently (waiting for a worker)
+    # are outside the scanned range rather than stepped over one heap fetch each.
+    Index(
+        "ix_operations_planned_unpublished",
+        "available_at",
+        postgresql_where=text("state = 'planned' AND published_at IS NULL"),
+    ),
+    Index(
+        "ix_operations_planned_published",
+        "published_at",
+        postgresql_where=text("state = 'planned' AND published_at IS NOT NULL"),
+    ),
     Index("ix_operations_sent_since", "sent_at", postgresql_where=text("state = 'sent'")),
     Index(
         "ix_operations_unknown_next_check",

@@ -24,17 +24,37 @@ class ClaimedIntent:
 # The queue scans bound time with statement_timestamp(), not clock_timestamp(): a volatile
 # function cannot be an index condition, so the partial index would only order the scan and
 # every not-yet-due row of the queue would be read and filtered (bench/scale.py --not-due).
+# Two halves, each a scan of a partial index that holds its own candidates (migration 0022):
+# rows never published, by due time, first, so that republishing cannot starve new intents;
+# then rows published longer than republish_after ago, oldest publish first. One scan of all
+# `planned` rows stepped over every row published recently and still waiting for a worker, a
+# heap fetch each (a broker backlog made every claim read it all); here those rows are outside
+# the second index's range. (FOR UPDATE is refused in a UNION's own arms, hence the
+# subqueries.) The outer LIMIT stops the Append: the second half is not started
+# when the first fills the batch. The halves are disjoint (published_at NULL or not, on the
+# row as locked), so no row comes twice.
 _CLAIM_DUE = DriverStatement.of(
     text(
         """
-    SELECT id, tool, target FROM outbox.operations
-    WHERE state = 'planned'
-      AND available_at <= statement_timestamp()
-      AND (published_at IS NULL
-           OR published_at <= statement_timestamp() - make_interval(secs => :republish_after))
-    ORDER BY available_at
+    SELECT id, tool, target FROM (
+        SELECT id, tool, target FROM outbox.operations
+        WHERE state = 'planned' AND published_at IS NULL
+          AND available_at <= statement_timestamp()
+        ORDER BY available_at
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    ) AS never_published
+    UNION ALL
+    SELECT id, tool, target FROM (
+        SELECT id, tool, target FROM outbox.operations
+        WHERE state = 'planned' AND published_at IS NOT NULL
+          AND published_at <= statement_timestamp() - make_interval(secs => :republish_after)
+          AND available_at <= statement_timestamp()
+        ORDER BY published_at
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    ) AS republish
     LIMIT :limit
-    FOR UPDATE SKIP LOCKED
     """
     ),
     ["id", "tool", "target"],
@@ -43,6 +63,9 @@ _CLAIM_DUE = DriverStatement.of(
 
 def claim_due(executor: Executor, *, limit: int, republish_after_s: float) -> list[ClaimedIntent]:
     """Lock up to ``limit`` due ``planned`` rows not published recently.
+
+    Rows never published come first (oldest due first), then rows published more than
+    ``republish_after_s`` ago (their message was lost; oldest publish first).
 
     ``SKIP LOCKED`` lets several relays claim disjoint batches; the row locks last until the
     caller's transaction ends, so a batch is published by one relay at a time.

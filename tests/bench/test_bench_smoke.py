@@ -1,5 +1,5 @@
 """The benchmarks still run: ``bench/pipeline.py``, ``bench/limits.py``, ``bench/aio.py`` and
-``bench/api.py`` and ``bench/guards.py`` with ``--smoke``.
+``bench/api.py``, ``bench/guards.py`` and ``bench/claim_backlog.py`` with ``--smoke``.
 
 Each is a real run of a few seconds against the test server (a throw-away ``bench_*``
 database, dropped at the end; RabbitMQ on a throw-away vhost when one is up, else the
@@ -101,4 +101,21 @@ def test_guards_smoke(admin_url: str) -> None:
     assert re.search(
         r"target guards declared >= 0\.9x none \(reference service\): .* (met|NOT met)",
         result.stdout,
+    ), result.stdout
+
+
+@pytest.mark.timeout(110)
+def test_claim_backlog_smoke(admin_url: str) -> None:
+    """`bench/claim_backlog.py --smoke`: every claim returned the new and the lost rows (the
+    script exits 1 otherwise), a row per backlog size, the claim's indexes named."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("OUTBOX_")}
+    argv = [sys.executable, str(REPO / "bench" / "claim_backlog.py"), "--smoke", "--url", admin_url]
+    result = subprocess.run(
+        argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=100, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    assert re.search(
+        r"^\s+500\s+\d+\s+[\d.]+\s+[\d.]+\s+.*ix_operations_planned_unpublished",
+        result.stdout,
+        re.MULTILINE,
     ), result.stdout

@@ -1,0 +1,140 @@
+"""The relay's claim with a broker backlog: published `planned` rows waiting for a worker.
+
+The claim is two halves (migration 0022): rows never published first, by due time, from
+their own partial index; then rows published longer than republish_after ago, oldest publish
+first, from theirs. A backlog of rows published recently is in neither: the claim neither
+returns nor reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from uuid import UUID
+
+from sqlalchemy import Engine, text
+
+from outbox import sql
+from outbox.sql.relay import _CLAIM_DUE
+
+BACKLOG = 3000
+
+# `n` planned rows named `{kind}-{g}`, due `due_ago` ago (1 ms apart, in g's order), published
+# `published_ago` ago (also 1 ms apart, as the relay published them; NULL: never).
+_LOAD = text(
+    """
+    INSERT INTO outbox.operations
+        (intent_key, tool, target, payload, payload_hash, intent_hash, state,
+         created_at, updated_at, available_at, published_at)
+    SELECT :kind || '-' || g, 'deploy.create_release', 'project-a', p.payload,
+           encode(sha256(convert_to(p.payload::text, 'UTF8')), 'hex'),
+           outbox.intent_hash('deploy.create_release', 'project-a',
+                              encode(sha256(convert_to(p.payload::text, 'UTF8')), 'hex')),
+           'planned', t.due, t.due, t.due,
+           now() - CAST(:published_ago AS interval) + g * interval '1 millisecond'
+    FROM generate_series(1, :n) AS g
+    CROSS JOIN LATERAL (
+        SELECT now() - CAST(:due_ago AS interval) + g * interval '1 millisecond' AS due
+    ) AS t
+    CROSS JOIN LATERAL (SELECT jsonb_build_object('n', :kind || '-' || g) AS payload) AS p
+    """
+)
+
+
+def _load(engine: Engine, kind: str, n: int, due_ago: str, published_ago: str | None) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            _LOAD, {"kind": kind, "n": n, "due_ago": due_ago, "published_ago": published_ago}
+        )
+
+
+def _backlog(engine: Engine) -> None:
+    """A backlog published 5 s ago, two lost messages before it, three new rows after it."""
+    _load(engine, "lost", 2, "20 minutes", "10 minutes")
+    _load(engine, "backlog", BACKLOG, "10 minutes", "5 seconds")
+    _load(engine, "new", 3, "1 second", None)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("ANALYZE outbox.operations"))
+
+
+def _keys(engine: Engine, ids: list[UUID]) -> list[str]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT id, intent_key FROM outbox.operations WHERE id = ANY(:ids)"),
+            {"ids": ids},
+        )
+        found: dict[UUID, str] = {row.id: row.intent_key for row in rows}
+    return [found[i] for i in ids]
+
+
+def _claim(engine: Engine, *, limit: int, republish_after_s: float = 30) -> list[str]:
+    """One claim in its own transaction, rolled back: the intent keys, in the claim's order."""
+    with engine.connect() as conn, conn.begin() as tx:
+        claimed = sql.relay.claim_due(conn, limit=limit, republish_after_s=republish_after_s)
+        tx.rollback()
+    return _keys(engine, [c.id for c in claimed])
+
+
+def _plan(engine: Engine, *, analyze: bool) -> dict[str, Any]:
+    options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
+    with engine.connect() as conn, conn.begin() as tx:
+        plan = conn.execute(
+            text(f"EXPLAIN ({options}) {_CLAIM_DUE.clause}"),
+            {"limit": 200, "republish_after": 30},
+        ).scalar_one()
+        tx.rollback()
+    top: dict[str, Any] = plan[0]["Plan"]
+    return top
+
+
+def _scans(node: dict[str, Any]) -> list[tuple[str, str]]:
+    here = [(node["Node Type"], node.get("Index Name", node.get("Relation Name", "")))]
+    here = [s for s in here if "Scan" in s[0] and s[0] != "Subquery Scan"]
+    return here + [s for child in node.get("Plans", []) for s in _scans(child)]
+
+
+def test_new_rows_come_first_and_the_backlog_is_left_until_republish_after(
+    engine: Engine,
+) -> None:
+    """Behind thousands of rows published and waiting for a worker, the claim returns the
+    never-published rows first (even before older lost messages), then the lost ones, and
+    none of the backlog until republish_after has passed for it."""
+    _backlog(engine)
+    assert _claim(engine, limit=4) == ["new-1", "new-2", "new-3", "lost-1"]
+    assert _claim(engine, limit=200) == ["new-1", "new-2", "new-3", "lost-1", "lost-2"]
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE outbox.operations SET published_at = published_at - interval '31 seconds'"
+                " WHERE intent_key LIKE 'backlog-%'"
+            )
+        )
+    claimed = _claim(engine, limit=200)
+    assert claimed[:5] == ["new-1", "new-2", "new-3", "lost-1", "lost-2"]
+    assert claimed[5:] == [f"backlog-{g}" for g in range(1, 196)]
+
+
+def test_two_claims_at_once_take_disjoint_rows_from_both_halves(engine: Engine) -> None:
+    """A claim's row locks hold both halves: a second claim skips them and takes the rest."""
+    _backlog(engine)
+    with engine.connect() as first, first.begin():
+        mine = sql.relay.claim_due(first, limit=4, republish_after_s=30)
+        with engine.connect() as second, second.begin():
+            theirs = sql.relay.claim_due(second, limit=200, republish_after_s=30)
+    assert _keys(engine, [c.id for c in mine]) == ["new-1", "new-2", "new-3", "lost-1"]
+    assert _keys(engine, [c.id for c in theirs]) == ["lost-2"]
+
+
+def test_the_claim_reads_each_half_from_its_own_index_not_the_backlog(engine: Engine) -> None:
+    """The plan scans the two partial indexes of migration 0022, and the claim reads a few
+    buffers, not one per row of the backlog (the single scan of `ix_operations_planned_due`
+    fetched every backlog row from the heap to test its published_at)."""
+    _backlog(engine)
+    scans = _scans(_plan(engine, analyze=False))
+    assert sorted(scans) == [
+        ("Index Scan", "ix_operations_planned_published"),
+        ("Index Scan", "ix_operations_planned_unpublished"),
+    ]
+    top = _plan(engine, analyze=True)
+    buffers = top["Shared Hit Blocks"] + top["Shared Read Blocks"]
+    assert top["Actual Rows"] == 5
+    assert buffers < 100, f"the claim read {buffers} buffers for 5 rows beside a backlog"
