@@ -10,6 +10,7 @@ import logging
 import httpx
 import pytest
 
+from outbox.logs import Action
 from outbox.web.observe import Observe, Receive, RequestMetrics, Scope, Send
 
 MARKER = "payload-marker-7f3a"
@@ -41,8 +42,8 @@ def test_an_unhandled_error_is_a_bare_500_problem_logged_by_its_type_only(
     assert answer.headers["content-type"] == "application/problem+json"
     assert answer.json()["detail"] == "the server failed to answer; it is logged"
     assert MARKER not in answer.text
-    errors = [r for r in caplog.records if getattr(r, "action", None) == "api_error"]
+    errors = [r for r in caplog.records if getattr(r, "action", None) == Action.API_ERROR]
     assert [getattr(r, "error", None) for r in errors] == ["RuntimeError"]
     assert MARKER not in caplog.text
-    [access] = [r for r in caplog.records if getattr(r, "action", None) == "api_request"]
+    [access] = [r for r in caplog.records if getattr(r, "action", None) == Action.API_REQUEST]
     assert getattr(access, "status", None) == 500
