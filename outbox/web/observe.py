@@ -188,27 +188,15 @@ def _not_json(scope: Scope, body: list[Message]) -> str | None:
 
 
 async def _unsupported(scope: Scope, send: Send, media: str) -> None:
-    body = json.dumps(
-        {
-            "type": TYPE_PREFIX + "unsupported-media-type",
-            "title": "Unsupported Media Type",
-            "status": 415,
-            "detail": f"the request body is {media}: send it as application/json",
-            "instance": scope["path"],
-        }
-    ).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 415,
-            "headers": [
-                (b"content-type", MEDIA_TYPE.encode()),
-                (b"content-length", str(len(body)).encode()),
-                (b"accept-post", b"application/json"),
-            ],
-        }
+    await _answer(
+        scope,
+        send,
+        415,
+        "unsupported-media-type",
+        title="Unsupported Media Type",
+        detail=f"the request body is {media}: send it as application/json",
+        header=(b"accept-post", b"application/json"),
     )
-    await send({"type": "http.response.body", "body": body})
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:
@@ -224,25 +212,44 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
 
 
 async def _too_large(scope: Scope, send: Send, limit: int) -> None:
+    await _answer(
+        scope,
+        send,
+        413,
+        "body-too-large",
+        title="Content Too Large",
+        detail=f"the request body is larger than {limit} bytes (OUTBOX_API_MAX_BODY_BYTES)",
+        header=(b"connection", b"close"),
+        limit=limit,
+    )
+
+
+async def _answer(
+    scope: Scope,
+    send: Send,
+    status: int,
+    slug: str,
+    *,
+    title: str,
+    detail: str,
+    header: tuple[bytes, bytes],
+    **members: Any,
+) -> None:
+    """A problem document answered here, before the app (which has not read the body)."""
     body = json.dumps(
         {
-            "type": TYPE_PREFIX + "body-too-large",
-            "title": "Content Too Large",
-            "status": 413,
-            "detail": f"the request body is larger than {limit} bytes (OUTBOX_API_MAX_BODY_BYTES)",
+            "type": TYPE_PREFIX + slug,
+            "title": title,
+            "status": status,
+            "detail": detail,
             "instance": scope["path"],
-            "limit": limit,
+            **members,
         }
     ).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [
-                (b"content-type", MEDIA_TYPE.encode()),
-                (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
+    headers = [
+        (b"content-type", MEDIA_TYPE.encode()),
+        (b"content-length", str(len(body)).encode()),
+        header,
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
