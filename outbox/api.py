@@ -454,8 +454,8 @@ def wait(
         # is seen at the next re-read.
         sql.intents.register_waiter(conn, op_id)
         sql.notify.listen_settled(conn)
+        listener = conn.connection.driver_connection
         try:
-            listener = conn.connection.driver_connection
             while True:
                 current = sql.intents.get_operation(conn, op_id)
                 if current is None:
@@ -476,6 +476,10 @@ def wait(
                     pass
         finally:
             sql.notify.unlisten_all(conn)
+            # psycopg keeps what arrived before the UNLISTEN for the connection's next
+            # notifies(): drained here, the pooled connection's next user hears no stale bell.
+            for _ in listener.notifies(timeout=0):  # type: ignore[union-attr]
+                pass
             sql.intents.forget_waiter(conn, op_id)
 
 

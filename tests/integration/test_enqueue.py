@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.orm import Session
 
 from outbox import api, sql
@@ -401,6 +401,31 @@ def test_wait_times_out_with_the_last_seen_operation(engine: Engine) -> None:
         api.wait(op.id, timeout=0.5, engine=engine, poll_interval=0.2)
     assert 0.5 <= time.monotonic() - started < 3
     assert caught.value.operation == op
+
+
+def test_wait_gives_its_connection_back_without_a_stale_notification(
+    engine: Engine, database_url: str
+) -> None:
+    """A NOTIFY that reaches wait's connection before its UNLISTEN (kept by psycopg for the
+    connection's next notifies()) is drained: the pooled connection's next user hears none."""
+    one = create_engine(database_url, pool_size=1, max_overflow=0)
+    try:
+        op = make_operation(one, State.CONFIRMED)
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as other:
+
+            @event.listens_for(one, "before_cursor_execute")
+            def ring(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+                # Rung just before wait reads the row: the bell arrives with that answer.
+                if statement.lstrip().upper().startswith("SELECT") and "operations" in statement:
+                    other.execute(text(f"NOTIFY {sql.notify.SETTLED_CHANNEL}, 'stale'"))
+
+            api.wait(op.id, timeout=5, engine=one)
+            event.remove(one, "before_cursor_execute", ring)
+        with one.connect() as conn:
+            driver = conn.connection.driver_connection
+            assert [n.payload for n in driver.notifies(timeout=0)] == []  # type: ignore[union-attr]
+    finally:
+        one.dispose()
 
 
 def _notifications(engine: Engine, act: Callable[[], object]) -> list[str]:
