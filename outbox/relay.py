@@ -318,6 +318,9 @@ class _Bell:
             return
         try:
             sql.notify.unlisten_planned(conn)
+            # What arrived before the UNLISTEN would wait in psycopg for the pooled
+            # connection's next notifies(): drained, as outbox.wait does.
+            _drained(conn.connection.driver_connection, 0.0)
         except (DBAPIError, psycopg.Error):
             conn.invalidate()
         finally:

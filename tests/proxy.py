@@ -52,7 +52,12 @@ class TcpProxy:
             with contextlib.suppress(OSError):
                 # Linger 0: close with a reset, as a crashed peer's kernel would.
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                conn.close()
+            with contextlib.suppress(OSError):
+                # shutdown() first: close() alone does not wake a pump blocked in recv() on
+                # this socket, whose in-flight call keeps it open, so a client waiting for an
+                # answer already sent upstream would wait forever instead of being reset.
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
 
     def restore(self) -> None:
         """Accept connections again on the same port."""
