@@ -434,7 +434,13 @@ def _notifications(engine: Engine, act: Callable[[], object]) -> list[str]:
         conn.execute(text(f"LISTEN {sql.notify.SETTLED_CHANNEL}"))
         act()
         listener = conn.connection.driver_connection
-        return [n.payload for n in listener.notifies(timeout=0.3)]  # type: ignore[union-attr]
+        payloads = [n.payload for n in listener.notifies(timeout=0.3)]  # type: ignore[union-attr]
+        # Back to the pool listening on nothing and holding nothing: a later test's
+        # listener drawing this connection would hear settled moves it never asked for.
+        conn.execute(text("UNLISTEN *"))
+        for _ in listener.notifies(timeout=0):  # type: ignore[union-attr]
+            pass
+        return payloads
 
 
 def test_a_settled_move_notifies_only_while_someone_waits(engine: Engine) -> None:

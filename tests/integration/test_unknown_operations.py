@@ -29,6 +29,8 @@ def listener(engine: Engine) -> Iterator[Connection]:
         conn.execute(text(f"LISTEN {sql.notify.UNKNOWN_OPERATION_CHANNEL}"))
         yield conn
         conn.execute(text("UNLISTEN *"))
+        for _ in conn.connection.driver_connection.notifies(timeout=0):  # type: ignore[union-attr]
+            pass  # back to the pool holding no report a later listener would count
 
 
 def _reports(conn: Connection) -> list[str]:
