@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import psycopg.errors
@@ -48,16 +48,44 @@ def database_url(settings: Settings | None = None) -> str:
     return embedded.ensure_running(settings.home)
 
 
+#: libpq's TCP settings that bound how long a connection to a silent server (a network
+#: partition, a host gone without a reset) takes to fail: about a minute, where the kernel's
+#: defaults wait two hours, a worker or relay stuck all that time on a query in flight. A live
+#: server's kernel answers keepalives, so a long query is never cut. A URL that names any of
+#: them keeps its own value; libpq ignores them on a Unix socket (the embedded server).
+TCP_LIVENESS: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60_000,  # ms: sent data left unacknowledged this long fails the connection
+}
+
+
+def _with_defaults(url: str, options: dict[str, object]) -> str:
+    """``url`` normalized, and ``options`` given the outbox's defaults (in place)."""
+    url = normalize_url(url)
+    options.setdefault("pool_pre_ping", True)
+    options["hide_parameters"] = True
+    given = make_url(url).query
+    given_args = options.get("connect_args")
+    connect_args: dict[str, object] = dict(given_args) if isinstance(given_args, Mapping) else {}
+    for name, value in TCP_LIVENESS.items():
+        if name not in given:
+            connect_args.setdefault(name, value)
+    options["connect_args"] = connect_args
+    return url
+
+
 def create_engine(url: str, **options: object) -> Engine:
-    """An engine on ``url`` with the outbox's defaults (psycopg 3, pre-ping unless told).
+    """An engine on ``url`` with the outbox's defaults (psycopg 3, pre-ping unless told,
+    :data:`TCP_LIVENESS` unless the URL or ``connect_args`` say otherwise).
 
     Its errors never carry bound parameters (``hide_parameters``, whatever ``options`` say):
     a ``DBAPIError`` logged by a task would otherwise print payloads, intent keys, results
     and remote answers next to the statement.
     """
-    options.setdefault("pool_pre_ping", True)
-    options["hide_parameters"] = True
-    engine = sqlalchemy.create_engine(normalize_url(url), **options)
+    engine = sqlalchemy.create_engine(_with_defaults(url, options), **options)
     event.listen(engine, "reset", _release_session_locks)
     return engine
 
@@ -70,9 +98,7 @@ def create_async_engine(url: str, **options: object) -> AsyncEngine:
     belong to the event loop that opened them, so each loop (each ``asyncio.run``) needs its
     own engine, disposed before the loop ends.
     """
-    options.setdefault("pool_pre_ping", True)
-    options["hide_parameters"] = True
-    engine = _create_async_engine(normalize_url(url), **options)
+    engine = _create_async_engine(_with_defaults(url, options), **options)
     event.listen(engine.sync_engine, "reset", _release_session_locks)
     return engine
 
