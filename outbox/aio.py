@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 from uuid import UUID
 
@@ -36,7 +36,15 @@ from outbox.api import Intent, _as_uuid
 from outbox.errors import OperationNotFound, WaitTimeout
 from outbox.models import Executor, Operation
 from outbox.resolve import resolve as _resolve
-from outbox.sagas import Compensate, SagaPosition, SagaState, SagaSummary, SagaView
+from outbox.sagas import (
+    Compensate,
+    DeclaredSaga,
+    SagaPosition,
+    SagaState,
+    SagaSummary,
+    SagaView,
+    StepSpec,
+)
 from outbox.states import State
 
 __all__ = [
@@ -47,6 +55,7 @@ __all__ = [
     "cancel",
     "cancel_saga",
     "close",
+    "declare_saga",
     "enqueue",
     "enqueue_many",
     "find",
@@ -338,6 +347,21 @@ async def saga(
     caller's transaction and never commits. :func:`outbox.saga`, run by it."""
     opened = await _run(session, lambda s: sagas.saga(s, saga_key, requested_by=requested_by))
     return AsyncSaga(session, opened.key, opened.state)
+
+
+async def declare_saga(
+    session: AsyncExecutor,
+    saga_key: str,
+    steps: Sequence[StepSpec],
+    *,
+    requested_by: str | None = None,
+) -> DeclaredSaga:
+    """Open ``saga_key`` with exactly these steps, or find it again; joins the caller's
+    transaction and never commits. :func:`outbox.declare_saga`, run by it."""
+    return await _run(
+        session,
+        lambda s: sagas.declare_saga(s, saga_key, steps, requested_by=requested_by),
+    )
 
 
 async def get_saga(session: AsyncExecutor, saga_key: str) -> SagaView | None:

@@ -45,16 +45,19 @@ from outbox.states import State
 
 __all__ = [
     "Compensate",
+    "DeclaredSaga",
     "Saga",
     "SagaEvent",
     "SagaState",
     "SagaStep",
     "SagaSummary",
     "SagaView",
+    "StepSpec",
     "advance",
     "cancel_saga",
     "compensation_intent_key",
     "compensation_payload",
+    "declare_saga",
     "get_saga",
     "list_sagas",
     "saga",
@@ -420,6 +423,116 @@ def saga(session: Executor, saga_key: str, *, requested_by: str | None = None) -
             field="saga_key",
         )
     return Saga(session, row)
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One step of :func:`declare_saga`: the arguments of :meth:`Saga.step`, as data."""
+
+    name: str
+    tool: str
+    target: str
+    payload: Mapping[str, Any]
+    compensate: Compensate | None = None
+    pivot: bool = False
+    group: str | None = None
+
+
+@dataclass(frozen=True)
+class DeclaredSaga:
+    """What :func:`declare_saga` did: the saga as it is now, and whether this call declared
+    its steps (``False``: the same saga was declared already, nothing was written)."""
+
+    saga: SagaView
+    created: bool
+
+
+#: Most steps one saga declares at once.
+MAX_DECLARED_STEPS = 50
+
+
+def declare_saga(
+    session: Executor,
+    saga_key: str,
+    steps: Sequence[StepSpec],
+    *,
+    requested_by: str | None = None,
+) -> DeclaredSaga:
+    """Open ``saga_key`` with exactly these steps, in this order, or find it again: a whole
+    saga in one call, for callers that cannot hold a transaction open across
+    :meth:`Saga.step` calls (the HTTP API). Joins the caller's transaction, never commits.
+
+    A new saga is :func:`saga` then :meth:`Saga.step` for each step. The same declaration
+    again (same steps, same order, same requester) writes nothing and returns the saga as it
+    is now (``created=False``), whatever its state. Refused, with nothing written:
+    ``IntentConflict`` when the key names a saga of other steps (``differences``
+    ``("steps",)`` when their names or number differ, ``("steps[i].payload",)`` and the like
+    when a step differs) or another requester's saga (``("requested_by",)``);
+    ``InvalidIntent`` naming the step (``steps[i].name``, ``steps[i].payload.amount``);
+    ``InvalidSagaRequest`` for the key or an empty or too long list (``steps``); and what
+    :meth:`Saga.step` raises (``BudgetExceeded``...).
+    """
+    if not steps:
+        raise InvalidSagaRequest("steps must be a non-empty list of steps", field="steps")
+    if len(steps) > MAX_DECLARED_STEPS:
+        raise InvalidSagaRequest(
+            f"a saga declares at most {MAX_DECLARED_STEPS} steps, not {len(steps)}",
+            field="steps",
+        )
+    names = [spec.name for spec in steps]
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            # Two steps of one name would be one step: the saga would not be what was sent.
+            raise InvalidIntent(
+                f"steps[{index}]: step name {name!r} is given twice; each step needs its own",
+                field=f"steps[{index}].name",
+            )
+    handle = saga(session, saga_key, requested_by=requested_by)
+    # Locked before its steps are read: concurrent declarations of one key take turns.
+    row = sql.sagas.lock_saga(session, saga_key)
+    if row is None:
+        raise SagaNotFound(f"saga {saga_key!r} was removed concurrently", saga_key=saga_key)
+    if row.requested_by != requested_by:
+        raise IntentConflict(
+            f"saga {saga_key!r} was opened by another requester; choose a key of your own",
+            intent_key=saga_key,
+            operation_id=None,
+            differences=("requested_by",),
+        )
+    existing = [step.name for step in sql.sagas.steps_of(session, saga_key)]
+    if existing and existing != names:
+        raise IntentConflict(
+            f"saga {saga_key!r} was declared with other steps ({', '.join(existing)}), not "
+            f"({', '.join(map(str, names))}); nothing was written",
+            intent_key=saga_key,
+            operation_id=None,
+            differences=("steps",),
+        )
+    for index, spec in enumerate(steps):
+        try:
+            handle.step(
+                spec.name,
+                tool=spec.tool,
+                target=spec.target,
+                payload=spec.payload,
+                compensate=spec.compensate,
+                pivot=spec.pivot,
+                group=spec.group,
+            )
+        except IntentConflict as exc:
+            where = tuple(f"steps[{index}].{name}" for name in exc.differences)
+            raise IntentConflict(
+                f"steps[{index}] ({spec.name!r}): {exc}", **(vars(exc) | {"differences": where})
+            ) from None
+        except InvalidIntent as exc:
+            raise type(exc)(
+                f"steps[{index}] ({spec.name!r}): {exc}",
+                **(vars(exc) | {"field": f"steps[{index}].{exc.field}"}),
+            ) from None
+    view = get_saga(session, saga_key)
+    if view is None:  # locked above, in this transaction: not expected
+        raise SagaNotFound(f"no saga {saga_key!r}", saga_key=saga_key)
+    return DeclaredSaga(view, created=not existing)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from outbox.models import Event, Operation
 from outbox.saga_rules import SagaState
+from outbox.sagas import MAX_DECLARED_STEPS
 from outbox.states import State
 from outbox.storable import unstorable_text
 
@@ -70,6 +71,50 @@ class SagaCancelRequest(BaseModel):
     model_config = _STRICT
 
     reason: Text = Field(min_length=1, description="Why, for the saga's audit trail.")
+
+
+class CompensateIn(BaseModel):
+    """A step's undo: the tool call that reverses it once it is confirmed."""
+
+    model_config = _STRICT
+
+    tool: Text = Field(description="A tool the deployment knows.")
+    target: Text
+    payload: JsonObject = Field(
+        description='Its payload; "{remote_ref}" in a string stands for the step\'s remote_ref.'
+    )
+
+
+class SagaStepIn(BaseModel):
+    """One step of ``POST /v1/sagas``: ``outbox.Saga.step``'s arguments."""
+
+    model_config = _STRICT
+
+    name: Text = Field(
+        description="Unique in the saga; its operation's intent key is saga:{saga_key}:{name}."
+    )
+    tool: Text = Field(description="A tool the deployment knows.")
+    target: Text
+    payload: JsonObject
+    compensate: CompensateIn | None = Field(
+        default=None, description="How to undo it if a later step is refused."
+    )
+    pivot: bool = Field(default=False, description="It cannot be undone (and takes no compensate).")
+    group: Text | None = Field(
+        default=None,
+        description="Steps of one group, declared one after another, run in parallel.",
+    )
+
+
+class SagaDeclareRequest(BaseModel):
+    """``POST /v1/sagas``: a whole saga, its steps in the order they run."""
+
+    model_config = _STRICT
+
+    saga_key: Text = Field(
+        description="Names the saga across retries: the same key and steps return it again."
+    )
+    steps: list[SagaStepIn] = Field(min_length=1, max_length=MAX_DECLARED_STEPS)
 
 
 class ApproveRequest(BaseModel):

@@ -111,7 +111,7 @@ async def create_operation(
     def record() -> api.Enqueued:
         with ctx.sync_engine.begin() as conn:
             caller = authorize_sync(conn, request, token)
-            _require_known_tool(ctx, conn, body.tool)
+            require_known_tool(ctx, conn, body.tool)
             intent = api.Intent(
                 tool=body.tool,
                 target=body.target,
@@ -180,7 +180,10 @@ def _intent_key(header: str | None) -> str:
     return header
 
 
-def _require_known_tool(ctx: ApiContext, conn: Connection, tool: str) -> None:
+def require_known_tool(
+    ctx: ApiContext, conn: Connection, tool: str, *, field: str = "tool"
+) -> None:
+    """A 422 naming ``field`` unless ``tool`` is one this deployment knows."""
     if tool in ctx.known_tools:
         return
     if not api.known_tool(conn, tool):
@@ -190,7 +193,7 @@ def _require_known_tool(ctx: ApiContext, conn: Connection, tool: str) -> None:
             "is known once a worker that loads it has started, or when the API loads the "
             "tools: OUTBOX_CONFIG / OUTBOX_TOOLS)",
             slug="unknown-tool",
-            field="tool",
+            field=field,
         )
     ctx.known_tools.add(tool)
 

@@ -203,10 +203,13 @@ async def _invalid(request: Request, exc: Exception) -> JSONResponse:
 def _error(error: Mapping[str, Any]) -> dict[str, Any]:
     """One validation error without its input (which may be a payload)."""
     location: Sequence[Any] = error.get("loc", ())
-    # ("body", "payload") → "payload"; ("query", "limit") → "limit"; header names as sent.
-    parts = [str(part) for part in location[1:]] if len(location) > 1 else []
+    # ("body", "payload") → "payload"; ("query", "limit") → "limit"; header names as sent;
+    # ("body", "steps", 0, "tool") → "steps[0].tool", as the core names a step's field.
+    field = ""
+    for part in location[1:]:
+        field += f"[{part}]" if isinstance(part, int) else f".{part}" if field else str(part)
     return {
-        "field": ".".join(parts) or None,
+        "field": field or None,
         "in": str(location[0]) if location else None,
         "message": str(error.get("msg", "invalid")),
     }

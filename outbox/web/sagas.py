@@ -1,8 +1,9 @@
-"""``/v1/sagas``: read sagas (docs/sagas.md) through the Python API (:func:`outbox.get_saga`,
-:func:`outbox.list_sagas`) on the request's connection, and cancel one
-(:func:`outbox.cancel_saga`). An operator token reads every saga; an agent token only the
-sagas it opened (``requested_by`` is its name), as with operations. Only an operator cancels,
-as with operations; the token's name is recorded as who did.
+"""``/v1/sagas``: declare a saga whole (:func:`outbox.declare_saga`), read sagas
+(docs/sagas.md) through the Python API (:func:`outbox.get_saga`, :func:`outbox.list_sagas`)
+on the request's connection, and cancel one (:func:`outbox.cancel_saga`). An operator token
+reads every saga; an agent token only the sagas it opened (``requested_by`` is its name), as
+with operations. Only an operator cancels, as with operations; the token's name is recorded
+as who did.
 """
 
 from __future__ import annotations
@@ -12,22 +13,95 @@ import binascii
 import json
 from datetime import datetime
 from typing import Annotated
+from urllib.parse import quote
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from outbox import sagas
+from outbox.errors import IntentConflict
 from outbox.models import TokenScope
 from outbox.saga_rules import SagaState
-from outbox.web.auth import Token, authorize
+from outbox.web.auth import Token, authorize, authorize_sync
 from outbox.web.context import context
-from outbox.web.models import SagaCancelRequest, SagaList, SagaOut, Text
+from outbox.web.models import SagaCancelRequest, SagaDeclareRequest, SagaList, SagaOut, Text
+from outbox.web.operations import require_known_tool
 from outbox.web.problems import Problem, documented
 
 router = APIRouter(prefix="/v1", tags=["sagas"])
 
 #: Most sagas one list answers.
 MAX_SAGAS = 500
+
+
+@router.post(
+    "/sagas",
+    status_code=201,
+    response_model=SagaOut,
+    summary="Declare a saga: its steps in order, each with how to undo it, in one request",
+    responses={
+        200: {"model": SagaOut, "description": "The same saga was declared already."},
+        **documented(400, 401, 409, 413, 415, 422, 429),
+    },
+)
+async def declare_saga(request: Request, token: Token, body: SagaDeclareRequest) -> JSONResponse:
+    """``outbox.declare_saga`` under the token's name, in one transaction: 201 with the new
+    saga; 200 with it as it is now for the same key and the same steps (retry freely); 422
+    naming what differs for the same key with other steps (``steps``, ``steps[1].payload``);
+    409 ``saga-key-taken`` for a key another token used. Its steps then run as the Python
+    API's do: each released when the one before is confirmed, undone in reverse order if a
+    later one is refused."""
+    ctx = context(request)
+    specs = [
+        sagas.StepSpec(
+            name=step.name,
+            tool=step.tool,
+            target=step.target,
+            payload=step.payload,
+            compensate=(
+                sagas.Compensate(
+                    step.compensate.tool, step.compensate.target, step.compensate.payload
+                )
+                if step.compensate is not None
+                else None
+            ),
+            pivot=step.pivot,
+            group=step.group,
+        )
+        for step in body.steps
+    ]
+
+    def record() -> sagas.DeclaredSaga:
+        with ctx.sync_engine.begin() as conn:
+            caller = authorize_sync(conn, request, token)
+            for index, step in enumerate(body.steps):
+                require_known_tool(ctx, conn, step.tool, field=f"steps[{index}].tool")
+                if step.compensate is not None:
+                    require_known_tool(
+                        ctx, conn, step.compensate.tool, field=f"steps[{index}].compensate.tool"
+                    )
+            try:
+                return sagas.declare_saga(conn, body.saga_key, specs, requested_by=caller.name)
+            except IntentConflict as exc:
+                if exc.differences != ("requested_by",):
+                    raise
+                # Another token's saga: neither shown nor shared, as with operations.
+                raise Problem(
+                    409,
+                    f"saga key {body.saga_key!r} names a saga another token declared; "
+                    "choose a key of your own",
+                    slug="saga-key-taken",
+                    field="saga_key",
+                ) from None
+
+    # In a worker thread, on a sync connection, as the enqueue is.
+    done = await run_in_threadpool(record)
+    if done.created:
+        return JSONResponse(
+            done.saga.to_dict(), 201, headers={"Location": f"/v1/sagas/{quote(body.saga_key)}"}
+        )
+    return JSONResponse(done.saga.to_dict())
 
 
 @router.get(

@@ -1,5 +1,5 @@
 """The HTTP API (`outbox api`) as a real subprocess on a real PostgreSQL, over real HTTP:
-every status it promises, agent isolation, conditional decisions, long-polling, saga reads."""
+every status it promises, agent isolation, conditional decisions, long-polling, sagas."""
 
 from __future__ import annotations
 
@@ -760,6 +760,119 @@ def test_an_agent_reads_only_the_sagas_it_opened(
     assert problem["type"] == "urn:agent-outbox:problem:saga-not-found"
     assert [s["key"] for s in agent.get("/v1/sagas").json()["items"]] == ["s-mine"]
     assert [s["key"] for s in other_agent.get("/v1/sagas").json()["items"]] == ["s-theirs"]
+
+
+#: THREE as POST /v1/sagas takes it: an undo is an object.
+SAGA_STEPS: list[dict[str, Any]] = [
+    {
+        key: (
+            {"tool": value.tool, "target": value.target, "payload": value.payload}
+            if key == "compensate"
+            else value
+        )
+        for key, value in step.items()
+    }
+    for step in THREE
+]
+
+
+@pytest.fixture
+def saga_tools(engine: Engine) -> None:
+    """THREE's tools and undo, known to the deployment."""
+    names = {s["tool"] for s in SAGA_STEPS} | {"deploy.delete_release"}
+    publish_policies_committed(engine, [ToolContract(name=name) for name in sorted(names)])
+
+
+def _saga_rows(engine: Engine) -> tuple[int, int]:
+    with engine.connect() as conn:
+        sagas_now = conn.execute(text("SELECT count(*) FROM outbox.sagas")).scalar_one()
+    return sagas_now, operation_count(engine)
+
+
+def test_an_agent_declares_a_saga_and_the_same_declaration_again_finds_it(
+    agent: httpx.Client, engine: Engine, saga_tools: None
+) -> None:
+    """POST /v1/sagas: 201 with the saga (its steps in order, the first released, the others
+    held, each undo as declared) and its Location, under the token's name; the same body
+    again, 200 with the same operations and nothing written."""
+    body = {"saga_key": "team-a/release 1.2.3", "steps": SAGA_STEPS}
+    created = agent.post("/v1/sagas", json=body)
+    assert created.status_code == 201, created.text
+    assert created.headers["location"] == "/v1/sagas/team-a/release%201.2.3"
+    saga = created.json()
+    assert (saga["key"], saga["state"], saga["requested_by"]) == (
+        "team-a/release 1.2.3",
+        "running",
+        "agent-a",
+    )
+    assert [(s["name"], s["held"]) for s in saga["steps"]] == [
+        ("release", False),
+        ("point-lb", True),
+        ("announce", True),
+    ]
+    assert saga["steps"][0]["compensate"] == SAGA_STEPS[0]["compensate"]
+    rows = _saga_rows(engine)
+    again = agent.post("/v1/sagas", json=body)
+    assert again.status_code == 200, again.text
+    assert [s["operation_id"] for s in again.json()["steps"]] == [
+        s["operation_id"] for s in saga["steps"]
+    ]
+    assert _saga_rows(engine) == rows
+    read = agent.get("/v1/sagas/team-a%2Frelease%201.2.3")
+    assert read.json()["steps"] == again.json()["steps"]
+
+
+def test_a_saga_declared_otherwise_is_refused_naming_what_differs(
+    agent: httpx.Client, other_agent: httpx.Client, engine: Engine, saga_tools: None
+) -> None:
+    """The same key with other steps: 422 naming ``steps`` or the step's field; another
+    token's key: 409 saga-key-taken, its steps not shown. Nothing written."""
+    assert agent.post("/v1/sagas", json={"saga_key": "s-decl", "steps": SAGA_STEPS}).is_success
+    rows = _saga_rows(engine)
+    fewer = agent.post("/v1/sagas", json={"saga_key": "s-decl", "steps": SAGA_STEPS[:2]})
+    assert assert_problem(fewer, 422, "other steps")["field"] == "steps"
+    changed = [SAGA_STEPS[0], {**SAGA_STEPS[1], "payload": {"to": "9.9.9"}}, SAGA_STEPS[2]]
+    differs = assert_problem(
+        agent.post("/v1/sagas", json={"saga_key": "s-decl", "steps": changed}), 422, "point-lb"
+    )
+    assert (differs["field"], differs["differences"]) == (
+        "steps[1].payload",
+        ["steps[1].payload"],
+    )
+    theirs = assert_problem(
+        other_agent.post("/v1/sagas", json={"saga_key": "s-decl", "steps": SAGA_STEPS[:1]}),
+        409,
+        "choose a key of your own",
+    )
+    assert theirs["type"] == "urn:agent-outbox:problem:saga-key-taken"
+    assert "release" not in json.dumps(theirs)
+    assert _saga_rows(engine) == rows
+
+
+@pytest.mark.parametrize(
+    ("steps", "field"),
+    [
+        ([], "steps"),
+        ([{**SAGA_STEPS[0], "tool": "deploy.unknown"}], "steps[0].tool"),
+        (
+            [{**SAGA_STEPS[0], "compensate": {**SAGA_STEPS[0]["compensate"], "tool": "no.such"}}],
+            "steps[0].compensate.tool",
+        ),
+        ([SAGA_STEPS[0], SAGA_STEPS[0]], "steps[1].name"),
+        ([SAGA_STEPS[0], {**SAGA_STEPS[1], "pivot": True}], "steps[1].compensate"),
+        ([{**SAGA_STEPS[0], "typo": 1}], "steps[0].typo"),
+    ],
+)
+def test_a_malformed_saga_is_a_422_naming_the_step_and_writes_nothing(
+    agent: httpx.Client, engine: Engine, saga_tools: None, steps: list[Any], field: str
+) -> None:
+    """An empty list, an unknown tool or undo tool, a name given twice, a pivot with an
+    undo, an unknown member: 422 naming it; no saga, no operation."""
+    problem = assert_problem(
+        agent.post("/v1/sagas", json={"saga_key": "s-bad", "steps": steps}), 422
+    )
+    assert field in json.dumps(problem), problem
+    assert _saga_rows(engine) == (0, 0)
 
 
 def test_saga_reads_refuse_bad_input_as_problems(server: ApiServer, operator: httpx.Client) -> None:

@@ -1,0 +1,187 @@
+"""outbox.declare_saga: a whole saga in one call, found again by the same call, refused
+(nothing written) when the key names other steps or another requester's saga."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+import outbox
+from outbox import aio
+from outbox.db import create_async_engine
+from outbox.errors import IntentConflict, InvalidIntent, InvalidSagaRequest
+from outbox.sagas import MAX_DECLARED_STEPS, DeclaredSaga, SagaState, StepSpec
+from outbox.states import State
+from tests.integration.test_sagas import THREE, open_saga
+
+SPECS = [StepSpec(**step) for step in THREE]
+#: An undo whose payload is not JSON (NaN): refused as canonical JSON would refuse it.
+NAN_UNDO = outbox.Compensate("deploy.delete_release", "p", {"x": float("nan")})
+
+
+def declare(engine: Engine, key: str, specs: list[StepSpec], **options: Any) -> DeclaredSaga:
+    """declare_saga in one committed transaction."""
+    with Session(engine) as session, session.begin():
+        return outbox.declare_saga(session, key, specs, **options)
+
+
+def counts(engine: Engine) -> tuple[int, int, int, int]:
+    """Sagas, steps, saga events and operations: what a refusal must leave as it was."""
+    with engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "SELECT (SELECT count(*) FROM outbox.sagas), (SELECT count(*) FROM "
+                "outbox.saga_steps), (SELECT count(*) FROM outbox.saga_events), "
+                "(SELECT count(*) FROM outbox.operations)"
+            )
+        ).one()
+    return (row[0], row[1], row[2], row[3])
+
+
+def test_a_declared_saga_is_the_saga_its_steps_make(engine: Engine) -> None:
+    """The steps in order, the first released and the others held, each with its undo:
+    what saga() and step() in one transaction make."""
+    done = declare(engine, "d-new", SPECS, requested_by="agent-a")
+    assert done.created
+    view = done.saga
+    assert (view.key, view.state, view.requested_by) == ("d-new", SagaState.RUNNING, "agent-a")
+    assert [s.name for s in view.steps] == ["release", "point-lb", "announce"]
+    assert [s.held for s in view.steps] == [False, True, True]
+    assert view.steps[0].compensate == THREE[0]["compensate"]
+    assert view.steps[2].compensate is None
+
+    open_saga(engine, "d-by-steps", THREE, requested_by="agent-a")
+    with Session(engine) as session:
+        by_steps = outbox.get_saga(session, "d-by-steps")
+    assert by_steps is not None
+    assert [(s.name, s.tool, s.target, s.held, s.state) for s in by_steps.steps] == [
+        (s.name, s.tool, s.target, s.held, s.state) for s in view.steps
+    ]
+
+
+def test_the_same_declaration_again_finds_it_and_writes_nothing(engine: Engine) -> None:
+    """Retried (a lost answer, a restart): created False, the same operations, no new row."""
+    first = declare(engine, "d-again", SPECS, requested_by="agent-a")
+    before = counts(engine)
+    again = declare(engine, "d-again", SPECS, requested_by="agent-a")
+    assert not again.created
+    assert [s.operation_id for s in again.saga.steps] == [s.operation_id for s in first.saga.steps]
+    assert counts(engine) == before
+
+
+def test_other_steps_under_the_key_are_refused_naming_what_differs(engine: Engine) -> None:
+    """Other names or another number of steps: ``steps``; the same names with a step's
+    payload or undo changed: that step's field. Nothing written."""
+    declare(engine, "d-conflict", SPECS, requested_by="agent-a")
+    before = counts(engine)
+    with pytest.raises(IntentConflict) as fewer:
+        declare(engine, "d-conflict", SPECS[:2], requested_by="agent-a")
+    assert fewer.value.differences == ("steps",)
+    changed = [SPECS[0], StepSpec(**{**THREE[1], "payload": {"to": "9.9.9"}}), SPECS[2]]
+    with pytest.raises(IntentConflict) as payload:
+        declare(engine, "d-conflict", changed, requested_by="agent-a")
+    assert payload.value.differences == ("steps[1].payload",)
+    assert "steps[1] ('point-lb')" in str(payload.value)
+    undo = [SPECS[0], SPECS[1], StepSpec(**{**THREE[2], "pivot": True})]
+    with pytest.raises(IntentConflict) as pivot:
+        declare(engine, "d-conflict", undo, requested_by="agent-a")
+    assert pivot.value.differences == ("steps[2].pivot",)
+    assert counts(engine) == before
+
+
+def test_another_requesters_saga_is_refused_and_not_shown(engine: Engine) -> None:
+    """The key names a saga someone else declared: refused as ``requested_by``, naming none
+    of its steps."""
+    declare(engine, "d-theirs", SPECS, requested_by="agent-b")
+    before = counts(engine)
+    with pytest.raises(IntentConflict) as caught:
+        declare(engine, "d-theirs", SPECS[:1], requested_by="agent-a")
+    assert caught.value.differences == ("requested_by",)
+    assert "release" not in str(caught.value)
+    assert counts(engine) == before
+
+
+@pytest.mark.parametrize(
+    ("specs", "error", "field"),
+    [
+        ([], InvalidSagaRequest, "steps"),
+        ([SPECS[0]] * (MAX_DECLARED_STEPS + 1), InvalidSagaRequest, "steps"),
+        ([SPECS[0], SPECS[1], SPECS[0]], InvalidIntent, "steps[2].name"),
+        ([SPECS[0], StepSpec(**{**THREE[1], "name": ""})], InvalidIntent, "steps[1].name"),
+        ([SPECS[0], StepSpec(**{**THREE[1], "tool": "no tool"})], InvalidIntent, "steps[1].tool"),
+        (
+            [StepSpec(**{**THREE[0], "pivot": True})],
+            InvalidIntent,
+            "steps[0].compensate",
+        ),
+        (
+            [StepSpec(**{**THREE[0], "compensate": NAN_UNDO})],
+            InvalidIntent,
+            "steps[0].compensate.payload",
+        ),
+    ],
+)
+def test_a_malformed_declaration_names_the_step_and_writes_nothing(
+    engine: Engine, specs: list[StepSpec], error: type[Exception], field: str
+) -> None:
+    """An empty or too long list, a name given twice, a bad step: refused naming it, and no
+    saga, step or operation is left."""
+    with pytest.raises(error) as caught:
+        declare(engine, "d-bad", specs)
+    assert getattr(caught.value, "field", None) == field
+    assert counts(engine) == (0, 0, 0, 0)
+
+
+def test_concurrent_declarations_of_one_key_make_one_saga(engine: Engine) -> None:
+    """Four callers declare the same saga at once: one creates it, three find it; one set of
+    steps and operations."""
+    barrier = threading.Barrier(4)
+    results: list[DeclaredSaga] = []
+    errors: list[BaseException] = []
+
+    def racer() -> None:
+        try:
+            barrier.wait(timeout=10)
+            results.append(declare(engine, "d-race", SPECS, requested_by="agent-a"))
+        except BaseException as exc:  # noqa: BLE001 -- reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=racer) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == []
+    assert sorted(done.created for done in results) == [False, False, False, True]
+    assert {tuple(s.operation_id for s in done.saga.steps) for done in results} == {
+        tuple(s.operation_id for s in results[0].saga.steps)
+    }
+    assert counts(engine)[1:] == (3, 1, 3)
+
+
+def test_the_async_twin_declares_the_same_saga(engine: Engine, database_url: str) -> None:
+    """outbox.aio.declare_saga, on an AsyncSession, makes the same saga and finds it again."""
+
+    async def twice() -> tuple[DeclaredSaga, DeclaredSaga]:
+        async_engine = create_async_engine(database_url)
+        try:
+            results = []
+            for _ in range(2):
+                async with AsyncSession(async_engine) as session, session.begin():
+                    results.append(
+                        await aio.declare_saga(session, "d-aio", SPECS, requested_by="agent-a")
+                    )
+            return results[0], results[1]
+        finally:
+            await async_engine.dispose()
+
+    first, second = asyncio.run(twice())
+    assert (first.created, second.created) == (True, False)
+    assert [s.state for s in second.saga.steps] == [State.PLANNED, State.PLANNED, State.PLANNED]
+    assert [s.held for s in second.saga.steps] == [False, True, True]
