@@ -1,5 +1,5 @@
-"""The MCP server: the loaded tools, two reading tools, operations as resources; on stdio or
-streamable HTTP.
+"""The MCP server: the loaded tools, two reading tools, sagas (``outbox_saga``,
+``outbox_saga_status``), operations as resources; on stdio or streamable HTTP.
 
 Built on the MCP SDK's low-level ``Server`` (each tool's input schema is the outbox's own,
 not one derived from a Python signature). The caller is the bearer token's name over HTTP,
@@ -32,8 +32,16 @@ from outbox import __version__
 from outbox.contracts import ContractTable
 from outbox.mcp.auth import REQUIRED_SCOPE, TokenCheck
 from outbox.mcp.calls import Calls, report_of
+from outbox.mcp.sagas import (
+    SAGA_STATUS_TOOL,
+    SAGA_TOOL,
+    SagaCalls,
+    saga_status_tool,
+    saga_tool,
+)
 from outbox.mcp.tools import (
     LIST_TOOL,
+    OWN_TOOLS,
     STATUS_TOOL,
     list_tool,
     mcp_names,
@@ -74,8 +82,13 @@ class McpContext:
 
 def create_server(context: McpContext) -> Server[Any]:
     """The MCP server over ``context``: every loaded tool, ``outbox_status``,
-    ``outbox_list`` and the ``outbox://operations/{id}`` resources."""
+    ``outbox_list``, ``outbox_saga``, ``outbox_saga_status`` and the
+    ``outbox://operations/{id}`` resources."""
     calls = Calls(engine=context.engine, wait_s=context.wait_s)
+    registered = context.contracts.names()
+    # A step names its tool by its registered name or by its MCP name.
+    step_tools = {name: name for name in registered} | mcp_names(registered)
+    saga_calls = SagaCalls(engine=context.engine, wait_s=context.wait_s, tools=step_tools)
 
     def caller() -> str:
         token = get_access_token()
@@ -89,7 +102,8 @@ def create_server(context: McpContext) -> Server[Any]:
             for mcp_name, name in mcp_names(context.contracts.names()).items()
             if (contract := context.contracts.get(name)) is not None
         ]
-        return types.ListToolsResult(tools=[*tools, status_tool(), list_tool()])
+        own = [status_tool(), list_tool(), saga_tool(sorted(registered)), saga_status_tool()]
+        return types.ListToolsResult(tools=[*tools, *own])
 
     async def call_tool(
         _ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
@@ -98,13 +112,17 @@ def create_server(context: McpContext) -> Server[Any]:
             return await calls.status(params.arguments, caller())
         if params.name == LIST_TOOL:
             return await calls.list_own(params.arguments, caller())
+        if params.name == SAGA_TOOL:
+            return await saga_calls.declare(params.arguments, caller())
+        if params.name == SAGA_STATUS_TOOL:
+            return await saga_calls.status(params.arguments, caller())
         names = mcp_names(context.contracts.names())
         # Its MCP name, or (a client that knows the registry) the registered name itself.
         tool = names.get(params.name)
         if tool is None and context.contracts.get(params.name) is not None:
             tool = params.name
         if tool is None:
-            known = ", ".join([*names, STATUS_TOOL, LIST_TOOL])
+            known = ", ".join([*names, *OWN_TOOLS])
             raise MCPError(_INVALID_PARAMS, f"unknown tool {params.name!r}; tools: {known}")
         return await calls.call_registered(tool, params.arguments, caller())
 

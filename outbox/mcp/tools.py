@@ -23,6 +23,8 @@ from outbox.states import State
 
 STATUS_TOOL = "outbox_status"
 LIST_TOOL = "outbox_list"
+#: The server's own tools' names, which no registered tool's MCP name may take.
+OWN_TOOLS = (STATUS_TOOL, LIST_TOOL, "outbox_saga", "outbox_saga_status")
 #: The longest MCP tool name clients accept: Claude's and OpenAI's APIs take
 #: ``^[a-zA-Z0-9_-]{1,64}$`` (no dots, although MCP allows them).
 MAX_MCP_NAME = 64
@@ -77,11 +79,11 @@ def mcp_names(tools: Iterable[str]) -> dict[str, str]:
     """Each registered tool's MCP name, by MCP name: dots become underscores
     (``deploy.create_release`` → ``deploy_create_release``), since clients refuse dotted
     names. A name that would be longer than :data:`MAX_MCP_NAME`, or the same as another's
-    (or as ``outbox_status`` / ``outbox_list``), keeps a prefix and gains a hash of the full
+    (or as one of the server's own, :data:`OWN_TOOLS`), keeps a prefix and gains a hash of the full
     name instead: deterministic, so a client's cached list stays valid across restarts."""
     registered = sorted(set(tools))
     plain = {name: name.replace(".", "_") for name in registered}
-    taken = Counter([*plain.values(), STATUS_TOOL, LIST_TOOL])
+    taken = Counter([*plain.values(), *OWN_TOOLS])
     named: dict[str, str] = {}
     for name, simple in plain.items():
         if len(simple) > MAX_MCP_NAME or taken[simple] > 1:

@@ -1,9 +1,12 @@
-"""A saga declared over HTTP (POST /v1/sagas) with real processes against the reference
-service: two releases and a last step the service refuses; both releases rolled back, the
-second first; the same request again changes nothing at the service."""
+"""A saga declared from outside Python, with real processes against the reference service:
+over HTTP (POST /v1/sagas) and over MCP (outbox_saga, the SDK's stdio client spawning
+`outbox mcp`). Two releases and a last step the service refuses: both releases rolled back,
+the second first; the same request again changes nothing at the service."""
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
+from mcp import Client, StdioServerParameters
+from mcp_types import TextContent
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
@@ -18,6 +23,7 @@ from outbox import tokens
 from outbox.dev.service import DeployService
 from outbox.models import TokenScope
 from tests import saga_stack
+from tests.acceptance.conftest import REPO
 from tests.api_server import running_api
 from tests.processes import Services, wait_until
 
@@ -50,6 +56,64 @@ def _release(target: str) -> dict[str, Any]:
             "payload": {"release": "{remote_ref}"},
         },
     }
+
+
+def _refused_last(run: str) -> dict[str, Any]:
+    """Two releases, then a rollback of a release that does not exist: the service refuses
+    it (422), so the saga undoes both releases."""
+    a, b = f"p-{run}-a", f"p-{run}-b"
+    refused = {
+        "name": "refused",
+        "tool": saga_stack.ROLLBACK_TOOL,
+        "target": b,
+        "payload": {"release": "rel-that-does-not-exist"},
+    }
+    return {"saga_key": f"mcp/{run}", "steps": [_release(a), _release(b), refused]}
+
+
+@pytest.mark.timeout(240)
+def test_a_saga_declared_over_mcp_answers_undone_once_settled(
+    services: Services, stack_env: dict[str, str], service: DeployService
+) -> None:
+    """outbox_saga waits (up to OUTBOX_MCP_WAIT_S) for the saga to settle: the answer says
+    it was undone, as an error, each release with its undo; the same call again, from a new
+    server process, is the same saga and nothing more at the service."""
+    services.start("worker", "worker", "-c", "4", "-P", "threads")
+    services.start("relay", "relay")
+    services.start("beat", "beat")
+    run = uuid.uuid4().hex[:8]
+    declared = _refused_last(run)
+    env = {**stack_env, "OUTBOX_MCP_AGENT": "agent-mcp", "OUTBOX_MCP_WAIT_S": "150"}
+    server = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "outbox", "mcp", "--log-level", "warning"],
+        env=env,
+        cwd=str(REPO),
+    )
+
+    async def call() -> tuple[bool | None, dict[str, Any], str]:
+        async with Client(server) as client:
+            result = await client.call_tool("outbox_saga", declared)
+        words = " ".join(b.text for b in result.content if isinstance(b, TextContent))
+        assert isinstance(result.structured_content, dict), words
+        return result.is_error, result.structured_content, words
+
+    is_error, body, words = asyncio.run(call())
+    assert (is_error, body["state"], body["settled"]) == (True, "compensated", True), words
+    assert words.startswith(f"Undone: saga 'mcp/{run}' did not complete")
+    a, b = f"p-{run}-a", f"p-{run}-b"
+    assert [(s["name"], s["state"], s["compensation_state"]) for s in body["steps"]] == [
+        (f"release-{a}", "confirmed", "confirmed"),
+        (f"release-{b}", "confirmed", "confirmed"),
+        ("refused", "failed", None),
+    ]
+    ledger = [(e.kind, e.target) for e in service.ledger()]
+    assert ledger == [("release", a), ("release", b), ("rollback", b), ("rollback", a)]
+
+    again_error, again, _ = asyncio.run(call())
+    assert again_error is True
+    assert [s["operation_id"] for s in again["steps"]] == [s["operation_id"] for s in body["steps"]]
+    assert len(service.ledger()) == 4
 
 
 @pytest.mark.timeout(240)

@@ -128,8 +128,9 @@ def _server(*contracts: ToolContract) -> Server[Any]:
 
 
 def test_the_server_lists_the_loaded_tools_and_refuses_an_unknown_one() -> None:
-    """In process, through the SDK's client: the loaded tools and the two reading tools are
-    listed; an unknown tool is a protocol error; a call without a key is a tool error."""
+    """In process, through the SDK's client: the loaded tools, the two reading tools and the
+    two saga tools are listed; an unknown tool is a protocol error; a call without a key is a
+    tool error."""
     server = _server(ToolContract(name="billing.charge", input_schema=SCHEMA))
 
     async def session() -> tuple[list[str], str, CallToolResult]:
@@ -142,7 +143,13 @@ def test_the_server_lists_the_loaded_tools_and_refuses_an_unknown_one() -> None:
             return names, unknown.value.message, keyless
 
     names, unknown, keyless = asyncio.run(session())
-    assert names == ["billing_charge", "outbox_status", "outbox_list"]
+    assert names == [
+        "billing_charge",
+        "outbox_status",
+        "outbox_list",
+        "outbox_saga",
+        "outbox_saga_status",
+    ]
     assert "unknown tool 'billing.refund'" in unknown
     assert keyless.is_error
     body = keyless.structured_content
@@ -151,20 +158,25 @@ def test_the_server_lists_the_loaded_tools_and_refuses_an_unknown_one() -> None:
 
 
 def test_mcp_names_have_no_dots_and_stay_unique_and_short() -> None:
-    """Dots become underscores (clients refuse dotted names); a name taken twice, taken by a
-    reading tool, or too long gets a prefix and a hash of its own name, the same every time."""
+    """Dots become underscores (clients refuse dotted names); a name taken twice, taken by one
+    of the server's own tools, or too long gets a prefix and a hash of its own name, the same
+    every time."""
     long = "a" + ".b" * 40
-    names = mcp_names(["deploy.create_release", "a.b_c", "a_b.c", "outbox_status", long])
+    names = mcp_names(
+        ["deploy.create_release", "a.b_c", "a_b.c", "outbox_status", "outbox.saga", long]
+    )
     assert names["deploy_create_release"] == "deploy.create_release"
     assert set(names.values()) == {
         "deploy.create_release",
         "a.b_c",
         "a_b.c",
         "outbox_status",
+        "outbox.saga",
         long,
     }
     assert "a_b_c" not in names
     assert "outbox_status" not in names
+    assert "outbox_saga" not in names  # the server's own saga tool
     assert all(len(name) <= 64 and "." not in name for name in names)
     assert mcp_names(reversed(list(names.values()))) == names
 
