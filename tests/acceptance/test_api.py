@@ -875,6 +875,20 @@ def test_a_malformed_saga_is_a_422_naming_the_step_and_writes_nothing(
     assert _saga_rows(engine) == (0, 0)
 
 
+def test_a_saga_key_over_its_limit_is_a_422_naming_it(
+    agent: httpx.Client, engine: Engine, saga_tools: None
+) -> None:
+    """A saga key longer than 160 characters (its steps' intent keys must fit): 422
+    invalid-request naming saga_key, the limit in the detail; nothing written."""
+    body = {"saga_key": "k" * 161, "steps": SAGA_STEPS[:1]}
+    problem = assert_problem(agent.post("/v1/sagas", json=body), 422, "at most 160")
+    assert (problem["type"], problem["field"]) == (
+        "urn:agent-outbox:problem:invalid-request",
+        "saga_key",
+    )
+    assert _saga_rows(engine) == (0, 0)
+
+
 def test_saga_reads_refuse_bad_input_as_problems(server: ApiServer, operator: httpx.Client) -> None:
     """An unknown key is 404, a bad state or limit 422, no token 401: problem documents."""
     assert_problem(operator.get("/v1/sagas/no-such-saga"), 404, "no saga")
