@@ -38,6 +38,8 @@ bench: $(INSTALLED)  ## The full benchmark suite (docs/performance.md): about an
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/claim_backlog.py
 	$(BIN)/python bench/aio.py
+	$(BIN)/python bench/api.py
+	$(BIN)/python bench/guards.py
 
 bench-quick: $(INSTALLED)  ## Every benchmark in its few-second smoke form: do they still run.
 	$(BIN)/python bench/limits.py --smoke
@@ -46,6 +48,8 @@ bench-quick: $(INSTALLED)  ## Every benchmark in its few-second smoke form: do t
 	$(BIN)/python bench/scale.py --smoke
 	$(BIN)/python bench/claim_backlog.py --smoke
 	$(BIN)/python bench/aio.py --smoke
+	$(BIN)/python bench/api.py --smoke
+	$(BIN)/python bench/guards.py --smoke
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
