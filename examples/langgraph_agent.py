@@ -25,6 +25,10 @@ Run it against the reference service and a stack:
     outbox up &
     python examples/langgraph_agent.py --thread demo-1 --target web --version 1.4.0
 
+With ``--async`` the same graph runs on asyncio: an async node, ``graph.ainvoke``, an
+``AsyncPostgresSaver``, and the tool on an ``AsyncEngine`` (``outbox.aio``: its waits block no
+event loop). Same keys, same answers: a thread may be started one way and resumed the other.
+
 Needs ``pip install 'agent-outbox[langgraph,worker]'`` (``worker`` to load the TOML tool, so
 the model is given its payload schema and the payload is checked before it is recorded).
 """
@@ -32,6 +36,7 @@ the model is given its payload schema and the payload is checked before it is re
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -44,10 +49,12 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.checkpoint.postgres import PostgresSaver
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.graph import END, START, MessagesState, StateGraph
 from sqlalchemy import make_url
 
-from outbox.db import database_url
+from outbox import aio
+from outbox.db import create_async_engine, database_url
 from outbox.integrations.langgraph import outbox_tool
 
 TOOL = "deploy.create_release"
@@ -56,17 +63,8 @@ TOOL = "deploy.create_release"
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _load_tools()
-    tool = outbox_tool(TOOL, wait_s=args.wait)
-    config: RunnableConfig = {"configurable": {"thread_id": args.thread}}
-    with PostgresSaver.from_conn_string(_libpq_url(database_url())) as saver:
-        saver.setup()
-        graph = _graph(tool, _script(tool.name, args.target, args.version, args.json)).compile(
-            checkpointer=saver
-        )
-        pending = graph.get_state(config).next
-        request = HumanMessage(f"Release {args.version} of {args.target}.")
-        # A thread with a step still to run was interrupted: resume it from its checkpoint.
-        final = graph.invoke(None if pending else {"messages": [request]}, config)
+    url = database_url()
+    final, pending = asyncio.run(_run_async(args, url)) if args.asynchronous else _run(args, url)
     # A report per call (the artifact); a refused call (bad input) has only its words.
     reports = [m.artifact or m.content for m in final["messages"] if isinstance(m, ToolMessage)]
     answer = final["messages"][-1].content
@@ -85,6 +83,43 @@ def main(argv: list[str] | None = None) -> int:
             print(report["message"] if isinstance(report, dict) else report)  # noqa: T201
         print(f"agent: {answer}")  # noqa: T201
     return 0
+
+
+def _run(args: argparse.Namespace, url: str) -> tuple[dict[str, Any], bool]:
+    """The thread run (or resumed) with ``graph.invoke``: its final state, and whether it
+    was resumed."""
+    tool = outbox_tool(TOOL, wait_s=args.wait)
+    config: RunnableConfig = {"configurable": {"thread_id": args.thread}}
+    with PostgresSaver.from_conn_string(_libpq_url(url)) as saver:
+        saver.setup()
+        script = _script(tool.name, args.target, args.version, args.json)
+        graph = _graph(tool, script).compile(checkpointer=saver)
+        pending = bool(graph.get_state(config).next)
+        # A thread with a step still to run was interrupted: resume it from its checkpoint.
+        final = graph.invoke(None if pending else _request(args), config)
+    return final, pending
+
+
+async def _run_async(args: argparse.Namespace, url: str) -> tuple[dict[str, Any], bool]:
+    """:func:`_run` on asyncio: ``graph.ainvoke``, ``AsyncPostgresSaver``, ``outbox.aio``."""
+    engine = create_async_engine(url)
+    try:
+        tool = outbox_tool(TOOL, wait_s=args.wait, engine=engine)
+        config: RunnableConfig = {"configurable": {"thread_id": args.thread}}
+        async with AsyncPostgresSaver.from_conn_string(_libpq_url(url)) as saver:
+            await saver.setup()
+            script = _script(tool.name, args.target, args.version, args.json)
+            graph = _graph(tool, script, asynchronous=True).compile(checkpointer=saver)
+            pending = bool((await graph.aget_state(config)).next)
+            final = await graph.ainvoke(None if pending else _request(args), config)
+    finally:
+        await aio.close()  # the waits' shared listener, before the loop ends
+        await engine.dispose()
+    return final, pending
+
+
+def _request(args: argparse.Namespace) -> MessagesState:
+    return {"messages": [HumanMessage(f"Release {args.version} of {args.target}.")]}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,6 +142,12 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds the tool waits for the outcome before it answers 'in progress' (default 30)",
+    )
+    parser.add_argument(
+        "--async",
+        dest="asynchronous",
+        action="store_true",
+        help="run the graph with ainvoke, an AsyncPostgresSaver and outbox.aio",
     )
     parser.add_argument(
         "--json",
@@ -142,7 +183,9 @@ def _script(tool_name: str, target: str, version: str, json_lines: bool) -> Iter
     yield AIMessage(f"Asked for release {version} of {target}; the outbox's answer is above.")
 
 
-def _graph(tool: BaseTool, script: Iterator[AIMessage]) -> StateGraph[MessagesState]:
+def _graph(
+    tool: BaseTool, script: Iterator[AIMessage], *, asynchronous: bool = False
+) -> StateGraph[MessagesState]:
     model = GenericFakeChatModel(messages=script)
 
     def agent(state: MessagesState, config: RunnableConfig) -> dict[str, Any]:
@@ -154,11 +197,23 @@ def _graph(tool: BaseTool, script: Iterator[AIMessage]) -> StateGraph[MessagesSt
         ]
         return {"messages": [reply, *results]}
 
+    async def agent_async(state: MessagesState, config: RunnableConfig) -> dict[str, Any]:
+        """The same node on asyncio: its calls still one at a time, in the model's order."""
+        reply = await model.ainvoke(state["messages"], config)
+        results = [
+            await tool.ainvoke({**call, "type": "tool_call"}, config)
+            for call in getattr(reply, "tool_calls", [])
+        ]
+        return {"messages": [reply, *results]}
+
     def route(state: MessagesState) -> str:
         return "agent" if isinstance(state["messages"][-1], ToolMessage) else END
 
     graph = StateGraph(MessagesState)
-    graph.add_node("agent", agent)
+    if asynchronous:
+        graph.add_node("agent", agent_async)
+    else:
+        graph.add_node("agent", agent)
     graph.add_edge(START, "agent")
     graph.add_conditional_edges("agent", route, ["agent", END])
     return graph

@@ -180,8 +180,9 @@ def enqueue_committed(
     tool: str,
     arguments: Arguments,
     intent_key: str,
-    metadata: Mapping[str, Any],
+    metadata: Mapping[str, Any] | None,
     require_approval: bool = False,
+    requested_by: str | None = None,
 ) -> Operation:
     """:func:`outbox.enqueue` in a transaction of its own, committed when this returns."""
     with Session(engine) as session, session.begin():
@@ -192,19 +193,58 @@ def enqueue_committed(
             payload=arguments.payload,
             intent_key=intent_key,
             metadata=metadata,
+            requested_by=requested_by,
             require_approval=require_approval,
         )
+
+
+async def enqueue_committed_async(
+    engine: AsyncEngine,
+    *,
+    tool: str,
+    arguments: Arguments,
+    intent_key: str,
+    metadata: Mapping[str, Any] | None,
+    require_approval: bool = False,
+    requested_by: str | None = None,
+) -> Operation:
+    """:func:`enqueue_committed` on an ``AsyncEngine`` (:func:`outbox.aio.enqueue`)."""
+    async with AsyncSession(engine) as session, session.begin():
+        return await aio.enqueue(
+            session,
+            tool=tool,
+            target=arguments.target,
+            payload=arguments.payload,
+            intent_key=intent_key,
+            metadata=metadata,
+            requested_by=requested_by,
+            require_approval=require_approval,
+        )
+
+
+def wait_for(engine: Engine, op: Operation, wait_s: float) -> Operation:
+    """``op`` read again: once settled, or as it stands after waiting up to ``wait_s``."""
+    try:
+        return api.wait(op.id, wait_s, engine=engine)
+    except WaitTimeout as exc:
+        last = exc.operation
+        return last if isinstance(last, Operation) else op
+
+
+async def wait_for_async(engine: AsyncEngine, op: Operation, wait_s: float) -> Operation:
+    """:func:`wait_for` without blocking the event loop (:func:`outbox.aio.wait`)."""
+    try:
+        return await aio.wait(op.id, wait_s, engine=engine)
+    except WaitTimeout as exc:
+        last = exc.operation
+        return last if isinstance(last, Operation) else op
 
 
 def settle(engine: Engine, op: Operation, wait_s: float) -> OperationReport:
     """The report of ``op`` once settled, or as it stands after ``wait_s``."""
     if op.is_settled or wait_s <= 0:
         return report_of(op)
-    try:
-        return report_of(api.wait(op.id, wait_s, engine=engine))
-    except WaitTimeout as exc:
-        last = exc.operation
-        return report_of(last if isinstance(last, Operation) else op)
+    return report_of(wait_for(engine, op, wait_s))
 
 
 async def call_committed_async(
@@ -218,23 +258,17 @@ async def call_committed_async(
     require_approval: bool = False,
 ) -> OperationReport:
     """:func:`call_committed` on an ``AsyncEngine``, without blocking the event loop."""
-    async with AsyncSession(engine) as session, session.begin():
-        op = await aio.enqueue(
-            session,
-            tool=tool,
-            target=arguments.target,
-            payload=arguments.payload,
-            intent_key=intent_key,
-            metadata=metadata,
-            require_approval=require_approval,
-        )
+    op = await enqueue_committed_async(
+        engine,
+        tool=tool,
+        arguments=arguments,
+        intent_key=intent_key,
+        metadata=metadata,
+        require_approval=require_approval,
+    )
     if op.is_settled or wait_s <= 0:
         return report_of(op)
-    try:
-        return report_of(await aio.wait(op.id, wait_s, engine=engine))
-    except WaitTimeout as exc:
-        last = exc.operation
-        return report_of(last if isinstance(last, Operation) else op)
+    return report_of(await wait_for_async(engine, op, wait_s))
 
 
 def refusal(exc: IntentConflict | IntentAlreadyDone | BudgetExceeded) -> dict[str, Any]:
@@ -305,11 +339,7 @@ async def status_async(engine: AsyncEngine, operation_id: object, wait_s: float)
         return _not_found(f"no operation {operation_id}")
     if op.is_settled or wait_s <= 0:
         return report_of(op).to_dict()
-    try:
-        return report_of(await aio.wait(op.id, wait_s, engine=engine)).to_dict()
-    except WaitTimeout as exc:
-        last = exc.operation
-        return report_of(last if isinstance(last, Operation) else op).to_dict()
+    return report_of(await wait_for_async(engine, op, wait_s)).to_dict()
 
 
 def _operation_id(value: object) -> str:

@@ -27,10 +27,20 @@ time.
 the graph pauses with the report as the interrupt's value; resumed (``Command(resume=...)``,
 after an operator approved or rejected it), the node re-runs, finds the same operation, and
 waits for its outcome. The outbox row is the truth, not the resume value.
+
+Sync and async: ``invoke`` (``graph.invoke``, ``PostgresSaver``) records and waits with
+:mod:`outbox.api` on an ``Engine``; ``ainvoke`` (``graph.ainvoke``/``astream``,
+``AsyncPostgresSaver``) with :mod:`outbox.aio` on an ``AsyncEngine``, blocking no event loop
+and holding no thread while it waits. The key, the answers and the refusals are the same.
+Given a sync ``Engine``, ``ainvoke`` runs the sync call in a worker thread (as LangChain runs
+any sync tool); given an ``AsyncEngine``, ``invoke`` refuses; given none, each path uses the
+configured database.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import threading
 from collections import Counter, OrderedDict
@@ -38,25 +48,24 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from langchain_core.callbacks import CallbackManagerForToolRun
+from langchain_core.callbacks import AsyncCallbackManagerForToolRun, CallbackManagerForToolRun
 from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables.config import run_in_executor
 from langchain_core.tools import StructuredTool, ToolException
 from langgraph.prebuilt import ToolRuntime
 from langgraph.types import interrupt
 from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
 
-from outbox.api import enqueue, find, wait
+from outbox import aio
+from outbox.api import find
 from outbox.contracts import CONTRACTS, ToolContract
-from outbox.db import get_engine
-from outbox.errors import (
-    BudgetExceeded,
-    IntentAlreadyDone,
-    IntentConflict,
-    InvalidIntent,
-    WaitTimeout,
-)
+from outbox.db import create_async_engine, database_url, get_engine
+from outbox.errors import BudgetExceeded, IntentAlreadyDone, IntentConflict, InvalidIntent
+from outbox.integrations import _calls
 from outbox.integrations.keys import durable_intent_key
 from outbox.models import Operation
 from outbox.reports import describe
@@ -134,7 +143,7 @@ class OutboxTool(StructuredTool):
     outbox_tool: str
     target: str | None = None
     wait_s: float = DEFAULT_WAIT_S
-    engine: Engine | None = None
+    engine: Engine | AsyncEngine | None = None
     require_approval: bool = False
     interrupt_on_approval: bool = False
     intent_key: Callable[[CallIdentity], str] = default_intent_key
@@ -149,13 +158,46 @@ class OutboxTool(StructuredTool):
         **kwargs: Any,
     ) -> tuple[str, dict[str, Any]]:
         del args, run_manager  # the arguments are keywords; nothing is reported to callbacks
+        if isinstance(self.engine, AsyncEngine):
+            raise TypeError(
+                f"tool {self.name!r} was given an AsyncEngine: call it with ainvoke "
+                "(graph.ainvoke or astream), or give it a sync Engine"
+            )
         runtime = kwargs.pop("runtime", None)
         return _call(self, config, runtime if isinstance(runtime, ToolRuntime) else None, kwargs)
+
+    async def _arun(
+        self,
+        *args: Any,
+        config: RunnableConfig,
+        run_manager: AsyncCallbackManagerForToolRun | None = None,
+        **kwargs: Any,
+    ) -> tuple[str, dict[str, Any]]:
+        del run_manager  # nothing is reported to callbacks
+        if isinstance(self.engine, Engine):
+            # A sync engine: the sync call, in a worker thread with this context (LangGraph's
+            # config, for interrupt()), as LangChain runs any sync tool.
+            result: tuple[str, dict[str, Any]] = await run_in_executor(
+                None, self._run, *args, config=config, **kwargs
+            )
+            return result
+        runtime = kwargs.pop("runtime", None)
+        return await _call_async(
+            self, config, runtime if isinstance(runtime, ToolRuntime) else None, kwargs
+        )
 
 
 def _injected(config: RunnableConfig, runtime: ToolRuntime | None = None, **args: Any) -> Any:
     """Never called: ``ToolNode`` reads a tool's ``func`` signature to know what to inject
     (here its ``ToolRuntime``: the model message and the call's id, for the ordinal)."""
+    raise NotImplementedError
+
+
+async def _injected_async(
+    config: RunnableConfig, runtime: ToolRuntime | None = None, **args: Any
+) -> Any:
+    """Never called either (``OutboxTool._arun`` is the async call): the tool's ``coroutine``,
+    without which ``StructuredTool.ainvoke`` would run the sync ``invoke`` in a thread."""
     raise NotImplementedError
 
 
@@ -167,7 +209,7 @@ def outbox_tool(
     target: str | None = None,
     input_schema: Mapping[str, Any] | None = None,
     wait_s: float = DEFAULT_WAIT_S,
-    engine: Engine | None = None,
+    engine: Engine | AsyncEngine | None = None,
     require_approval: bool = False,
     interrupt_on_approval: bool = False,
     intent_key: Callable[[CallIdentity], str] | None = None,
@@ -180,8 +222,9 @@ def outbox_tool(
     ``input_schema``, else the tool's declared one (``outbox.contracts.CONTRACTS``, filled
     when this process loaded its tools: ``outbox.tools.load_tools()``), else any object.
     ``name`` defaults to the tool's name with ``.`` as ``_`` (model providers refuse dots).
-    ``wait_s``: how long a call waits for the outcome; ``engine``: the outbox's database
-    (default: the configured one). ``intent_key`` replaces :func:`default_intent_key`;
+    ``wait_s``: how long a call waits for the outcome; ``engine``: the outbox's database, an
+    ``Engine`` for ``invoke`` or an ``AsyncEngine`` for ``ainvoke`` (default: the configured
+    one, either way). ``intent_key`` replaces :func:`default_intent_key`;
     ``metadata`` and ``requested_by`` are stored with each operation.
     """
     if wait_s < 0:
@@ -193,6 +236,7 @@ def outbox_tool(
         description=description or _description(tool, target, contract),
         args_schema=_args_schema(schema, fixed_target=target is not None),
         func=_injected,
+        coroutine=_injected_async,
         response_format="content_and_artifact",
         handle_tool_error=True,
         outbox_tool=tool,
@@ -237,18 +281,52 @@ def _args_schema(payload: Mapping[str, Any], *, fixed_target: bool) -> dict[str,
 def _call(
     tool: OutboxTool, config: RunnableConfig, runtime: ToolRuntime | None, args: dict[str, Any]
 ) -> tuple[str, dict[str, Any]]:
+    key, arguments = _request(tool, config, runtime, args)
+    engine = tool.engine if isinstance(tool.engine, Engine) else get_engine()
+    op = _wait(engine, tool, _enqueue_committed(engine, tool, key, arguments))
+    if _interrupted(tool, op):
+        op = _wait(engine, tool, op)
+    return _answer(op)
+
+
+async def _call_async(
+    tool: OutboxTool, config: RunnableConfig, runtime: ToolRuntime | None, args: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    """:func:`_call` on :mod:`outbox.aio`: the same key, answers and refusals."""
+    key, arguments = _request(tool, config, runtime, args)
+    engine = await _async_engine(tool)
+    op = await _wait_async(
+        engine, tool, await _enqueue_committed_async(engine, tool, key, arguments)
+    )
+    if _interrupted(tool, op):
+        op = await _wait_async(engine, tool, op)
+    return _answer(op)
+
+
+def _request(
+    tool: OutboxTool, config: RunnableConfig, runtime: ToolRuntime | None, args: dict[str, Any]
+) -> tuple[str, _calls.Arguments]:
+    """The call's intent key and its checked arguments (before anything is written)."""
     target, payload = _arguments(tool, args)
-    key = tool.intent_key(_identity(tool, config, runtime))
-    op = _wait(tool, _enqueue_committed(tool, key, target, payload))
-    if op.state is State.AWAITING_APPROVAL and tool.interrupt_on_approval:
-        # Raises until the thread is resumed; then returns.
-        interrupt(describe(op, keyed_by_model=False).to_dict())
-        op = _wait(tool, op)
+    return tool.intent_key(_identity(tool, config, runtime)), _calls.Arguments(target, payload)
+
+
+def _interrupted(tool: OutboxTool, op: Operation) -> bool:
+    """Whether the call paused for approval: LangGraph's ``interrupt()`` raises until the
+    thread is resumed, then returns (and the operation is to be read again)."""
+    if op.state is not State.AWAITING_APPROVAL or not tool.interrupt_on_approval:
+        return False
+    interrupt(describe(op, keyed_by_model=False).to_dict())
+    return True
+
+
+def _answer(op: Operation) -> tuple[str, dict[str, Any]]:
+    """The ``ToolMessage``'s content (the report as JSON) and artifact (the report)."""
     report = describe(op, keyed_by_model=False).to_dict()
     return json.dumps(report), report
 
 
-def _arguments(tool: OutboxTool, args: Mapping[str, Any]) -> tuple[str, Any]:
+def _arguments(tool: OutboxTool, args: Mapping[str, Any]) -> tuple[Any, Any]:
     expected = {"payload"} if tool.target is not None else {"target", "payload"}
     unexpected = sorted(set(args) - expected)
     if unexpected:
@@ -263,36 +341,56 @@ def _arguments(tool: OutboxTool, args: Mapping[str, Any]) -> tuple[str, Any]:
     return target, args["payload"]
 
 
-def _enqueue_committed(tool: OutboxTool, key: str, target: Any, payload: Any) -> Operation:
+def _enqueue_committed(
+    engine: Engine, tool: OutboxTool, key: str, arguments: _calls.Arguments
+) -> Operation:
     """Record the intent in a transaction of its own, committed before anything waits."""
-    engine = tool.engine or get_engine()
     try:
-        with Session(engine) as session, session.begin():
-            return enqueue(
-                session,
-                tool=tool.outbox_tool,
-                target=target,
-                payload=payload,
-                intent_key=key,
-                metadata=tool.metadata_for_operation,
-                requested_by=tool.requested_by,
-                require_approval=tool.require_approval,
-            )
-    except (InvalidIntent, BudgetExceeded) as exc:
-        raise ToolException(f"refused, nothing was done: {exc}") from exc
+        return _calls.enqueue_committed(engine, **_intent(tool, key, arguments))
     except IntentConflict as exc:
-        raise ToolException(_conflict(engine, exc)) from exc
-    except IntentAlreadyDone as exc:
-        raise ToolException(
+        with Session(engine) as session:
+            existing = find(session, exc.intent_key)
+        raise ToolException(_conflict(exc, existing)) from exc
+    except (InvalidIntent, BudgetExceeded, IntentAlreadyDone) as exc:
+        raise _refused(exc) from exc
+
+
+async def _enqueue_committed_async(
+    engine: AsyncEngine, tool: OutboxTool, key: str, arguments: _calls.Arguments
+) -> Operation:
+    """:func:`_enqueue_committed` on :mod:`outbox.aio`."""
+    try:
+        return await _calls.enqueue_committed_async(engine, **_intent(tool, key, arguments))
+    except IntentConflict as exc:
+        async with AsyncSession(engine) as session:
+            existing = await aio.find(session, exc.intent_key)
+        raise ToolException(_conflict(exc, existing)) from exc
+    except (InvalidIntent, BudgetExceeded, IntentAlreadyDone) as exc:
+        raise _refused(exc) from exc
+
+
+def _intent(tool: OutboxTool, key: str, arguments: _calls.Arguments) -> dict[str, Any]:
+    return {
+        "tool": tool.outbox_tool,
+        "arguments": arguments,
+        "intent_key": key,
+        "metadata": tool.metadata_for_operation,
+        "requested_by": tool.requested_by,
+        "require_approval": tool.require_approval,
+    }
+
+
+def _refused(exc: InvalidIntent | BudgetExceeded | IntentAlreadyDone) -> ToolException:
+    if isinstance(exc, IntentAlreadyDone):
+        return ToolException(
             f"this call was already made and finished ({exc.state}) as operation "
             f"{exc.operation_id}; it will not be done again."
-        ) from exc
+        )
+    return ToolException(f"refused, nothing was done: {exc}")
 
 
-def _conflict(engine: Engine, exc: IntentConflict) -> str:
+def _conflict(exc: IntentConflict, existing: Operation | None) -> str:
     """A re-run whose model asked for something else at the same place: say what exists."""
-    with Session(engine) as session:
-        existing = find(session, exc.intent_key)
     said = (
         f"refused: this step of the run already asked for an action with a different "
         f"{', '.join(exc.differences)} (intent key {exc.intent_key})."
@@ -300,14 +398,31 @@ def _conflict(engine: Engine, exc: IntentConflict) -> str:
     return f"{said} {describe(existing, keyed_by_model=False).message}" if existing else said
 
 
-def _wait(tool: OutboxTool, op: Operation) -> Operation:
+def _wait(engine: Engine, tool: OutboxTool, op: Operation) -> Operation:
     if op.is_settled and op.state is not State.AWAITING_APPROVAL:
         return op
-    try:
-        return wait(op.id, timeout=tool.wait_s, engine=tool.engine or get_engine())
-    except WaitTimeout as exc:
-        last = exc.operation
-        return last if isinstance(last, Operation) else op
+    return _calls.wait_for(engine, op, tool.wait_s)
+
+
+async def _wait_async(engine: AsyncEngine, tool: OutboxTool, op: Operation) -> Operation:
+    if op.is_settled and op.state is not State.AWAITING_APPROVAL:
+        return op
+    return await _calls.wait_for_async(engine, op, tool.wait_s)
+
+
+async def _async_engine(tool: OutboxTool) -> AsyncEngine:
+    if isinstance(tool.engine, AsyncEngine):
+        return tool.engine
+    # The configured database may be the embedded one, which may have to start.
+    return _configured_async_engine(await asyncio.to_thread(database_url))
+
+
+@functools.cache
+def _configured_async_engine(url: str) -> AsyncEngine:
+    """The configured database for calls given no engine: without a pool (a connection per
+    enqueue), since a pooled async connection belongs to the event loop that opened it and
+    a tool may be called from several loops (each ``asyncio.run``)."""
+    return create_async_engine(url, poolclass=NullPool)
 
 
 def _identity(

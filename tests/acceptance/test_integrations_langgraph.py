@@ -2,32 +2,42 @@
 model and a PostgresSaver on the test database: a run SIGKILLed after its enqueue committed
 and before LangGraph checkpointed the step resumes in a new process whose model gives other
 tool-call ids, and the reference service sees one effect; unsettled outcomes come back as
-answers, not errors."""
+answers, not errors. The same on asyncio: ``ainvoke``, an AsyncPostgresSaver, ``outbox.aio``."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.postgres import PostgresSaver
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.graph import END, START, MessagesState, StateGraph
-from langgraph.prebuilt import ToolNode
+from langgraph.prebuilt import ToolNode, tools_condition
 from langgraph.types import Command
 from sqlalchemy import Engine, text
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import Session
 
 import outbox
+from outbox import aio
 from outbox.contracts import CONTRACTS, ToolContract
+from outbox.db import create_async_engine
 from outbox.dev.service import DeployService
+from outbox.integrations import langgraph as adapter
 from outbox.integrations.langgraph import OutboxTool, outbox_tool
 from outbox.states import State
 from tests.acceptance.conftest import REPO
@@ -61,6 +71,7 @@ def _events(output: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", [[], ["--async"]], ids=["sync", "async"])
 def test_a_run_killed_after_its_enqueue_resumes_with_new_tool_call_ids_and_one_effect(
     engine: Engine,
     service: DeployService,
@@ -68,12 +79,14 @@ def test_a_run_killed_after_its_enqueue_resumes_with_new_tool_call_ids_and_one_e
     stack_env: dict[str, str],
     saver: PostgresSaver,
     tmp_path: Path,
+    mode: list[str],
 ) -> None:
     """The example agent SIGKILLed while its tool waits (the enqueue committed, the step not
     checkpointed) resumes from the checkpoint in a new process, whose model gives the tool
-    call another id, and gets the same operation back: one release at the service."""
+    call another id, and gets the same operation back: one release at the service. Both with
+    graph.invoke and with --async (graph.ainvoke, AsyncPostgresSaver, outbox.aio)."""
     thread = f"thread-{uuid.uuid4()}"
-    command = [sys.executable, str(EXAMPLE), "--thread", thread, "--version", "2.0.0"]
+    command = [sys.executable, str(EXAMPLE), "--thread", thread, "--version", "2.0.0", *mode]
     first_log = tmp_path / "first.log"
     with first_log.open("wb") as log:
         first = subprocess.Popen(
@@ -117,7 +130,7 @@ def test_a_run_killed_after_its_enqueue_resumes_with_new_tool_call_ids_and_one_e
     assert service.effects_by_key() == {str(op_id): 1}
 
 
-def _tools_graph(tool: OutboxTool, saver: PostgresSaver) -> Any:
+def _tools_graph(tool: OutboxTool, saver: BaseCheckpointSaver[Any]) -> Any:
     graph = StateGraph(MessagesState)
     graph.add_node("tools", ToolNode([tool]))
     graph.add_edge(START, "tools")
@@ -244,3 +257,169 @@ def _call(tool: OutboxTool, version: str) -> dict[str, Any]:
         "args": {"target": "web", "payload": {"version": version}},
         "type": "tool_call",
     }
+
+
+@contextlib.asynccontextmanager
+async def _async_saver(database_url: str) -> AsyncIterator[AsyncPostgresSaver]:
+    """LangGraph's async Postgres checkpointer on the test database (per event loop)."""
+    async with AsyncPostgresSaver.from_conn_string(database_url) as checkpointer:
+        await checkpointer.setup()
+        yield checkpointer
+
+
+@contextlib.asynccontextmanager
+async def _async_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    """An AsyncEngine on the test database, and the waits' listener closed after it."""
+    async_engine = create_async_engine(database_url)
+    try:
+        yield async_engine
+    finally:
+        await aio.close()
+        await async_engine.dispose()
+
+
+def _tool_calls(*call_ids: str, target: str = "web") -> list[AIMessage]:
+    """A model's replies: one call of the outbox tool per id (as if asked again each time)."""
+    name = outbox_tool(TOOL).name
+    args = {"target": target, "payload": {"version": "3.0.0"}}
+    return [AIMessage("", tool_calls=[{"id": i, "name": name, "args": args}]) for i in call_ids]
+
+
+@pytest.mark.slow
+def test_an_async_run_makes_its_tool_call_through_the_outbox_with_the_derived_key(
+    engine: Engine, service: DeployService, services: Services, database_url: str
+) -> None:
+    """graph.ainvoke with an AsyncPostgresSaver, a model node and ToolNode: the call is
+    recorded under thread:tools@step:tool:0 (not the model's tool-call id), carried out once
+    by the relay and a worker, and answered confirmed within wait_s."""
+    services.start("relay", "relay")
+    services.start("worker", "worker", "-c", "1", "-P", "threads")
+    thread = f"thread-{uuid.uuid4()}"
+    [asks] = _tool_calls("call_first")
+    model = GenericFakeChatModel(messages=iter([asks, AIMessage("Released.")]))
+
+    async def agent(state: MessagesState, config: RunnableConfig) -> dict[str, Any]:
+        return {"messages": [await model.ainvoke(state["messages"], config)]}
+
+    async def scenario() -> dict[str, Any]:
+        async with _async_engine(database_url) as async_engine, _async_saver(database_url) as s:
+            builder = StateGraph(MessagesState)
+            builder.add_node("agent", agent)
+            builder.add_node("tools", ToolNode([outbox_tool(TOOL, engine=async_engine, wait_s=60)]))
+            builder.add_edge(START, "agent")
+            builder.add_conditional_edges("agent", tools_condition)
+            builder.add_edge("tools", "agent")
+            graph = builder.compile(checkpointer=s)
+            inputs: MessagesState = {"messages": [HumanMessage("release 3.0.0 of web")]}
+            result: dict[str, Any] = await graph.ainvoke(
+                inputs, {"configurable": {"thread_id": thread}}
+            )
+            return result
+
+    result = asyncio.run(scenario())
+
+    [answer] = [m for m in result["messages"] if isinstance(m, ToolMessage)]
+    report = answer.artifact
+    assert (answer.status, answer.tool_call_id) == ("success", "call_first")
+    assert (report["outcome"], report["intent_key"]) == ("confirmed", f"{thread}:tools@2:{TOOL}:0")
+    assert _operations(engine) == [(uuid.UUID(report["operation_id"]), report["intent_key"])]
+    assert service.effects_by_key() == {report["operation_id"]: 1}
+    assert result["messages"][-1].content == "Released."
+
+
+def test_an_async_node_run_again_after_its_enqueue_asks_for_the_same_operation(
+    engine: Engine, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node of your own (await model.ainvoke, await tool.ainvoke) dies after its enqueue
+    committed, before its step is checkpointed; the thread resumed on another event loop asks
+    the model again, which gives the call another id, and the tool answers with the operation
+    the first run recorded: pending, as an answer saying not to call again, never a second
+    operation. The tool has no engine: the configured database, through outbox.aio."""
+    monkeypatch.setattr(adapter, "database_url", lambda: database_url)
+    tool = outbox_tool(TOOL, wait_s=0.2)
+    model = GenericFakeChatModel(messages=iter(_tool_calls("call_before", "call_after")))
+    died: list[bool] = []
+
+    async def agent(state: MessagesState, config: RunnableConfig) -> dict[str, Any]:
+        reply = await model.ainvoke(state["messages"], config)
+        results = [
+            await tool.ainvoke({**call, "type": "tool_call"}, config)
+            for call in getattr(reply, "tool_calls", [])
+        ]
+        if not died:
+            died.append(True)
+            raise RuntimeError("the process dies after the enqueue")
+        return {"messages": [reply, *results]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("agent", agent)
+    builder.add_edge(START, "agent")
+    builder.add_edge("agent", END)
+    config: Any = {"configurable": {"thread_id": f"thread-{uuid.uuid4()}"}}
+
+    async def run(inputs: Any) -> dict[str, Any]:
+        async with _async_saver(database_url) as saver:
+            try:
+                result: dict[str, Any] = await builder.compile(checkpointer=saver).ainvoke(
+                    inputs, config
+                )
+            finally:
+                await aio.close()
+            return result
+
+    with pytest.raises(RuntimeError, match="dies after the enqueue"):
+        asyncio.run(run({"messages": [HumanMessage("release 3.0.0 of web")]}))
+    [(op_id, intent_key)] = _operations(engine)
+    assert intent_key == f"{config['configurable']['thread_id']}:agent@1:{TOOL}:0"
+
+    resumed = asyncio.run(run(None))
+
+    answer = resumed["messages"][-1]
+    assert isinstance(answer, ToolMessage)
+    assert (answer.status, answer.tool_call_id) == ("success", "call_after")
+    assert (answer.artifact["operation_id"], answer.artifact["outcome"]) == (
+        str(op_id),
+        "in_progress",
+    )
+    assert "Do not call this tool again for the same purpose" in answer.content
+    assert _operations(engine) == [(op_id, intent_key)]
+
+
+@pytest.mark.parametrize("engine_kind", ["async", "sync"])
+def test_an_async_graph_pauses_for_approval_and_its_resumed_node_finds_the_same_operation(
+    engine: Engine, database_url: str, engine_kind: str
+) -> None:
+    """Under graph.ainvoke and ToolNode, interrupt_on_approval pauses the graph with the
+    report; approved and resumed with Command(resume=...), the node finds the same operation.
+    On an AsyncEngine (outbox.aio) and on a sync Engine (the sync call in a worker thread)."""
+    config: Any = {"configurable": {"thread_id": f"thread-{uuid.uuid4()}"}}
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+        async with _async_engine(database_url) as async_engine, _async_saver(database_url) as s:
+            tool = outbox_tool(
+                TOOL,
+                engine=async_engine if engine_kind == "async" else engine,
+                wait_s=0.2,
+                require_approval=True,
+                interrupt_on_approval=True,
+            )
+            graph = _tools_graph(tool, s)
+            paused = await graph.ainvoke({"messages": [_asks(tool, "web")]}, config)
+            with Session(engine) as session, session.begin():
+                op = outbox.get(session, paused["__interrupt__"][0].value["operation_id"])
+                assert op is not None
+                outbox.approve(session, op.id, by="alice", payload_hash=op.payload_hash)
+            resumed = await graph.ainvoke(Command(resume="approved"), config)
+            return paused, resumed
+
+    paused, resumed = asyncio.run(scenario())
+
+    [pause] = paused["__interrupt__"]
+    assert pause.value["outcome"] == "awaiting_approval"
+    report = resumed["messages"][-1].artifact
+    assert (report["operation_id"], report["state"]) == (
+        pause.value["operation_id"],
+        State.PLANNED.value,
+    )
+    assert report["intent_key"] == f"{config['configurable']['thread_id']}:tools@1:{TOOL}:0"
+    assert len(_operations(engine)) == 1

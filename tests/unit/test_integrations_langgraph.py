@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
-from outbox.integrations.langgraph import CallIdentity, _namespace, _push_path, default_intent_key
+import pytest
+from sqlalchemy import create_engine
+
+from outbox.db import create_async_engine
+from outbox.integrations.langgraph import (
+    CallIdentity,
+    _namespace,
+    _push_path,
+    default_intent_key,
+    outbox_tool,
+)
 
 
 def _identity(**changes: object) -> CallIdentity:
@@ -51,3 +61,20 @@ def test_without_a_thread_there_is_no_durable_key() -> None:
     """No checkpointer thread: the default key refuses, saying what to configure."""
     with pytest.raises(ValueError, match="thread_id"):
         default_intent_key(_identity(thread_id=None))
+
+
+def test_a_tool_on_an_async_engine_has_a_coroutine_and_refuses_the_sync_call() -> None:
+    """The tool has a coroutine (so ainvoke takes the outbox.aio path, not invoke in a
+    thread); given an AsyncEngine, invoke refuses, saying to use ainvoke; given a sync Engine,
+    ainvoke checks the call as invoke does. Nothing connects: no database is needed."""
+    url = "postgresql+psycopg://nobody@127.0.0.1:1/none"
+    on_async = outbox_tool("deploy.create_release", engine=create_async_engine(url))
+    assert on_async.coroutine is not None
+    with pytest.raises(TypeError, match="ainvoke"):
+        on_async.invoke({"target": "web", "payload": {}})
+
+    on_sync = outbox_tool("deploy.create_release", engine=create_engine(url))
+    with pytest.raises(ValueError, match="outside a LangGraph node"):
+        asyncio.run(on_sync.ainvoke({"target": "web", "payload": {}}))
+    with pytest.raises(ValueError, match="outside a LangGraph node"):
+        asyncio.run(on_async.ainvoke({"target": "web", "payload": {}}))
