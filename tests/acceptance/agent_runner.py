@@ -45,16 +45,28 @@ def _pydantic(args: argparse.Namespace, *, asynchronous: bool) -> str:
         name = info.function_tools[0].name
         return ModelResponse(parts=[ToolCallPart(name, arguments, tool_call_id=args.call_id)])
 
-    if asynchronous:
-        engine: Any = create_async_engine(database_url())
-    else:
-        engine = get_engine()
-    agent = Agent(
-        FunctionModel(respond), tools=[outbox_tool(TOOL, engine=engine, wait_s=args.wait_s)]
-    )
-    if asynchronous:
-        return asyncio.run(agent.run("deploy", conversation_id=args.run_id)).output
-    return agent.run_sync("deploy", conversation_id=args.run_id).output
+    if not asynchronous:
+        agent = Agent(
+            FunctionModel(respond),
+            tools=[outbox_tool(TOOL, engine=get_engine(), wait_s=args.wait_s)],
+        )
+        return agent.run_sync("deploy", conversation_id=args.run_id).output
+
+    async def run() -> str:
+        from outbox import aio  # noqa: PLC0415 -- the async path only
+
+        engine = create_async_engine(database_url())
+        try:
+            agent = Agent(
+                FunctionModel(respond),
+                tools=[outbox_tool(TOOL, engine=engine, wait_s=args.wait_s)],
+            )
+            return (await agent.run("deploy", conversation_id=args.run_id)).output
+        finally:
+            await aio.close()
+            await engine.dispose()
+
+    return asyncio.run(run())
 
 
 def _openai(args: argparse.Namespace) -> str:

@@ -237,12 +237,14 @@ def _crash_and_resume(stack: Stack, framework: str) -> None:
     assert effect.key == str(planned["id"])
 
 
+@pytest.mark.parametrize("framework", ["pydantic-sync", "pydantic-async"])
 def test_pydantic_ai_run_killed_after_its_intent_commits_resumes_to_one_effect(
-    stack: Stack,
+    stack: Stack, framework: str
 ) -> None:
-    """A PydanticAI run_sync killed after the tool's intent committed, resumed in a new process
-    whose model uses another tool-call id, ends with one effect and names the same operation."""
-    _crash_and_resume(stack, "pydantic-sync")
+    """A PydanticAI run (run_sync on an Engine, or run on an AsyncEngine) killed after the
+    tool's intent committed, resumed in a new process whose model uses another tool-call id,
+    ends with one effect and names the same operation."""
+    _crash_and_resume(stack, framework)
 
 
 def test_openai_agents_run_killed_after_its_intent_commits_resumes_to_one_effect(
