@@ -1,7 +1,8 @@
 """A saga declared from outside Python, with real processes against the reference service:
 over HTTP (POST /v1/sagas) and over MCP (outbox_saga, the SDK's stdio client spawning
 `outbox mcp`). Two releases and a last step the service refuses: both releases rolled back,
-the second first; the same request again changes nothing at the service."""
+the second first; the same request again changes nothing at the service. A step whose
+payload fails its tool's input_schema is refused at the door, naming it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import httpx
 import pytest
 from mcp import Client, StdioServerParameters
 from mcp_types import TextContent
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from outbox import tokens
@@ -168,3 +169,58 @@ def test_a_saga_declared_over_http_is_undone_in_reverse_once(
         assert again.status_code == 200, again.text
         assert again.json()["state"] == "compensated"
         assert len(service.ledger()) == 4
+
+
+#: The release tool's payload schema, as a TOML key of the tool.
+RELEASE_SCHEMA = f"""
+[tools."{saga_stack.TOOL}".input_schema]
+type = "object"
+required = ["version"]
+properties = {{ version = {{ type = "string", pattern = "^[0-9]+[.][0-9]+[.][0-9]+$" }} }}
+"""
+
+
+def test_a_step_payload_failing_its_tools_schema_is_a_422_naming_it_and_nothing_is_written(
+    stack_env: dict[str, str], engine: Engine, tmp_path: Path
+) -> None:
+    """The API loads the tools with the release tool's input_schema: POST /v1/sagas whose
+    second step's payload does not match is 422 invalid-intent naming
+    ``steps[1].payload.version``; no saga, step or operation is written (the first step,
+    valid, neither), and the saga is not found. Fixed, the same key is then 201."""
+    config = Path(stack_env["OUTBOX_CONFIG"])
+    config.write_text(config.read_text(encoding="utf-8") + RELEASE_SCHEMA, encoding="utf-8")
+    with Session(engine) as session, session.begin():
+        token = tokens.create_token(session, name="agent-schema", scope=TokenScope.AGENT).token
+    run = uuid.uuid4().hex[:8]
+    a, b = f"p-{run}-a", f"p-{run}-b"
+    wrong = {**_release(b), "payload": {"version": "latest"}}
+    body = {"saga_key": f"schema/{run}", "steps": [_release(a), wrong]}
+    with (
+        running_api(stack_env, tmp_path / "api.log") as api,
+        httpx.Client(
+            base_url=api.url, headers={"Authorization": f"Bearer {token}"}, timeout=30
+        ) as client,
+    ):
+        refused = client.post("/v1/sagas", json=body)
+        assert refused.status_code == 422, refused.text
+        assert refused.headers["content-type"] == "application/problem+json"
+        problem = refused.json()
+        assert (problem["type"], problem["field"]) == (
+            "urn:agent-outbox:problem:invalid-intent",
+            "steps[1].payload.version",
+        )
+        assert problem["detail"].startswith(f"steps[1] ('release-{b}'): payload does not match")
+        assert "latest" not in problem["detail"]  # the message never quotes the values
+        assert client.get(f"/v1/sagas/schema/{run}").status_code == 404
+        with engine.connect() as conn:
+            written = conn.execute(
+                text(
+                    "SELECT (SELECT count(*) FROM outbox.sagas) + (SELECT count(*) FROM "
+                    "outbox.saga_steps) + (SELECT count(*) FROM outbox.operations)"
+                )
+            ).scalar_one()
+        assert written == 0
+
+        fixed = client.post("/v1/sagas", json={**body, "steps": [_release(a), _release(b)]})
+        assert fixed.status_code == 201, fixed.text
+        assert fixed.json()["requested_by"] == "agent-schema"

@@ -1,5 +1,6 @@
 """outbox.declare_saga: a whole saga in one call, found again by the same call, refused
-(nothing written) when the key names other steps or another requester's saga."""
+(nothing written) when the key names other steps or another requester's saga, or when a
+step's payload fails its tool's input_schema."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import aio
+from outbox.contracts import CONTRACTS, ToolContract
 from outbox.db import create_async_engine
-from outbox.errors import IntentConflict, InvalidIntent, InvalidSagaRequest
+from outbox.errors import IntentConflict, InvalidIntent, InvalidSagaRequest, PayloadInvalid
 from outbox.sagas import MAX_DECLARED_STEPS, DeclaredSaga, SagaState, StepSpec
 from outbox.states import State
 from tests.integration.test_sagas import THREE, open_saga
@@ -23,6 +25,12 @@ from tests.integration.test_sagas import THREE, open_saga
 SPECS = [StepSpec(**step) for step in THREE]
 #: An undo whose payload is not JSON (NaN): refused as canonical JSON would refuse it.
 NAN_UNDO = outbox.Compensate("deploy.delete_release", "p", {"x": float("nan")})
+#: The payload schema the second step's tool (lb.point) declares in the schema tests.
+LB_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["to"],
+    "properties": {"to": {"type": "string", "minLength": 1}},
+}
 
 
 def declare(engine: Engine, key: str, specs: list[StepSpec], **options: Any) -> DeclaredSaga:
@@ -185,3 +193,82 @@ def test_the_async_twin_declares_the_same_saga(engine: Engine, database_url: str
     assert (first.created, second.created) == (True, False)
     assert [s.state for s in second.saga.steps] == [State.PLANNED, State.PLANNED, State.PLANNED]
     assert [s.held for s in second.saga.steps] == [False, True, True]
+
+
+@pytest.fixture
+def lb_schema(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lb.point's contract, with its input_schema, known to this process for this test only
+    (as it is to a process that loaded its tools)."""
+    monkeypatch.setitem(
+        CONTRACTS._contracts, "lb.point", ToolContract(name="lb.point", input_schema=LB_SCHEMA)
+    )
+
+
+@pytest.mark.usefixtures("lb_schema")
+@pytest.mark.parametrize(
+    ("payload", "keyword"),
+    [({"to": 2}, "type"), ({"to": ""}, "minLength"), ({}, "required")],
+)
+def test_a_step_payload_failing_its_tools_schema_names_the_step_and_writes_nothing(
+    engine: Engine, payload: dict[str, Any], keyword: str
+) -> None:
+    """The second step's payload does not match lb.point's input_schema: refused as
+    PayloadInvalid naming ``steps[1].payload.to`` and the step, after the first step was
+    checked and written in the same transaction: no saga, step or operation is left."""
+    specs = [SPECS[0], StepSpec(**{**THREE[1], "payload": payload}), SPECS[2]]
+    with pytest.raises(PayloadInvalid) as caught:
+        declare(engine, "d-schema", specs, requested_by="agent-a")
+    assert (caught.value.field, caught.value.keyword) == ("steps[1].payload.to", keyword)
+    assert str(caught.value).startswith("steps[1] ('point-lb'): payload does not match")
+    assert "'lb.point'" in str(caught.value)
+    assert counts(engine) == (0, 0, 0, 0)
+    # The same saga with the payload fixed is declared whole.
+    assert declare(engine, "d-schema", SPECS, requested_by="agent-a").created
+    assert counts(engine)[1:] == (3, 1, 3)
+
+
+@pytest.mark.usefixtures("lb_schema")
+def test_the_async_twin_refuses_a_step_payload_the_same_way(
+    engine: Engine, database_url: str
+) -> None:
+    """outbox.aio.declare_saga (what outbox_saga over MCP calls) refuses the same payload the
+    same way, with nothing written."""
+    specs = [SPECS[0], StepSpec(**{**THREE[1], "payload": {"to": 2}})]
+
+    async def refused() -> PayloadInvalid:
+        async_engine = create_async_engine(database_url)
+        try:
+            with pytest.raises(PayloadInvalid) as caught:  # out of the transaction: rolled back
+                async with AsyncSession(async_engine) as session, session.begin():
+                    await aio.declare_saga(session, "d-schema-aio", specs)
+            return caught.value
+        finally:
+            await aio.close()
+            await async_engine.dispose()
+
+    error = asyncio.run(refused())
+    assert (error.field, error.keyword) == ("steps[1].payload.to", "type")
+    assert counts(engine) == (0, 0, 0, 0)
+
+
+@pytest.mark.usefixtures("lb_schema")
+def test_saga_step_refuses_a_payload_failing_its_tools_schema_and_adds_nothing(
+    engine: Engine,
+) -> None:
+    """Saga.step refuses the payload naming ``payload.to`` and records neither the step nor its
+    operation; the saga and the steps before it, in the same transaction, stay the caller's
+    to commit, and the step can then be added with a matching payload."""
+    with Session(engine) as session, session.begin():
+        opened = outbox.saga(session, "s-schema", requested_by="agent-a")
+        opened.step(**THREE[0])
+        with pytest.raises(PayloadInvalid) as caught:
+            opened.step(**{**THREE[1], "payload": {"to": 2}})
+    assert (caught.value.field, caught.value.keyword) == ("payload.to", "type")
+    assert counts(engine) == (1, 1, 1, 1)
+    with Session(engine) as session:
+        found = outbox.get_saga(session, "s-schema")
+    assert found is not None
+    assert [s.name for s in found.steps] == ["release"]
+    with Session(engine) as session, session.begin():
+        outbox.saga(session, "s-schema").step(**THREE[1])
+    assert counts(engine)[1] == 2
