@@ -422,6 +422,77 @@ def test_over_http_a_killed_server_then_the_same_key_is_one_effect(stack: Stack)
     assert "Needs a person" in _text(blind)
 
 
+def _saga_step(name: str, target: str, version: Any) -> dict[str, Any]:
+    return {"name": name, "tool": MCP_TOOL, "target": target, "payload": {"version": version}}
+
+
+def test_over_http_a_saga_is_declared_and_read_as_the_tokens_own(stack: Stack) -> None:
+    """Over streamable HTTP with an agent token: outbox_saga declares two releases and answers
+    once the saga completed, each step confirmed once at the remote; outbox_saga_status reads
+    the same saga; both the saga and its operations are requested by the token's name. A step
+    whose payload fails the tool's input_schema is refused naming ``steps[1].payload.version``
+    with nothing written; another agent's token does not see the saga."""
+    token = _token(stack.engine, "agent-saga-http", TokenScope.AGENT)
+    another = _token(stack.engine, "agent-saga-other", TokenScope.AGENT)
+    _, url = _start_http(stack, "mcp-http-saga")
+    key, bad_key = "conversation-12/release-6.0.0", "conversation-12/release-bad"
+    steps = [
+        _saga_step("release-a", "saga-web-a", "6.0.0"),
+        _saga_step("release-b", "saga-web-b", "6.0.0"),
+    ]
+
+    async def calls() -> tuple[
+        set[str], CallToolResult, CallToolResult, CallToolResult, CallToolResult
+    ]:
+        async with _http_client(url, token) as client:
+            tools = {tool.name for tool in (await client.list_tools()).tools}
+            declared = await client.call_tool("outbox_saga", {"saga_key": key, "steps": steps})
+            status = await client.call_tool("outbox_saga_status", {"saga_key": key})
+            bad = [steps[0], _saga_step("release-b", "saga-web-b", 6)]
+            malformed = await client.call_tool("outbox_saga", {"saga_key": bad_key, "steps": bad})
+        async with _http_client(url, another) as client:
+            theirs = await client.call_tool("outbox_saga_status", {"saga_key": key})
+        return tools, declared, status, malformed, theirs
+
+    tools, declared, status, malformed, theirs = asyncio.run(calls())
+    assert {"outbox_saga", "outbox_saga_status"} <= tools
+    body, words = _report(declared), _text(declared)
+    assert (declared.is_error, body["state"], body["settled"]) == (False, "completed", True), words
+    assert words.startswith(f"Done: saga {key!r} completed")
+    assert [(s["name"], s["state"]) for s in body["steps"]] == [
+        ("release-a", "confirmed"),
+        ("release-b", "confirmed"),
+    ]
+    read = _report(status)
+    assert (status.is_error, read["state"]) == (False, "completed")
+    assert [(s["operation_id"], s["remote_ref"]) for s in read["steps"]] == [
+        (s["operation_id"], s["remote_ref"]) for s in body["steps"]
+    ]
+    by_key = stack.service.effects_by_key()
+    assert [by_key.get(s["operation_id"]) for s in body["steps"]] == [1, 1]
+    with stack.engine.connect() as conn:
+        saga_by = conn.execute(
+            text("SELECT requested_by FROM outbox.sagas WHERE key = :k"), {"k": key}
+        ).scalar_one()
+        ops_by = conn.execute(
+            text("SELECT requested_by FROM outbox.operations WHERE intent_key LIKE :k"),
+            {"k": f"saga:{key}:%"},
+        ).scalars()
+        assert (saga_by, sorted(ops_by)) == ("agent-saga-http", ["agent-saga-http"] * 2)
+        left = conn.execute(
+            text(
+                "SELECT (SELECT count(*) FROM outbox.sagas WHERE key = :k) + (SELECT count(*) "
+                "FROM outbox.operations WHERE intent_key LIKE :steps)"
+            ),
+            {"k": bad_key, "steps": f"saga:{bad_key}:%"},
+        ).scalar_one()
+    assert (malformed.is_error, _report(malformed)["field"]) == (True, "steps[1].payload.version")
+    assert "steps[1].payload.version" in _text(malformed)
+    assert left == 0
+    assert (theirs.is_error, _report(theirs)["field"]) == (True, "saga_key")
+    assert "release-a" not in _text(theirs)
+
+
 def test_over_http_no_token_is_401_and_an_operator_token_403(stack: Stack) -> None:
     """The MCP endpoint refuses a request without a live token (401, with a Bearer challenge)
     and an operator's token (403): it is for agents."""
