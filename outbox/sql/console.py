@@ -48,16 +48,19 @@ class DecidedRate:
 _TERMINAL = sorted(state.value for state in TERMINAL_STATES)
 
 # Bounded by the primary key: the newest :max_events events at most, never a scan of the
-# whole table (events has no index on `at`, and needs none for anything else).
+# whole table (events has no index on `at`, and needs none for anything else). A note
+# (from_state = to_state: late evidence kept on a decided operation) decides nothing: only
+# the move into a terminal state counts, once per operation.
 _DECIDED = text(
     """
     WITH recent AS (
-        SELECT to_state, at FROM outbox.events
+        SELECT from_state, to_state, at FROM outbox.events
         ORDER BY id DESC
         LIMIT :max_events
     )
     SELECT count(*) FILTER (
                WHERE to_state = ANY(CAST(:terminal AS text[]))
+                 AND from_state IS DISTINCT FROM to_state
                  AND at > clock_timestamp() - make_interval(secs => :window_s)
            ) AS decided,
            count(*) AS scanned,
