@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from uuid import uuid4
+from uuid import UUID, uuid4
 
 import httpx
 import pytest
@@ -28,7 +28,15 @@ from tests.acceptance.conftest import clean_environment, run_outbox
 from tests.acceptance.test_cli_sagas import compensated_saga
 from tests.api_server import ApiServer, api_environment, running_api
 from tests.conftest import Databases
-from tests.factories import events_of, make_operation, operation_count, reload
+from tests.factories import (
+    age,
+    event_count,
+    events_of,
+    make_operation,
+    mark_published,
+    operation_count,
+    reload,
+)
 from tests.integration.test_sagas import THREE, open_saga
 from tests.processes import wait_until
 from tests.proxy import TcpProxy
@@ -513,6 +521,119 @@ def test_resolve_applied_confirms_it_under_if_match(operator: httpx.Client, engi
     last = events_of(engine, op.id)[-1]
     assert last.detail is not None
     assert last.detail["by"] == "ops-alice"
+
+
+def _refused_until_the_horizon_passes(
+    operator: httpx.Client, engine: Engine, op_id: UUID, verdict: dict[str, Any]
+) -> None:
+    """``verdict`` (not applied) is a 409 horizon-not-passed problem with a Retry-After while
+    a request of the last attempt could still land, writing nothing; then the last send is
+    moved that far (and a second) into the past, as if the operator had waited."""
+    before, events_before = reload(engine, op_id), event_count(engine, op_id)
+    etag = {"If-Match": f'"{before.state.value}.{before.attempts}"'}
+    early = operator.post(f"/v1/operations/{op_id}/resolve", json=verdict, headers=etag)
+    problem = assert_problem(early, 409, "in-flight horizon", "try again in")
+    assert problem["type"] == "urn:agent-outbox:problem:horizon-not-passed"
+    wait_s = int(early.headers["retry-after"])
+    assert wait_s > 0
+    assert (reload(engine, op_id), event_count(engine, op_id)) == (before, events_before)
+    # Both by the same amount: the schema checks first_sent_at <= sent_at.
+    age(engine, op_id, wait_s + 1, "sent_at", "first_sent_at")
+
+
+def test_resolve_not_applied_fails_it_once_the_horizon_has_passed(
+    operator: httpx.Client, engine: Engine
+) -> None:
+    """resolve not applied is refused inside the in-flight horizon; past it, it fails the
+    operation, clears maybe_applied, keeps the note as last error, the token as resolver."""
+    op = make_operation(engine, State.NEEDS_HUMAN)
+    assert op.maybe_applied
+    note = "no release 1.2.3 in the remote's list"
+    verdict = {"applied": False, "note": note}
+    _refused_until_the_horizon_passes(operator, engine, op.id, verdict)
+    done = operator.post(
+        f"/v1/operations/{op.id}/resolve",
+        json=verdict,
+        headers={"If-Match": f'"needs_human.{op.attempts}"'},
+    )
+    assert done.status_code == 200, done.text
+    assert done.headers["etag"] == f'"failed.{op.attempts}"'
+    body = done.json()
+    assert (body["state"], body["maybe_applied"], body["last_error"], body["remote_ref"]) == (
+        "failed",
+        False,
+        note,
+        None,
+    )
+    now = reload(engine, op.id)
+    assert (now.state, now.maybe_applied, now.attempts) == (State.FAILED, False, op.attempts)
+    assert now.resolved_at is not None
+    last = events_of(engine, op.id)[-1]
+    assert (last.from_state, last.to_state, last.actor, last.attempt) == (
+        State.NEEDS_HUMAN,
+        State.FAILED,
+        "operator",
+        op.attempts,
+    )
+    assert last.detail == {
+        "by": "ops-alice",
+        "note": note,
+        "forced": False,
+        "applied": False,
+        "replay": False,
+    }
+
+
+def test_resolve_replay_plans_the_same_operation_again(
+    operator: httpx.Client, engine: Engine
+) -> None:
+    """resolve not applied with replay, once the horizon has passed, moves it back to planned:
+    the same id, key, payload and hash, unpublished and due at once, the token as resolver."""
+    op = make_operation(engine, State.UNKNOWN)
+    mark_published(engine, op.id)  # stale from its first trip through the relay
+    verdict = {"applied": False, "replay": True, "note": "the remote never got it"}
+    _refused_until_the_horizon_passes(operator, engine, op.id, verdict)
+    done = operator.post(
+        f"/v1/operations/{op.id}/resolve",
+        json=verdict,
+        headers={"If-Match": f'"unknown.{op.attempts}"'},
+    )
+    assert done.status_code == 200, done.text
+    assert done.headers["etag"] == f'"planned.{op.attempts}"'
+    body = done.json()
+    assert (body["state"], body["published_at"], body["maybe_applied"], body["resolved_at"]) == (
+        "planned",
+        None,
+        False,
+        None,
+    )
+    now = reload(engine, op.id)
+    assert (now.id, now.intent_key, now.payload, now.payload_hash, now.attempts) == (
+        op.id,
+        op.intent_key,
+        op.payload,
+        op.payload_hash,
+        op.attempts,
+    )
+    assert (now.state, now.published_at, now.replay_deadline) == (State.PLANNED, None, None)
+    with engine.connect() as conn:
+        due = conn.execute(
+            text("SELECT available_at <= clock_timestamp() FROM outbox.operations WHERE id = :id"),
+            {"id": op.id},
+        ).scalar_one()
+    assert due, "a replay authorised by an operator is due at once"
+    last = events_of(engine, op.id)[-1]
+    assert (last.from_state, last.to_state, last.actor) == (
+        State.UNKNOWN,
+        State.PLANNED,
+        "operator",
+    )
+    assert last.detail is not None
+    assert (last.detail["by"], last.detail["replay"], last.detail["forced"]) == (
+        "ops-alice",
+        True,
+        False,
+    )
 
 
 def test_a_stale_if_match_is_412_with_the_current_etag(

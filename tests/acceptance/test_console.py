@@ -20,18 +20,26 @@ from typing import Any
 import httpx
 import pytest
 from itsdangerous import TimestampSigner
-from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
+from playwright.sync_api import (
+    Browser,
+    BrowserContext,
+    Page,
+    Playwright,
+    expect,
+    sync_playwright,
+)
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from outbox import operators
 from outbox.config import get_settings
+from outbox.contracts import ToolContract
 from outbox.logs import Action
 from outbox.sagas import SagaState
 from outbox.states import Actor, State
 from tests.acceptance.test_cli_sagas import compensated_saga
 from tests.api_server import ApiServer, api_environment, running_api
-from tests.factories import age, events_of, make_operation, move, reload
+from tests.factories import age, event_count, events_of, make_operation, move, reload
 from tests.integration.test_sagas import THREE, advance, finish, open_saga, view
 
 pytestmark = pytest.mark.slow
@@ -57,17 +65,32 @@ def shots(request: pytest.FixtureRequest) -> Path:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    """Debian's headless Chromium through Playwright (never a downloaded browser)."""
+def playwright() -> Iterator[Playwright]:
+    """Playwright, for Debian's Chromium only (never a downloaded browser)."""
     if not CHROMIUM.exists():
         reason = f"{CHROMIUM} is missing: apt-get install chromium (.ci/run does)"
         if os.environ.get("CI") == "true":
             pytest.fail(reason + ", and CI requires it")
         pytest.skip(reason)
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+    with sync_playwright() as started:
+        yield started
+
+
+@contextmanager
+def _chromium(playwright: Playwright) -> Iterator[Browser]:
+    """A headless Chromium process of its own, closed at the end."""
+    launched = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+    try:
         yield launched
+    finally:
         launched.close()
+
+
+@pytest.fixture(scope="module")
+def browser(playwright: Playwright) -> Iterator[Browser]:
+    """Debian's headless Chromium, one process for the module."""
+    with _chromium(playwright) as launched:
+        yield launched
 
 
 def _environment(database_url: str, home: Path) -> dict[str, str]:
@@ -156,6 +179,35 @@ def test_signing_in_shows_the_overview_and_the_queue_with_reasons(
     expect(rows.nth(1)).to_contain_text("2 h 5 min")
     expect(rows.nth(2)).to_contain_text(str(waiting.id))
     page.screenshot(path=shots / "queue.png", full_page=True)
+
+
+def test_the_overview_shows_how_many_operations_were_decided_per_second(
+    page: Page, server: ApiServer, engine: Engine, alice: str
+) -> None:
+    """The overview's "decided per second" is the operations that reached confirmed, failed or
+    cancelled in the last 5 minutes, over those 300 seconds: a dispatcher's outcomes, an
+    agent's cancel and an operator's rejection count; waiting and live operations do not."""
+    sign_in(page, server, alice)
+    rate = page.get_by_role("region", name="Decided per second")
+    expect(rate).to_contain_text(re.compile(r"0\.00 per second\s*:\s*0 operations\s+reached"))
+    for state in (State.CONFIRMED, State.FAILED, State.CANCELLED, State.CONFIRMED, State.FAILED):
+        make_operation(engine, state)
+    for state in (State.PLANNED, State.SENT, State.UNKNOWN, State.NEEDS_HUMAN):
+        make_operation(engine, state)
+    rejected = make_operation(engine, State.AWAITING_APPROVAL)
+    make_operation(engine, State.AWAITING_APPROVAL)  # still waiting
+    page.goto(f"{server.url}/operations/{rejected.id}")
+    page.get_by_label("Why reject it").fill("wrong project")
+    page.get_by_role("button", name="Reject").click()
+    expect(page.get_by_role("status")).to_contain_text("rejected by alice")
+    page.get_by_role("link", name="Overview").click()
+    # 6 in 300 s: 0.02 per second.
+    expect(rate).to_contain_text(
+        re.compile(
+            r"0\.02 per second\s*:\s*6 operations\s+reached confirmed, failed or cancelled\s+"
+            r"in the last 5 minutes"
+        )
+    )
 
 
 def test_search_finds_an_operation_by_intent_key_and_by_id(
@@ -272,6 +324,86 @@ def test_resolve_applied_from_the_operation_page_confirms_it(
     assert (last.actor, last.detail["by"]) == (Actor.OPERATOR.value, "alice")
 
 
+#: The in-flight horizon the console's server judges "not applied" by: it loads no tools (no
+#: OUTBOX_TOOLS or OUTBOX_CONFIG in its environment), so every tool has the default.
+DEFAULT_HORIZON_S = ToolContract(name="any.tool").inflight_horizon_s
+
+
+def test_resolve_not_applied_from_the_operation_page_fails_it_under_alices_name(
+    page: Page, server: ApiServer, engine: Engine, alice: str, shots: Path
+) -> None:
+    """Past the in-flight horizon, 'Not applied: fail it' fails the operation, clears
+    maybe_applied and keeps the note as its last error; the event names alice."""
+    op = make_operation(engine, State.NEEDS_HUMAN)
+    # Both by the same amount: the schema checks first_sent_at <= sent_at.
+    age(engine, op.id, DEFAULT_HORIZON_S + 1, "sent_at", "first_sent_at")
+    note = "no release for this key in the remote's list"
+    sign_in(page, server, alice)
+    page.goto(f"{server.url}/operations/{op.id}")
+    page.get_by_label("Not applied: fail it").check()
+    page.get_by_label("What you checked and found").fill(note)
+    page.get_by_role("button", name="Resolve").click()
+    expect(page.get_by_role("status")).to_contain_text("resolved by alice")
+    expect(page.get_by_role("status")).to_contain_text("now failed")
+    expect(page.get_by_role("button", name="Resolve")).to_have_count(0)
+    page.screenshot(path=shots / "failed.png", full_page=True)
+    now = reload(engine, op.id)
+    assert (now.state, now.maybe_applied, now.last_error, now.remote_ref) == (
+        State.FAILED,
+        False,
+        note,
+        None,
+    )
+    assert now.resolved_at is not None
+    last = events_of(engine, op.id)[-1]
+    assert (last.from_state, last.to_state, last.actor) == (
+        State.NEEDS_HUMAN,
+        State.FAILED,
+        Actor.OPERATOR.value,
+    )
+    assert last.detail == {
+        "by": "alice",
+        "note": note,
+        "forced": False,
+        "applied": False,
+        "replay": False,
+    }
+
+
+def test_an_approve_form_with_a_tampered_payload_hash_is_refused(
+    browser: Browser, server: ApiServer, engine: Engine, alice: str, shots: Path
+) -> None:
+    """An approve form whose hidden payload hash was changed to another payload's is refused
+    (409, naming the mismatch); nothing is decided or written."""
+    op = make_operation(engine, State.AWAITING_APPROVAL, payload={"amount": "120.00"})
+    other = make_operation(engine, State.AWAITING_APPROVAL, payload={"amount": "12000.00"})
+    before, events_before = reload(engine, op.id), event_count(engine, op.id)
+    with _context(browser, bypass_csp=True) as context:
+        page = context.new_page()
+        sign_in(page, server, alice)
+        page.goto(f"{server.url}/operations/{op.id}")
+        hidden = page.locator('form[action$="/approve"] input[name="payload_hash"]')
+        expect(hidden).to_have_value(op.payload_hash)
+        page.evaluate(
+            """hash => {
+                document.querySelector('form[action$="/approve"] input[name="payload_hash"]')
+                    .value = hash;
+            }""",
+            other.payload_hash,
+        )
+        expect(hidden).to_have_value(other.payload_hash)
+        with page.expect_response(re.compile(r"/approve$")) as answer:
+            page.get_by_role("button", name="Approve this payload").click()
+        assert answer.value.status == 409
+        told = page.get_by_role("alert")
+        expect(told).to_contain_text("Nothing was written")
+        expect(told).to_contain_text("payload hash mismatch")
+        expect(told).to_contain_text(other.payload_hash[:12])
+        page.screenshot(path=shots / "tampered.png", full_page=True)
+    assert (reload(engine, op.id), event_count(engine, op.id)) == (before, events_before)
+    assert before.decided_by is None
+
+
 def test_a_form_posted_without_its_csrf_token_is_refused(
     browser: Browser, server: ApiServer, engine: Engine, alice: str, shots: Path
 ) -> None:
@@ -385,14 +517,22 @@ def test_a_session_cookie_not_signed_with_the_servers_key_is_refused(
     assert "Signed in as" in answers["the server's key"].text
 
 
+def _browser_pid(browser: Browser) -> int:
+    """The process id of ``browser``'s main Chromium process, as Chromium itself tells it."""
+    info = browser.new_browser_cdp_session().send("SystemInfo.getProcessInfo")
+    [pid] = [process["id"] for process in info["processInfo"] if process["type"] == "browser"]
+    return int(pid)
+
+
 def test_two_operators_deciding_one_operation_the_second_is_told_who_won(
-    browser: Browser, server: ApiServer, engine: Engine, alice: str, shots: Path
+    playwright: Playwright, server: ApiServer, engine: Engine, alice: str, shots: Path
 ) -> None:
-    """Of two browsers on the same page, alice's approval wins; bob's reject says so, unwritten."""
+    """Of two browsers (two Chromium processes) on the same page, alice's approval wins; bob's
+    reject says so, unwritten."""
     bob = add_operator(engine, "bob")
     op = make_operation(engine, State.AWAITING_APPROVAL)
-    first, second = browser.new_context(), browser.new_context()
-    try:
+    with _chromium(playwright) as first, _chromium(playwright) as second:
+        assert _browser_pid(first) != _browser_pid(second)
         alice_page, bob_page = first.new_page(), second.new_page()
         for page, name in ((alice_page, alice), (bob_page, bob)):
             sign_in(page, server, name)
@@ -408,9 +548,6 @@ def test_two_operators_deciding_one_operation_the_second_is_told_who_won(
         expect(told).to_contain_text("approved by alice")
         expect(told).to_contain_text("now planned")
         bob_page.screenshot(path=shots / "stale.png", full_page=True)
-    finally:
-        first.close()
-        second.close()
     now = reload(engine, op.id)
     assert (now.state, now.decided_by) == (State.PLANNED, "alice")
 

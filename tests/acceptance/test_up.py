@@ -167,12 +167,18 @@ def _gone(pid: int) -> bool:
 def test_up_runs_supervises_and_stops_cleanly(
     engine: Engine, service: DeployService, running_up: Up
 ) -> None:
-    """Operations go through; a SIGKILLed worker is restarted; metrics and the API answer;
-    Ctrl-C stops all."""
+    """Operations go through; a SIGKILLed worker is restarted; metrics, the API and the
+    console's sign-in page answer; Ctrl-C stops all."""
     up = running_up
     wait_until(lambda: "started api" in up.output, timeout=60, what="every process started")
     [api_url] = re.findall(r"api:\s+(\S+)", up.output)
     wait_until(lambda: _ready(api_url), timeout=60, what="the API's /readyz")
+    console = httpx.get(f"{api_url}/", timeout=10)
+    assert (console.status_code, console.headers["location"]) == (303, "/signin")
+    signin = httpx.get(f"{api_url}/signin", timeout=10)
+    assert signin.status_code == 200, signin.text
+    assert '<form method="post" action="/signin"' in signin.text
+    assert "outbox_console=" in signin.headers["set-cookie"]
     _enqueue(engine, "first", 10)
     wait_until(lambda: _confirmed(engine) == 10, timeout=90, what="10 confirmed")
 
