@@ -668,7 +668,8 @@ def test_every_control_of_every_page_has_a_label(
 def test_not_applied_inside_the_inflight_horizon_is_refused_saying_how_long(
     page: Page, server: ApiServer, engine: Engine, alice: str
 ) -> None:
-    """'Not applied' right after the last send is refused (422) with the wait; nothing written."""
+    """'Not applied' right after the last send is refused (409, as the HTTP API answers it)
+    with the wait; nothing written."""
     op = make_operation(engine, State.NEEDS_HUMAN)
     sign_in(page, server, alice)
     page.goto(f"{server.url}/operations/{op.id}")
@@ -676,7 +677,7 @@ def test_not_applied_inside_the_inflight_horizon_is_refused_saying_how_long(
     page.get_by_label("What you checked and found").fill("not in the remote's list")
     with page.expect_response(re.compile(r"/resolve$")) as answer:
         page.get_by_role("button", name="Resolve").click()
-    assert answer.value.status == 422
+    assert answer.value.status == 409
     expect(page.get_by_role("alert")).to_contain_text("try again in")
     assert reload(engine, op.id).state is State.NEEDS_HUMAN
 

@@ -31,9 +31,7 @@ from starlette.datastructures import FormData
 from outbox import approval, operators, sagas, sql
 from outbox.errors import (
     AlreadyDecided,
-    ApprovalMismatch,
     InvalidSagaRequest,
-    OperationBusy,
     OperationNotFound,
     OutboxError,
     SagaNotFound,
@@ -47,6 +45,7 @@ from outbox.saga_rules import SagaState
 from outbox.signins import Throttle
 from outbox.web.console import session, views
 from outbox.web.context import context
+from outbox.web.problems import from_core
 
 log = logging.getLogger(__name__)
 
@@ -462,13 +461,11 @@ def _refused(exc: OutboxError) -> str | None:
 
 
 def _status(exc: OutboxError) -> int:
-    """409 for a conflict with someone else (busy, another payload), 404, else 422 (refused
-    as asked: a missing note, the in-flight horizon)."""
-    if isinstance(exc, OperationNotFound):
-        return 404
-    if isinstance(exc, OperationBusy | ApprovalMismatch):
-        return 409
-    return 422
+    """The status the HTTP API answers the same refusal with (``problems.from_core``), so
+    both surfaces read one way: 404, 409 for a conflict with someone else or with time (busy,
+    another payload, the in-flight horizon), 422 for a request refused as asked (a missing
+    note, no verdict)."""
+    return from_core(exc).status
 
 
 def _approve(
