@@ -30,6 +30,22 @@ from outbox.errors import PayloadInvalid
 DEFAULT_DIALECT = validators.Draft202012Validator
 #: Keywords whose standard message names only schema parts or property names, never values.
 _SAFE_MESSAGES = frozenset({"additionalProperties", "unevaluatedProperties", "propertyNames"})
+#: Keywords a substituted string cannot turn from failing to passing: they judge a value's
+#: type, or an object's or array's keys and size, never what a string inside says.
+_SHAPE_KEYWORDS = frozenset(
+    {
+        "type",
+        "required",
+        "dependentRequired",
+        "minProperties",
+        "maxProperties",
+        "additionalProperties",
+        "unevaluatedProperties",
+        "propertyNames",
+        "minItems",
+        "maxItems",
+    }
+)
 #: How much of a schema value a message quotes.
 _QUOTE_LIMIT = 120
 
@@ -72,14 +88,33 @@ def _remote_references(node: object) -> Iterator[str]:
             yield from _remote_references(item)
 
 
-def check_payload(tool: str, schema: Mapping[str, Any], payload: dict[str, Any]) -> None:
+def check_payload(
+    tool: str,
+    schema: Mapping[str, Any],
+    payload: dict[str, Any],
+    *,
+    unresolved: str | None = None,
+) -> None:
     """Raise :class:`PayloadInvalid` unless ``payload`` matches the tool's ``schema``.
 
     ``payload`` is the JSON value as stored (parsed canonical JSON). The error names the
     first offending path the way the library ranks them (its ``best_match``).
+
+    ``unresolved``: a text standing for a value not known yet (a saga compensation's
+    ``"{remote_ref}"``). A failure that depends on what a string holding it will say
+    (``pattern``, ``enum``, ``format``...) is not judged now: it is judged, substituted, when
+    the payload is enqueued. Every other failure (a field missing, a number where a string
+    belongs, a key too many) is refused at once.
     """
     validator = _validator(json.dumps(schema, sort_keys=True))
-    error = exceptions.best_match(validator.iter_errors(payload))
+    errors = validator.iter_errors(payload)
+    if unresolved is not None:
+        errors = (
+            e
+            for e in errors
+            if e.validator in _SHAPE_KEYWORDS or not _holds(e.instance, unresolved)
+        )
+    error = exceptions.best_match(errors)
     if error is None:
         return
     field = _field(error)
@@ -89,6 +124,17 @@ def check_payload(tool: str, schema: Mapping[str, Any], payload: dict[str, Any])
         field=field,
         keyword=str(error.validator),
     )
+
+
+def _holds(value: object, text: str) -> bool:
+    """Whether ``text`` is inside a string of ``value``, at any depth."""
+    if isinstance(value, str):
+        return text in value
+    if isinstance(value, Mapping):
+        return any(_holds(item, text) for item in value.values())
+    if isinstance(value, list):
+        return any(_holds(item, text) for item in value)
+    return False
 
 
 @functools.lru_cache(maxsize=256)

@@ -18,6 +18,7 @@ This module is the only writer of a saga's ``state`` (:func:`advance` and
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from uuid import UUID
 
 from outbox import api, sql, storable, transitions, webhooks
 from outbox.canonical import NotCanonicalizable, canonical_json
+from outbox.contracts import CONTRACTS
 from outbox.errors import (
     IntentConflict,
     InvalidIntent,
@@ -39,6 +41,7 @@ from outbox.errors import (
 )
 from outbox.logs import Action as LogAction
 from outbox.models import Executor, Operation, WebhookEvent, iso_utc, json_fields
+from outbox.payloads import check_payload
 from outbox.saga_rules import FINAL_SAGA_STATES, Decision, Kind, SagaState, StepFacts, decide
 from outbox.sql.sagas import SagaRow, StepRow
 from outbox.states import State
@@ -667,7 +670,18 @@ def _check_step(request: _StepRequest) -> None:
     try:
         api._check_tool(compensate.tool)
         api._check_target(compensate.target)
-        api._canonical_payload(compensate.payload)
+        canonical = api._canonical_payload(compensate.payload)
+        # Checked now, not when a later refusal needs the undo: a compensation its tool
+        # would refuse could only end the saga in needs_human. What "{remote_ref}" will
+        # become is judged then, substituted.
+        contract = CONTRACTS.get(compensate.tool)
+        if contract is not None and contract.input_schema is not None:
+            check_payload(
+                compensate.tool,
+                contract.input_schema,
+                json.loads(canonical),
+                unresolved=REMOTE_REF_PLACEHOLDER,
+            )
     except InvalidIntent as exc:
         raise type(exc)(
             f"compensate: {exc}", **(vars(exc) | {"field": f"compensate.{exc.field}"})

@@ -272,3 +272,81 @@ def test_saga_step_refuses_a_payload_failing_its_tools_schema_and_adds_nothing(
     with Session(engine) as session, session.begin():
         outbox.saga(session, "s-schema").step(**THREE[1])
     assert counts(engine)[1] == 2
+
+
+#: The undo tool's schema in the compensation tests: the release to delete must look like one.
+UNDO_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["release", "why"],
+    "properties": {
+        "release": {"type": "string", "pattern": "^rel-"},
+        "why": {"type": "string"},
+    },
+}
+
+
+@pytest.fixture
+def undo_schema(monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy.delete_release's contract, with its input_schema, known to this process."""
+    monkeypatch.setitem(
+        CONTRACTS._contracts,
+        "deploy.delete_release",
+        ToolContract(name="deploy.delete_release", input_schema=UNDO_SCHEMA),
+    )
+
+
+def _undo(payload: dict[str, Any]) -> StepSpec:
+    return StepSpec(
+        **{**THREE[0], "compensate": outbox.Compensate("deploy.delete_release", "p", payload)}
+    )
+
+
+@pytest.mark.usefixtures("undo_schema")
+@pytest.mark.parametrize(
+    ("payload", "field", "keyword"),
+    [
+        ({"release": "{remote_ref}"}, "steps[0].compensate.payload.why", "required"),
+        ({"release": "{remote_ref}", "why": 3}, "steps[0].compensate.payload.why", "type"),
+        ({"release": "v1", "why": "undo"}, "steps[0].compensate.payload.release", "pattern"),
+    ],
+)
+def test_an_undo_its_tool_would_refuse_is_refused_when_declared(
+    engine: Engine, payload: dict[str, Any], field: str, keyword: str
+) -> None:
+    """A compensation whose payload fails its tool's input_schema would only be found when a
+    later refusal needs it, and leave the saga needing a person: it is refused at once, naming
+    the field, with nothing written."""
+    with pytest.raises(PayloadInvalid) as caught:
+        declare(engine, "d-undo", [_undo(payload), SPECS[1]], requested_by="agent-a")
+    assert (caught.value.field, caught.value.keyword) == (field, keyword)
+    assert "compensate" in str(caught.value)
+    assert counts(engine) == (0, 0, 0, 0)
+
+
+@pytest.mark.usefixtures("undo_schema")
+def test_an_undo_value_waiting_for_the_remote_ref_is_judged_when_substituted(
+    engine: Engine,
+) -> None:
+    """``"{remote_ref}"`` cannot match ``^rel-`` before the step has a remote_ref: that value is
+    left for the enqueue of the undo, where it is substituted; the rest is checked now."""
+    done = declare(
+        engine,
+        "d-undo-ok",
+        [_undo({"release": "{remote_ref}", "why": "undo"}), SPECS[1]],
+        requested_by="agent-a",
+    )
+    assert done.created
+    assert counts(engine)[1:] == (2, 1, 2)
+
+
+@pytest.mark.usefixtures("undo_schema")
+def test_saga_step_refuses_an_undo_its_tool_would_refuse(engine: Engine) -> None:
+    """Saga.step checks the undo the same way, naming ``compensate.payload.why``."""
+    with Session(engine) as session, session.begin():
+        opened = outbox.saga(session, "s-undo", requested_by="agent-a")
+        with pytest.raises(PayloadInvalid) as caught:
+            opened.step(
+                **{**THREE[0], "compensate": _undo({"release": "x", "why": "u"}).compensate}
+            )
+    assert caught.value.field == "compensate.payload.release"
+    assert counts(engine) == (1, 0, 1, 0)

@@ -176,3 +176,49 @@ input_schema = { type = "strin" }
     )
     with pytest.raises(ConfigError, match=r"OUTBOX_CONFIG.*deploy.create_release.*input_schema"):
         load_http_tools(path)
+
+
+#: A schema whose ``ref`` must be a release id, chosen from a few kinds, with a bounded note.
+UNRESOLVED_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["ref"],
+    "additionalProperties": False,
+    "properties": {
+        "ref": {"type": "string", "pattern": "^rel-"},
+        "kind": {"enum": ["release", "hotfix"]},
+        "refs": {"type": "array", "items": {"type": "string", "pattern": "^[0-9a-f-]{36}$"}},
+        "note": {"anyOf": [{"type": "string", "maxLength": 3}, {"type": "null"}]},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"ref": "{remote_ref}"},
+        {"ref": "{remote_ref}", "kind": "{remote_ref}"},
+        {"ref": "rel-1", "refs": ["{remote_ref}"]},
+        {"ref": "rel-1", "note": "was {remote_ref}"},
+    ],
+)
+def test_a_value_waiting_for_its_substitution_is_not_judged_yet(payload: dict[str, Any]) -> None:
+    check_payload("t", UNRESOLVED_SCHEMA, payload, unresolved="{remote_ref}")
+    with pytest.raises(PayloadInvalid):  # without the marker, the same payload fails
+        check_payload("t", UNRESOLVED_SCHEMA, payload)
+
+
+@pytest.mark.parametrize(
+    ("payload", "field", "keyword"),
+    [
+        ({"kind": "{remote_ref}"}, "payload.ref", "required"),
+        ({"ref": "{remote_ref}", "extra": 1}, "payload", "additionalProperties"),
+        ({"ref": ["{remote_ref}"]}, "payload.ref", "type"),
+        ({"ref": "{remote_ref}", "kind": "major"}, "payload.kind", "enum"),
+    ],
+)
+def test_what_no_substitution_can_mend_is_refused_at_once(
+    payload: dict[str, Any], field: str, keyword: str
+) -> None:
+    with pytest.raises(PayloadInvalid) as caught:
+        check_payload("t", UNRESOLVED_SCHEMA, payload, unresolved="{remote_ref}")
+    assert (caught.value.field, caught.value.keyword) == (field, keyword)
