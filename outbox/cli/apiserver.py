@@ -163,8 +163,16 @@ def loopback(host: str) -> bool:
         return False  # a name: it may resolve to anything
 
 
+_BACKLOG = 2048  # uvicorn's default; it listens again on the same socket with its own
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` (uvicorn listens on it): a busy port is one line."""
+    """A socket listening on ``host:port``, handed to uvicorn: a busy port is one line.
+
+    It listens before the URL is printed, so whoever reads that line can connect at once: the
+    kernel queues the connection until uvicorn accepts it. (Bound but not listening, a client
+    that was quicker than uvicorn's start-up was refused.)
+    """
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -172,6 +180,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
         listening = socket.socket(family, kind, proto)
         listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listening.bind(address)
+        listening.listen(_BACKLOG)
     except OSError as exc:
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
     listening.set_inheritable(True)
