@@ -91,6 +91,7 @@ async def enqueue(
     metadata: Mapping[str, Any] | None = None,
     requested_by: str | None = None,
     require_approval: bool = False,
+    agent: str | None = None,
 ) -> Operation:
     """Record the intent to call ``tool`` on ``target`` with ``payload``, in the caller's txn.
 
@@ -105,7 +106,8 @@ async def enqueue(
     callers with one key end with one operation. A key whose operation finished and was
     pruned is still remembered: the same intent again raises
     :class:`~outbox.IntentAlreadyDone` and writes nothing; a different one,
-    :class:`~outbox.IntentConflict`.
+    :class:`~outbox.IntentConflict`. The key belongs to ``agent`` (default: ``requested_by``,
+    else the shared scope): another agent's same key names another operation.
 
     The payload must be a JSON object; it is canonicalised (RFC 8785) and its sha256 stored,
     and it never changes afterwards. Malformed input raises :class:`~outbox.InvalidIntent`
@@ -130,6 +132,7 @@ async def enqueue(
             metadata=metadata,
             requested_by=requested_by,
             require_approval=require_approval,
+            agent=agent,
         ),
     )
 
@@ -152,9 +155,12 @@ async def get(session: AsyncExecutor, operation_id: UUID | str) -> Operation | N
     return await _run(session, lambda s: api.get(s, operation_id))
 
 
-async def find(session: AsyncExecutor, intent_key: str) -> Operation | None:
-    """The operation recorded under ``intent_key``, or ``None``. Reads in the caller's txn."""
-    return await _run(session, lambda s: api.find(s, intent_key))
+async def find(
+    session: AsyncExecutor, intent_key: str, *, agent: str = api.SHARED_AGENT
+) -> Operation | None:
+    """The operation ``agent`` recorded under ``intent_key``, or ``None`` (see
+    :func:`outbox.find`). Reads in the caller's transaction."""
+    return await _run(session, lambda s: api.find(s, intent_key, agent=agent))
 
 
 async def cancel(

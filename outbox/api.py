@@ -32,7 +32,7 @@ from outbox.errors import (
     PayloadTooLarge,
     WaitTimeout,
 )
-from outbox.models import Executor, Operation, PrunedIntent
+from outbox.models import Executor, IntentKey, Operation, PrunedIntent
 from outbox.payloads import check_payload
 from outbox.states import State
 
@@ -41,6 +41,10 @@ TOOL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*(\.[A-Za-z][A-Za-z0-9_-]*)*")
 MAX_TOOL_LENGTH = 128
 MAX_TARGET_LENGTH = 1024
 MAX_INTENT_KEY_LENGTH = 255
+MAX_AGENT_LENGTH = 255
+#: The scope of an intent key given neither ``agent`` nor ``requested_by``: the deployment's
+#: shared one (a single-agent deployment needs no other).
+SHARED_AGENT = ""
 
 # An intent whose key is taken by a row that then vanishes (deleted by retention between our
 # INSERT and SELECT) is retried; more than this many misses in a row means something is wrong.
@@ -57,6 +61,7 @@ def enqueue(
     metadata: Mapping[str, Any] | None = None,
     requested_by: str | None = None,
     require_approval: bool = False,
+    agent: str | None = None,
 ) -> Operation:
     """Record the intent to call ``tool`` on ``target`` with ``payload``, in the caller's txn.
 
@@ -72,6 +77,12 @@ def enqueue(
     (``outbox db prune``) is still remembered: the same intent again raises
     :class:`IntentAlreadyDone` (carrying the operation's id, final state and remote_ref)
     and writes nothing, so it never happens twice; a different one, :class:`IntentConflict`.
+
+    An intent key belongs to its ``agent``: the same key from another agent names another
+    operation, and nothing about one agent's operation is in any answer another gets.
+    ``agent`` defaults to ``requested_by``, and with neither to the deployment's shared scope
+    (``""``: enough for a single agent). The HTTP API and ``outbox mcp`` use the caller's
+    agent (its token's, ``OUTBOX_MCP_AGENT``); :func:`find` takes the same ``agent``.
 
     The payload must be a JSON object; it is canonicalised (RFC 8785) and its sha256 stored,
     and it never changes afterwards. Malformed input raises :class:`InvalidIntent` naming
@@ -89,7 +100,7 @@ def enqueue(
     """
     return enqueue_intent(
         session,
-        Intent(tool, target, payload, intent_key, metadata, requested_by, require_approval),
+        Intent(tool, target, payload, intent_key, metadata, requested_by, require_approval, agent),
     ).operation
 
 
@@ -105,6 +116,15 @@ class Intent:
     requested_by: str | None = None
     #: Wait for a person's approval before any send, whatever the tool says.
     require_approval: bool = False
+    #: The agent whose key it is (default: ``requested_by``, else :data:`SHARED_AGENT`).
+    agent: str | None = None
+
+    @property
+    def scope(self) -> str:
+        """The agent this intent's key belongs to, defaults applied."""
+        if self.agent is not None:
+            return self.agent
+        return self.requested_by if self.requested_by is not None else SHARED_AGENT
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +153,7 @@ def enqueue_intent(
         created = sql.intents.insert_intent(
             session,
             intent_key=one.intent_key,
+            agent=one.agent,
             tool=one.tool,
             target=one.target,
             canonical_payload=one.canonical_payload,
@@ -150,17 +171,19 @@ def enqueue_intent(
                 webhooks.record_approval_requested(session, created)
             return Enqueued(created, created=True)
         # A generated key is the new operation's id and cannot collide, so intent_key is set.
-        existing = sql.intents.find_operation(session, str(intent_key))
+        existing = sql.intents.find_operation(session, str(intent_key), agent=one.agent)
         if existing is not None:
             _check_same_intent(existing, tool=tool, target=target, digest=one.payload_hash)
             return Enqueued(existing, created=False)
         # Not live: pruned, or (rarely) its row was deleted between the two statements, in
         # which case the prune's trigger wrote the pruned intent in the same transaction.
-        for pruned in sql.intents.find_pruned_intents(session, [str(intent_key)]):
+        scoped = IntentKey(one.agent, str(intent_key))
+        for pruned in sql.intents.find_pruned_intents(session, [scoped]):
             _refuse_pruned(pruned, tool=tool, target=target, digest=one.payload_hash)
     raise IntentConflict(
         f"intent key {intent_key!r} is being used and removed concurrently; try again",
         intent_key=intent_key,
+        agent=one.agent,
         differences=(),
     )
 
@@ -168,6 +191,7 @@ def enqueue_intent(
 @dataclass(frozen=True)
 class _Checked:
     intent_key: str | None
+    agent: str
     tool: str
     target: str
     canonical_payload: str
@@ -179,9 +203,15 @@ class _Checked:
     #: The approval TTL of this process's loaded contract, if it has one (else the policy's).
     approval_ttl_s: float | None
 
+    @property
+    def scoped_key(self) -> IntentKey | None:
+        """The key in its agent's scope; ``None`` for a key left to the operation's id."""
+        return IntentKey(self.agent, self.intent_key) if self.intent_key is not None else None
+
 
 class _Columns(TypedDict):
     intent_keys: list[str | None]
+    agents: list[str]
     tools: list[str]
     targets: list[str]
     canonical_payloads: list[str]
@@ -197,6 +227,7 @@ def _columns(checked: Sequence[_Checked]) -> _Columns:
     """The checked intents as :func:`outbox.sql.intents.insert_intents`' column arguments."""
     return {
         "intent_keys": [c.intent_key for c in checked],
+        "agents": [c.agent for c in checked],
         "tools": [c.tool for c in checked],
         "targets": [c.target for c in checked],
         "canonical_payloads": [c.canonical_payload for c in checked],
@@ -246,24 +277,29 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
         for created in inserted.values():
             if created.state is State.AWAITING_APPROVAL:
                 webhooks.record_approval_requested(session, created)
-        by_key = {op.intent_key: op for op in inserted.values()}
-        taken = [c.intent_key for c in unique if c.intent_key and c.intent_key not in by_key]
+        by_key = {IntentKey(op.agent, op.intent_key): op for op in inserted.values()}
+        taken = [k for c in unique if (k := c.scoped_key) is not None and k not in by_key]
         for existing in sql.intents.find_operations(session, taken) if taken else []:
-            by_key[existing.intent_key] = existing
+            by_key[IntentKey(existing.agent, existing.intent_key)] = existing
         gone = [key for key in taken if key not in by_key]
-        pruned = {p.intent_key: p for p in sql.intents.find_pruned_intents(session, gone)}
+        pruned = {
+            IntentKey(p.agent, p.intent_key): p
+            for p in (sql.intents.find_pruned_intents(session, gone) if gone else [])
+        }
         for one in unique:
-            if one.intent_key is None:
+            scoped = one.scoped_key
+            if scoped is None:
                 continue
-            found = by_key.get(one.intent_key)
-            if found is None and one.intent_key in pruned:
-                done = pruned[one.intent_key]
+            found = by_key.get(scoped)
+            if found is None and scoped in pruned:
+                done = pruned[scoped]
                 _refuse_pruned(done, tool=one.tool, target=one.target, digest=one.payload_hash)
             if found is None:
                 raise IntentConflict(
                     f"intent key {one.intent_key!r} is being used and removed concurrently; "
                     "try again",
                     intent_key=one.intent_key,
+                    agent=one.agent,
                     differences=(),
                 )
             _check_same_intent(found, tool=one.tool, target=one.target, digest=one.payload_hash)
@@ -271,7 +307,7 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
         id(one): inserted[position] for position, one in enumerate(unique) if one.intent_key is None
     }
     return [
-        by_key[one.intent_key] if one.intent_key is not None else unnamed[id(one)]
+        by_key[scoped] if (scoped := one.scoped_key) is not None else unnamed[id(one)]
         for one in checked
     ]
 
@@ -309,7 +345,7 @@ def _insert_budgeted(
         try:
             budgets.check(
                 session,
-                [(c.intent_key, ds) for c, ds in zip(checked, wanted, strict=True)],
+                [(c.scoped_key, ds) for c, ds in zip(checked, wanted, strict=True)],
             )
         except BudgetExceeded as exc:
             budgets.record_refusal_committed(session, exc)
@@ -330,6 +366,7 @@ def _check(intent: Intent) -> _Checked:
     _check_tool(intent.tool)
     _check_target(intent.target)
     _check_intent_key(intent.intent_key)
+    _check_agent(intent)
     canonical = _canonical_payload(intent.payload)
     digest = payload_hash(canonical)
     if not isinstance(intent.require_approval, bool):
@@ -339,6 +376,7 @@ def _check(intent: Intent) -> _Checked:
         check_payload(intent.tool, contract.input_schema, json.loads(canonical))
     return _Checked(
         intent_key=intent.intent_key,
+        agent=intent.scope,
         tool=intent.tool,
         target=intent.target,
         canonical_payload=canonical.decode(),
@@ -354,14 +392,15 @@ def _check(intent: Intent) -> _Checked:
 
 
 def _unique_keys(checked: list[_Checked]) -> list[_Checked]:
-    """The batch with each named key once; the same key for different intents is refused."""
-    seen: dict[str, _Checked] = {}
+    """The batch with each agent's named key once; the same key of one agent for different
+    intents is refused."""
+    seen: dict[IntentKey, _Checked] = {}
     unique: list[_Checked] = []
     for one in checked:
-        if one.intent_key is None:
+        if one.scoped_key is None:
             unique.append(one)
             continue
-        first = seen.setdefault(one.intent_key, one)
+        first = seen.setdefault(one.scoped_key, one)
         if first is one:
             unique.append(one)
             continue
@@ -376,6 +415,7 @@ def _unique_keys(checked: list[_Checked]) -> list[_Checked]:
                 f"intent key conflict: {one.intent_key!r} appears twice in the batch with a "
                 f"different {', '.join(names)}; nothing was written",
                 intent_key=one.intent_key,
+                agent=one.agent,
                 differences=names,
             )
     return unique
@@ -395,9 +435,17 @@ def get(session: Executor, operation_id: UUID | str) -> Operation | None:
     return sql.intents.get_operation(session, _as_uuid(operation_id))
 
 
-def find(session: Executor, intent_key: str) -> Operation | None:
-    """The operation recorded under ``intent_key``, or ``None``. Reads in the caller's txn."""
-    return sql.intents.find_operation(session, intent_key)
+def find(session: Executor, intent_key: str, *, agent: str = SHARED_AGENT) -> Operation | None:
+    """The operation ``agent`` recorded under ``intent_key``, or ``None``: the ``agent`` it
+    was enqueued for (:func:`enqueue`'s ``agent``, else its ``requested_by``; default: the
+    shared scope). Reads in the caller's transaction."""
+    return sql.intents.find_operation(session, intent_key, agent=agent)
+
+
+def find_every_agents(session: Executor, intent_key: str) -> list[Operation]:
+    """Every agent's operation recorded under ``intent_key``, by agent: an operator's search
+    (an agent reads its own with :func:`find`). Reads in the caller's transaction."""
+    return sql.intents.find_every_agents(session, intent_key)
 
 
 def cancel(session: Executor, operation_id: UUID | str, *, reason: str | None = None) -> Operation:
@@ -527,6 +575,18 @@ def _check_intent_key(intent_key: Any) -> None:
         )
 
 
+def _check_agent(intent: Intent) -> None:
+    field = "agent" if intent.agent is not None else "requested_by"
+    agent = intent.scope
+    if not isinstance(agent, str):
+        raise InvalidIntent(f"{field} must be a string, not {type(agent).__name__}", field=field)
+    if len(agent) > MAX_AGENT_LENGTH:
+        raise InvalidIntent(
+            f"{field} is {len(agent)} characters; an intent's agent is at most {MAX_AGENT_LENGTH}",
+            field=field,
+        )
+
+
 def _canonical_payload(payload: Any) -> bytes:
     if not isinstance(payload, Mapping):
         raise InvalidIntent(
@@ -598,6 +658,7 @@ def _check_same_intent(
             f"{operation_id}{pruned} with a different {', '.join(differences)}; "
             "nothing was written",
             intent_key=existing.intent_key,
+            agent=existing.agent,
             operation_id=operation_id,
             differences=differences,
         )

@@ -33,7 +33,7 @@ from outbox import sql, webhooks
 from outbox.errors import BudgetExceeded, ConfigError, InvalidIntent
 from outbox.locks import advisory_key
 from outbox.logs import Action
-from outbox.models import Executor, WebhookEvent
+from outbox.models import Executor, IntentKey, WebhookEvent
 from outbox.sql.budgets import BudgetUsage
 
 log = logging.getLogger(__name__)
@@ -266,9 +266,9 @@ def take_locks(executor: Executor, wanted: Iterable[Demand]) -> None:
     sql.budgets.lock_keys(executor, keys)
 
 
-def check(executor: Executor, intents: Sequence[tuple[str | None, Sequence[Demand]]]) -> None:
+def check(executor: Executor, intents: Sequence[tuple[IntentKey | None, Sequence[Demand]]]) -> None:
     """Raise :class:`BudgetExceeded` for the first (budget, key) that the ``intents`` (their
-    intent keys and demands, in order) would take over its limit, counting the usage
+    agents' intent keys and demands, in order) would take over its limit, counting the usage
     committed inside the window; call with the keys' locks held (:func:`take_locks`), in a
     statement after the lock's. An intent whose key is recorded already asks nothing: it
     will get its operation back, and is never refused nor counted twice."""

@@ -80,12 +80,14 @@ class PayloadInvalid(InvalidIntent):
 class IntentConflict(OutboxError):
     """The intent key is already used by an operation with another tool, target or payload.
 
-    ``intent_key`` is the reused key, ``operation_id`` the existing operation, and
+    ``intent_key`` is the reused key, ``agent`` the agent it belongs to (the caller's: no
+    other agent's operation is ever compared), ``operation_id`` the existing operation, and
     ``differences`` the names of the fields that differ (a subset of ``tool``, ``target``,
     ``payload``). Nothing was written.
     """
 
     intent_key: str
+    agent: str = ""
     operation_id: object
     differences: tuple[str, ...]
 

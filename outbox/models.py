@@ -66,6 +66,9 @@ class Operation:
     decided_at: datetime | None = None
     #: The payload hash the approver saw: set by an approval, equal to ``payload_hash``.
     approved_payload_hash: str | None = None
+    #: The agent whose intent key this is (``""``: the deployment's shared scope): the same
+    #: key from another agent names another operation.
+    agent: str = ""
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> Operation:
@@ -101,6 +104,15 @@ class Operation:
                 value = str(value)
             data[field.name] = value
         return data
+
+
+@dataclass(frozen=True, slots=True)
+class IntentKey:
+    """An intent key in its agent's scope: together they name one operation."""
+
+    #: The agent (``""``: the deployment's shared scope).
+    agent: str
+    key: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +176,10 @@ class PrunedIntent:
     first_sent_at: datetime | None
     resolved_at: datetime
     pruned_at: datetime
+    #: The agent whose key it was (the one that asked, for a row of ``all_agents``).
+    agent: str = ""
+    #: Pruned before agents were recorded: its key is done for every agent.
+    all_agents: bool = False
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> PrunedIntent:
@@ -300,6 +316,9 @@ class ApiToken:
     created_at: datetime
     last_used_at: datetime | None
     revoked_at: datetime | None
+    #: The agent it speaks for: the scope of its intent keys (its name unless made with
+    #: ``--agent``: several tokens of one agent share its operations).
+    agent: str
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> ApiToken:

@@ -96,7 +96,11 @@ operations = Table(
     Column("decided_by", Text),
     _timestamp("decided_at"),
     Column("approved_payload_hash", Text),
-    UniqueConstraint("intent_key"),
+    # The agent the intent key belongs to (migration 0023; ``''``: the deployment's shared
+    # scope): the same key from two agents names two operations. Key first in the unique
+    # rule, so a search by key alone (an operator's) reads the same index.
+    Column("agent", Text, nullable=False, server_default=text("''")),
+    UniqueConstraint("intent_key", "agent"),
     # The row's fifteen invariants (the state machine's, the key's and the hash's shapes), in
     # one PL/pgSQL function that names the rule a bad row breaks (ck_operations_state_known,
     # ck_operations_sent_has_attempt, ...): PostgreSQL prepares every CHECK expression again
@@ -189,6 +193,10 @@ pruned_intents = Table(
     _timestamp("first_sent_at"),
     _timestamp("resolved_at", nullable=False),
     _timestamp("pruned_at", nullable=False, now=True),
+    # The operation's agent (migration 0023): its key is done for that agent only; a row
+    # pruned before agents were recorded has ``all_agents``, its key done for every agent.
+    Column("agent", Text, primary_key=True, server_default=text("''")),
+    Column("all_agents", Boolean, nullable=False, server_default=text("false")),
     # Their own retention (`outbox db prune --forget-intents-older-than`).
     Index("ix_pruned_intents_resolved_at", "resolved_at"),
 )
@@ -291,10 +299,14 @@ api_tokens = Table(
     _timestamp("created_at", nullable=False, now=True),
     _timestamp("last_used_at"),
     _timestamp("revoked_at"),
+    # The agent this token speaks for (migration 0023): its intent keys' scope. Its own name
+    # unless made with ``--agent``, so another token of one agent (a rotation) keeps the scope.
+    Column("agent", Text, nullable=False),
     UniqueConstraint("name"),
     UniqueConstraint("token_hash"),
     CheckConstraint("scope IN ('agent', 'operator')", name="scope_known"),
     CheckConstraint("char_length(name) BETWEEN 1 AND 128", name="name_length"),
+    CheckConstraint("char_length(agent) BETWEEN 1 AND 128", name="agent_length"),
     CheckConstraint(
         "octet_length(token_hash) = 64 AND ltrim(token_hash, '0123456789abcdef') = ''",
         name="token_hash_sha256",

@@ -56,19 +56,26 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_token(session: Executor, *, name: str, scope: TokenScope | str) -> NewToken:
+def create_token(
+    session: Executor, *, name: str, scope: TokenScope | str, agent: str | None = None
+) -> NewToken:
     """Make a token named ``name`` with ``scope``, in the caller's transaction (no commit).
 
-    Returns the token itself, which is not stored and cannot be shown again. Raises
-    :class:`TokenRefused` (``field``) for a malformed name or scope, or a name that a token
-    (even a revoked one) has: a name in an audit trail names one token's holder, for good.
+    ``agent`` (default: ``name``) is the agent the token speaks for: the scope of its intent
+    keys and what it may read. Another token made for the same agent (a rotation: make the
+    new one, move the agent to it, revoke the old one) finds the same operations under the
+    same keys. Returns the token itself, which is not stored and cannot be shown again.
+    Raises :class:`TokenRefused` (``field``) for a malformed name, agent or scope, or a name
+    that a token (even a revoked one) has: a name in an audit trail names one token's
+    holder, for good.
     """
-    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise TokenRefused(
-            f"token name {name!r} must be 1 to 128 letters, digits, '.', '_', '@' or '-', "
-            "starting with a letter or a digit",
-            field="name",
-        )
+    for value, field in ((name, "name"), (agent if agent is not None else name, "agent")):
+        if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
+            raise TokenRefused(
+                f"token {field} {value!r} must be 1 to 128 letters, digits, '.', '_', '@' or "
+                "'-', starting with a letter or a digit",
+                field=field,
+            )
     try:
         checked = TokenScope(scope)
     except ValueError:
@@ -78,7 +85,11 @@ def create_token(session: Executor, *, name: str, scope: TokenScope | str) -> Ne
         ) from None
     token = PREFIX + secrets.token_urlsafe(TOKEN_BYTES)
     made = sql.tokens.insert_token(
-        session, name=name, scope=checked.value, token_hash=hash_token(token)
+        session,
+        name=name,
+        scope=checked.value,
+        agent=agent if agent is not None else name,
+        token_hash=hash_token(token),
     )
     if made is None:
         taken = sql.tokens.get_token(session, name)

@@ -89,6 +89,7 @@ def message(
         "data": {
             "operation_id": str(operation.id),
             "intent_key": operation.intent_key,
+            "agent": operation.agent,
             "tool": operation.tool,
             "target": operation.target,
             "state": operation.state.value,

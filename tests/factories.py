@@ -53,6 +53,7 @@ def make_operation(
     target: str = "project-a",
     payload: dict[str, Any] | None = None,
     intent_key: str | None = None,
+    agent: str | None = None,
 ) -> Operation:
     """A committed operation in ``state``, reached by the moves a real run would make."""
     with Session(engine) as session, session.begin():
@@ -63,6 +64,7 @@ def make_operation(
             payload=payload if payload is not None else {"n": next(_counter)},
             intent_key=intent_key,
             require_approval=state is State.AWAITING_APPROVAL,
+            agent=agent,
         )
         for from_state, to_state, actor, columns in _PATHS[state]:
             op = apply_move(

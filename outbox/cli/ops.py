@@ -85,7 +85,8 @@ def show(
 
 
 def _by_id_or_key(session: Session, value: str) -> Operation:
-    """The operation whose id is ``value``, else the one whose intent key is; one line if none.
+    """The operation whose id is ``value``, else the one whose intent key is; one line if none,
+    or if agents share the key (each agent's is another operation: then its id is asked for).
 
     An id is tried first: an intent key left to its default is the operation's own id, so
     both readings name the same operation.
@@ -94,11 +95,18 @@ def _by_id_or_key(session: Session, value: str) -> Operation:
         op = api.get(session, UUID(value))
     except ValueError:
         op = None
-    if op is None:
-        op = api.find(session, value)
-    if op is None:
+    if op is not None:
+        return op
+    found = api.find_every_agents(session, value)
+    if not found:
         raise OperationNotFound(f"no operation with id or intent key {value!r}")
-    return op
+    if len(found) > 1:
+        each = ", ".join(f"{o.id} (agent {o.agent or '(shared)'})" for o in found)
+        raise OperationNotFound(
+            f"intent key {value!r} names {len(found)} operations, one per agent: {each}; "
+            "give the id of the one you mean"
+        )
+    return found[0]
 
 
 @app.command()
@@ -346,6 +354,7 @@ def _details(op: Operation) -> str:
         ("tool", op.tool),
         ("target", op.target),
         ("intent key", op.intent_key),
+        ("agent", op.agent or "(shared)"),
         ("payload hash", op.payload_hash),
         ("approval", _approval_status(op)),
         ("attempts", op.attempts),
@@ -360,7 +369,7 @@ def _details(op: Operation) -> str:
     ]
     saga = _saga_line(op)
     if saga is not None:  # only for a saga's step or undo: most operations have none
-        rows.insert(5, ("saga", saga))
+        rows.insert(6, ("saga", saga))
     return "\n".join(f"{name:>14}: {'-' if value is None else value}" for name, value in rows)
 
 

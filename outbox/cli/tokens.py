@@ -31,6 +31,14 @@ def create_command(
             help="agent: enqueue and read its own operations; operator: read all, decide.",
         ),
     ],
+    agent: Annotated[
+        str | None,
+        typer.Option(
+            help="The agent it speaks for (default: NAME): the scope of its intent keys and "
+            "what it reads. Give an existing agent to rotate: make the new token, move the "
+            "agent to it, revoke the old one; its operations and keys stay its own."
+        ),
+    ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the token and its row as JSON.")
     ] = False,
@@ -41,7 +49,7 @@ def create_command(
     A name is never reused, even once its token is revoked.
     """
     with transaction() as session:
-        made = tokens.create_token(session, name=name, scope=scope)
+        made = tokens.create_token(session, name=name, scope=scope, agent=agent)
     errors.print(
         f"warning: this is the only time token {name!r} is shown: only its hash is kept. "
         "Store it now; if it is lost, revoke it and make another.",
@@ -91,12 +99,13 @@ def _ago(moment: datetime | None, now: datetime) -> str:
 
 def _tokens_table(found: list[ApiToken], now: datetime) -> Table:
     table = Table()
-    for header in ("name", "scope", "created", "last used", "revoked"):
+    for header in ("name", "scope", "agent", "created", "last used", "revoked"):
         table.add_column(header)
     for token in found:
         table.add_row(
             token.name,
             token.scope.value,
+            token.agent,
             _ago(token.created_at, now),
             _ago(token.last_used_at, now),
             _ago(token.revoked_at, now),

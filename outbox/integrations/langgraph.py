@@ -349,7 +349,7 @@ def _enqueue_committed(
         return _calls.enqueue_committed(engine, **_intent(tool, key, arguments))
     except IntentConflict as exc:
         with Session(engine) as session:
-            existing = find(session, exc.intent_key)
+            existing = find(session, exc.intent_key, agent=exc.agent)
         raise ToolException(_conflict(exc, existing)) from exc
     except (InvalidIntent, BudgetExceeded, IntentAlreadyDone) as exc:
         raise _refused(exc) from exc
@@ -363,7 +363,7 @@ async def _enqueue_committed_async(
         return await _calls.enqueue_committed_async(engine, **_intent(tool, key, arguments))
     except IntentConflict as exc:
         async with AsyncSession(engine) as session:
-            existing = await aio.find(session, exc.intent_key)
+            existing = await aio.find(session, exc.intent_key, agent=exc.agent)
         raise ToolException(_conflict(exc, existing)) from exc
     except (InvalidIntent, BudgetExceeded, IntentAlreadyDone) as exc:
         raise _refused(exc) from exc

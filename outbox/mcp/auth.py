@@ -2,11 +2,14 @@
 --scope agent``), checked by the MCP SDK's bearer middleware through :class:`TokenCheck`.
 
 A request without a live token is refused with 401 before the MCP session sees it; an
-operator's token with 403 (the MCP server is for agents). The token's name is the caller:
-``requested_by`` of what it enqueues, and the only operations it can read.
+operator's token with 403 (the MCP server is for agents). The token's name is the caller,
+``requested_by`` of what it enqueues; its agent owns the intent keys and the only operations
+it can read.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from mcp.server.auth.provider import AccessToken
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -16,6 +19,22 @@ from outbox.models import TokenScope
 
 #: The scope a token needs (``AccessToken.scopes`` carries the token's own).
 REQUIRED_SCOPE = TokenScope.AGENT.value
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who calls: the name recorded as ``requested_by`` (a token's, or ``OUTBOX_MCP_AGENT``
+    over stdio), and the agent whose intent keys and operations are its own (the token's
+    agent: every token of one agent shares them)."""
+
+    name: str
+    agent: str
+
+
+class AgentAccessToken(AccessToken):
+    """The SDK's access token, with the agent the token speaks for."""
+
+    agent: str
 
 
 class TokenCheck:
@@ -32,4 +51,9 @@ class TokenCheck:
         if found is None:
             return None
         # The secret is not kept on the request: the SDK compares the principal (the name).
-        return AccessToken(token="-", client_id=found.name, scopes=[found.scope.value])  # noqa: S106
+        return AgentAccessToken(
+            token="-",  # noqa: S106 -- a placeholder, not a secret
+            client_id=found.name,
+            scopes=[found.scope.value],
+            agent=found.agent,
+        )

@@ -27,6 +27,7 @@ from outbox.errors import (
     OperationNotFound,
     WaitTimeout,
 )
+from outbox.mcp.auth import Caller
 from outbox.mcp.tools import (
     ArgumentRefused,
     ToolIntent,
@@ -53,7 +54,7 @@ class Calls:
     wait_s: float
 
     async def call_registered(
-        self, tool: str, arguments: Mapping[str, Any] | None, caller: str
+        self, tool: str, arguments: Mapping[str, Any] | None, caller: Caller
     ) -> types.CallToolResult:
         """Enqueue ``caller``'s intent for ``tool`` in a committed transaction of its own
         (the same intent again is the same operation), then wait for its outcome."""
@@ -74,7 +75,7 @@ class Calls:
         return report_result(report_of(await self._settled(op, self.wait_s)))
 
     async def status(
-        self, arguments: Mapping[str, Any] | None, caller: str
+        self, arguments: Mapping[str, Any] | None, caller: Caller
     ) -> types.CallToolResult:
         """``outbox_status``: one of ``caller``'s operations, waiting up to ``wait_s`` (at
         most the server's own wait) for it to settle."""
@@ -89,9 +90,7 @@ class Calls:
             else:
                 field, named = "intent_key", f"intent_key {query.intent_key!r}"
                 async with self.engine.connect() as conn:
-                    op = await aio.find(conn, str(query.intent_key))
-                if op is not None and op.requested_by != caller:
-                    op = None
+                    op = await aio.find(conn, str(query.intent_key), agent=caller.agent)
             if op is None:
                 return refused(f"none of your operations has {named}", field=field)
             op = await self._settled(op, min(query.wait_s, self.wait_s), through_approval=True)
@@ -100,7 +99,7 @@ class Calls:
         return report_result(report_of(op))
 
     async def list_own(
-        self, arguments: Mapping[str, Any] | None, caller: str
+        self, arguments: Mapping[str, Any] | None, caller: Caller
     ) -> types.CallToolResult:
         """``outbox_list``: ``caller``'s operations, newest first."""
         try:
@@ -125,45 +124,45 @@ class Calls:
         )
 
     async def own_operations(
-        self, caller: str, *, state: State | None = None, limit: int = 20
+        self, caller: Caller, *, state: State | None = None, limit: int = 20
     ) -> list[Operation]:
-        """``caller``'s operations, newest first (ids are UUIDv7: creation order)."""
+        """``caller``'s agent's operations, newest first (ids are UUIDv7: creation order)."""
         async with self.engine.connect() as conn:
             return await conn.run_sync(
                 lambda sync: sql.web.page_operations(
-                    sync, limit=limit, state=state, requested_by=caller
+                    sync, limit=limit, state=state, agent=caller.agent
                 )
             )
 
-    async def own_operation(self, operation_id: str, caller: str) -> Operation | None:
-        """One of ``caller``'s operations by id; ``None`` if there is none (or another's)."""
+    async def own_operation(self, operation_id: str, caller: Caller) -> Operation | None:
+        """One of ``caller``'s agent's operations by id; ``None`` if there is none (or
+        another agent's)."""
         async with self.engine.connect() as conn:
             try:
                 op = await aio.get(conn, operation_id)
             except OperationNotFound:  # not an operation id at all
                 return None
-        return op if op is not None and op.requested_by == caller else None
+        return op if op is not None and op.agent == caller.agent else None
 
-    async def _enqueue_committed(self, tool: str, intent: ToolIntent, caller: str) -> Operation:
-        """The operation of ``intent``, recorded and committed (or found: the same intent)."""
+    async def _enqueue_committed(self, tool: str, intent: ToolIntent, caller: Caller) -> Operation:
+        """The operation of ``intent``, recorded and committed (or found: the same intent),
+        the key ``caller``'s agent's own."""
         key = intent.intent_key
         async with self.engine.begin() as conn:
             try:
-                op = await aio.enqueue(
+                return await aio.enqueue(
                     conn,
                     tool=tool,
                     target=intent.target,
                     payload=intent.payload,
                     intent_key=key,
-                    requested_by=caller,
+                    requested_by=caller.name,
+                    agent=caller.agent,
                 )
             except IntentConflict as exc:
                 # Nothing was written; the existing operation tells which fields differ.
-                existing = await aio.find(conn, key)
-                raise _conflict(exc, existing, intent, caller) from exc
-            if op.requested_by != caller:
-                raise _taken(key)
-        return op
+                existing = await aio.find(conn, key, agent=caller.agent)
+                raise _conflict(exc, existing, intent) from exc
 
     async def _settled(
         self, op: Operation, wait_s: float, *, through_approval: bool = False
@@ -185,22 +184,12 @@ class Calls:
             return op  # recorded already: its report says how to check on it later
 
 
-def _taken(key: str) -> ArgumentRefused:
-    # Same key and intent, another agent's operation: neither shown nor shared.
-    return ArgumentRefused(
-        f"intent_key {key!r} names an action another agent asked for; choose a key of your "
-        "own (e.g. with your conversation id in it)",
-        field="intent_key",
-    )
-
-
 def _conflict(
-    exc: IntentConflict, existing: Operation | None, intent: ToolIntent, caller: str
+    exc: IntentConflict, existing: Operation | None, intent: ToolIntent
 ) -> ArgumentRefused:
     """The conflict in words for a model, naming each field (down to the payload's own
-    fields) that differs from what the key was first used for."""
-    if existing is not None and existing.requested_by != caller:
-        return _taken(intent.intent_key)
+    fields) that differs from what the key was first used for (the caller's own key: no
+    other agent's operation is ever compared)."""
     fields = [name for name in exc.differences if name != "payload"]
     if "payload" in exc.differences:
         paths = differing_paths(existing.payload, intent.payload) if existing else []

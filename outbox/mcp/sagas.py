@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import aio
 from outbox.errors import BudgetExceeded, IntentConflict, OutboxError
+from outbox.mcp.auth import Caller
 from outbox.mcp.calls import refused, unreachable
 from outbox.mcp.tools import ArgumentRefused
 from outbox.saga_rules import FINAL_SAGA_STATES, SagaState
@@ -281,7 +282,7 @@ class SagaCalls:
     tools: Mapping[str, str]
 
     async def declare(
-        self, arguments: Mapping[str, Any] | None, caller: str
+        self, arguments: Mapping[str, Any] | None, caller: Caller
     ) -> types.CallToolResult:
         """``outbox_saga``: declare ``caller``'s saga in a committed transaction of its own
         (the same declaration again is the same saga), then wait for it to settle."""
@@ -292,7 +293,7 @@ class SagaCalls:
         try:
             async with self.engine.begin() as conn:
                 done = await aio.declare_saga(
-                    conn, declaration.saga_key, declaration.steps, requested_by=caller
+                    conn, declaration.saga_key, declaration.steps, requested_by=caller.name
                 )
         except OutboxError as exc:  # refused: nothing was written
             return _refusal(exc, declaration.saga_key)
@@ -301,7 +302,7 @@ class SagaCalls:
         return saga_result(await self._settled(done.saga, self.wait_s))
 
     async def status(
-        self, arguments: Mapping[str, Any] | None, caller: str
+        self, arguments: Mapping[str, Any] | None, caller: Caller
     ) -> types.CallToolResult:
         """``outbox_saga_status``: one of ``caller``'s sagas, waiting up to ``wait_s`` (at
         most the server's own wait) for it to settle."""
@@ -311,7 +312,7 @@ class SagaCalls:
             return refused(str(exc), field=exc.field)
         try:
             found = await self._read(query.saga_key)
-            if found is None or found.requested_by != caller:
+            if found is None or found.requested_by != caller.name:
                 return refused(
                     f"none of your sagas has saga_key {query.saga_key!r}", field="saga_key"
                 )

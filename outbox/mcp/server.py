@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from outbox import __version__
 from outbox.contracts import ContractTable
-from outbox.mcp.auth import REQUIRED_SCOPE, TokenCheck
+from outbox.mcp.auth import REQUIRED_SCOPE, AgentAccessToken, Caller, TokenCheck
 from outbox.mcp.calls import Calls, report_of
 from outbox.mcp.sagas import (
     SAGA_STATUS_TOOL,
@@ -90,9 +90,12 @@ def create_server(context: McpContext) -> Server[Any]:
     step_tools = {name: name for name in registered} | mcp_names(registered)
     saga_calls = SagaCalls(engine=context.engine, wait_s=context.wait_s, tools=step_tools)
 
-    def caller() -> str:
+    def caller() -> Caller:
         token = get_access_token()
-        return token.client_id if token is not None else context.agent
+        if token is None:  # stdio: the one agent this process serves
+            return Caller(name=context.agent, agent=context.agent)
+        agent = token.agent if isinstance(token, AgentAccessToken) else token.client_id
+        return Caller(name=token.client_id, agent=agent)
 
     async def list_tools(
         _ctx: ServerRequestContext[Any], _params: types.PaginatedRequestParams | None

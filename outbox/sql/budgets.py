@@ -9,7 +9,7 @@ from datetime import datetime
 
 from sqlalchemy import text
 
-from outbox.models import Executor
+from outbox.models import Executor, IntentKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +30,7 @@ class Counted:
     """What :func:`count_usage` found: each key's use, and the intent keys recorded already."""
 
     keys: list[KeyUsage]
-    recorded: frozenset[str]
+    recorded: frozenset[IntentKey]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +145,11 @@ _COUNT_USAGE = text(
     -- (migration 0021); a pruned one keeps its rows, and counts.
     SELECT w.budget, w.key, used.operations, used.cost,
            -- The intents recorded already (a retry): their share is not asked again.
-           (SELECT array_agg(intent_key) FROM outbox.operations
-            WHERE intent_key = ANY(CAST(:intent_keys AS text[]))) AS recorded
+           (SELECT json_agg(json_build_array(o.agent, o.intent_key))
+            FROM unnest(CAST(:intent_keys AS text[]), CAST(:agents AS text[]))
+                   AS k(intent_key, agent)
+            JOIN outbox.operations AS o
+              ON o.intent_key = k.intent_key AND o.agent = k.agent) AS recorded
     FROM wanted AS w CROSS JOIN now
     CROSS JOIN LATERAL (
         SELECT count(*) AS operations, coalesce(sum(u.cost), 0) AS cost
@@ -164,7 +167,7 @@ def count_usage(
     budgets: Sequence[str],
     keys: Sequence[str],
     windows: Sequence[float],
-    intent_keys: Sequence[str] = (),
+    intent_keys: Sequence[IntentKey] = (),
 ) -> Counted:
     """What each (budget, key) used inside its window (database clock), deleting its rows
     that left the window, and which of ``intent_keys`` name operations already. Run it in a
@@ -175,14 +178,17 @@ def count_usage(
             "budgets": list(budgets),
             "keys": list(keys),
             "windows": list(windows),
-            "intent_keys": list(intent_keys),
+            "intent_keys": [k.key for k in intent_keys],
+            "agents": [k.agent for k in intent_keys],
         },
     ).mappings()
     found = [
         (KeyUsage(row["budget"], row["key"], int(row["operations"]), float(row["cost"])), row)
         for row in rows
     ]
-    recorded = frozenset(found[0][1]["recorded"] or ()) if found else frozenset()
+    recorded = frozenset(
+        IntentKey(agent, key) for agent, key in (found[0][1]["recorded"] or () if found else ())
+    )
     return Counted([usage for usage, _row in found], recorded)
 
 

@@ -12,8 +12,8 @@ from uuid import UUID
 from sqlalchemy import bindparam, select, text
 
 from outbox.driver import DriverStatement
-from outbox.models import Event, Executor, Operation, PrunedIntent
-from outbox.schema import events, operations, pruned_intents
+from outbox.models import Event, Executor, IntentKey, Operation, PrunedIntent
+from outbox.schema import events, operations
 from outbox.sql.budgets import BudgetDefinition
 from outbox.states import State
 
@@ -37,9 +37,9 @@ _INSERT_INTENT = DriverStatement.of(
     ),
     inserted AS (
         INSERT INTO outbox.operations
-            (id, intent_key, tool, target, payload, payload_hash, intent_hash, metadata,
+            (id, intent_key, agent, tool, target, payload, payload_hash, intent_hash, metadata,
              requested_by, state, approval_required, approval_expires_at)
-        SELECT new.id, coalesce(:intent_key, new.id::text), :tool, :target,
+        SELECT new.id, coalesce(:intent_key, new.id::text), :agent, :tool, :target,
                CAST(:payload AS jsonb), :payload_hash, :intent_hash, CAST(:metadata AS jsonb),
                :requested_by,
                CASE WHEN new.approval THEN 'awaiting_approval' ELSE 'planned' END,
@@ -47,10 +47,12 @@ _INSERT_INTENT = DriverStatement.of(
                CASE WHEN new.approval
                     THEN statement_timestamp() + make_interval(secs => new.ttl_s) END
         FROM new
-        -- A key whose operation was pruned is done: one primary-key probe, in this statement.
+        -- A key whose operation was pruned is done (for its agent; for every agent if it was
+        -- pruned before agents were recorded): one primary-key range probe, in this statement.
         WHERE NOT new.budgeted
-          AND NOT EXISTS (SELECT FROM outbox.pruned_intents WHERE intent_key = :intent_key)
-        ON CONFLICT (intent_key) DO NOTHING
+          AND NOT EXISTS (SELECT FROM outbox.pruned_intents
+                          WHERE intent_key = :intent_key AND (agent = :agent OR all_agents))
+        ON CONFLICT (intent_key, agent) DO NOTHING
         RETURNING *
     ),
     logged AS (
@@ -106,6 +108,7 @@ def insert_intent(
     executor: Executor,
     *,
     intent_key: str | None,
+    agent: str,
     tool: str,
     target: str,
     canonical_payload: str,
@@ -116,8 +119,8 @@ def insert_intent(
     require_approval: bool = False,
     approval_ttl_s: float | None = None,
 ) -> Operation | Budgeted | None:
-    """Insert a ``planned`` operation and its first event; ``None`` if the key is taken
-    (by an operation, or by a pruned one: :func:`find_pruned_intent`); :class:`Budgeted`,
+    """Insert a ``planned`` operation and its first event; ``None`` if ``agent``'s key is
+    taken (by an operation, or by a pruned one: :func:`find_pruned_intents`); :class:`Budgeted`,
     inserting nothing, if a published budget covers the tool.
 
     It is inserted ``awaiting_approval`` instead when ``require_approval`` or the tool's
@@ -131,6 +134,7 @@ def insert_intent(
         executor,
         {
             "intent_key": intent_key,
+            "agent": agent,
             "tool": tool,
             "target": target,
             "payload": canonical_payload,
@@ -152,6 +156,7 @@ def insert_intent(
     return Operation(
         id=row["id"],
         intent_key=row["intent_key"],
+        agent=agent,
         tool=tool,
         target=target,
         payload=json.loads(canonical_payload),
@@ -204,13 +209,14 @@ _INSERT_INTENTS = text(
     """
     WITH input AS (
         SELECT * FROM unnest(
-            CAST(:intent_keys AS text[]), CAST(:tools AS text[]), CAST(:targets AS text[]),
+            CAST(:intent_keys AS text[]), CAST(:agents AS text[]), CAST(:tools AS text[]),
+            CAST(:targets AS text[]),
             CAST(:payloads AS jsonb[]), CAST(:payload_hashes AS text[]),
             CAST(:intent_hashes AS text[]), CAST(:metadata AS jsonb[]),
             CAST(:requested_by AS text[]), CAST(:require_approval AS boolean[]),
             CAST(:approval_ttl_s AS double precision[])
         ) WITH ORDINALITY
-          AS i(intent_key, tool, target, payload, payload_hash, intent_hash, metadata,
+          AS i(intent_key, agent, tool, target, payload, payload_hash, intent_hash, metadata,
                requested_by, require_approval, approval_ttl_s, n)
     ),
     new AS (
@@ -226,17 +232,19 @@ _INSERT_INTENTS = text(
     ),
     inserted AS (
         INSERT INTO outbox.operations
-            (id, intent_key, tool, target, payload, payload_hash, intent_hash, metadata,
+            (id, intent_key, agent, tool, target, payload, payload_hash, intent_hash, metadata,
              requested_by, state, approval_required, approval_expires_at)
-        SELECT id, coalesce(intent_key, id::text), tool, target, payload, payload_hash,
+        SELECT id, coalesce(intent_key, id::text), agent, tool, target, payload, payload_hash,
                intent_hash, metadata, requested_by,
                CASE WHEN approval THEN 'awaiting_approval' ELSE 'planned' END, approval,
                CASE WHEN approval THEN statement_timestamp() + make_interval(secs => ttl_s) END
         FROM new
         WHERE NOT new.budgeted
-          AND NOT EXISTS (SELECT FROM outbox.pruned_intents p WHERE p.intent_key = new.intent_key)
+          AND NOT EXISTS (SELECT FROM outbox.pruned_intents p
+                          WHERE p.intent_key = new.intent_key
+                            AND (p.agent = new.agent OR p.all_agents))
         ORDER BY n
-        ON CONFLICT (intent_key) DO NOTHING
+        ON CONFLICT (intent_key, agent) DO NOTHING
         RETURNING *
     ),
     logged AS (
@@ -270,6 +278,7 @@ def insert_intents(
     executor: Executor,
     *,
     intent_keys: Sequence[str | None],
+    agents: Sequence[str],
     tools: Sequence[str],
     targets: Sequence[str],
     canonical_payloads: Sequence[str],
@@ -295,6 +304,7 @@ def insert_intents(
         _INSERT_INTENTS,
         {
             "intent_keys": list(intent_keys),
+            "agents": list(agents),
             "tools": list(tools),
             "targets": list(targets),
             "payloads": list(canonical_payloads),
@@ -322,26 +332,39 @@ def insert_intents(
     return InsertedIntents(inserted, budgeted)
 
 
-_FIND_OPERATIONS = select(operations).where(
-    operations.c.intent_key.in_(bindparam("intent_keys", expanding=True))
+_FIND_OPERATIONS = text(
+    "SELECT o.* "
+    "FROM unnest(CAST(:intent_keys AS text[]), CAST(:agents AS text[])) AS k(intent_key, agent) "
+    "JOIN outbox.operations AS o ON o.intent_key = k.intent_key AND o.agent = k.agent"
 )
 
 
-def find_operations(executor: Executor, intent_keys: Sequence[str]) -> list[Operation]:
-    """The operations recorded under these intent keys (those that exist)."""
-    rows = executor.execute(_FIND_OPERATIONS, {"intent_keys": list(intent_keys)})
+def find_operations(executor: Executor, keys: Sequence[IntentKey]) -> list[Operation]:
+    """The operations recorded under these agents' intent keys (those that exist)."""
+    rows = executor.execute(_FIND_OPERATIONS, _scoped(keys))
     return [Operation.from_row(row) for row in rows.mappings()]
 
 
-_FIND_PRUNED_INTENTS = select(pruned_intents).where(
-    pruned_intents.c.intent_key.in_(bindparam("intent_keys", expanding=True))
+# A row pruned before agents were recorded (all_agents) answers for every agent's key: it is
+# returned with the agent that asked, so the caller matches it like any other.
+_FIND_PRUNED_INTENTS = text(
+    "SELECT p.*, k.agent AS asked_by "
+    "FROM unnest(CAST(:intent_keys AS text[]), CAST(:agents AS text[])) AS k(intent_key, agent) "
+    "JOIN outbox.pruned_intents AS p "
+    "ON p.intent_key = k.intent_key AND (p.agent = k.agent OR p.all_agents)"
 )
 
 
-def find_pruned_intents(executor: Executor, intent_keys: Sequence[str]) -> list[PrunedIntent]:
-    """What is kept of the pruned operations recorded under these intent keys (those pruned)."""
-    rows = executor.execute(_FIND_PRUNED_INTENTS, {"intent_keys": list(intent_keys)})
-    return [PrunedIntent.from_row(row) for row in rows.mappings()]
+def find_pruned_intents(executor: Executor, keys: Sequence[IntentKey]) -> list[PrunedIntent]:
+    """What is kept of the pruned operations recorded under these agents' intent keys (those
+    pruned). A row pruned before agents were recorded (``all_agents``) is found for every
+    agent, as the agent that asked."""
+    rows = executor.execute(_FIND_PRUNED_INTENTS, _scoped(keys))
+    return [PrunedIntent.from_row({**row, "agent": row["asked_by"]}) for row in rows.mappings()]
+
+
+def _scoped(keys: Sequence[IntentKey]) -> dict[str, list[str]]:
+    return {"intent_keys": [k.key for k in keys], "agents": [k.agent for k in keys]}
 
 
 _GET_OPERATION = select(operations).where(operations.c.id == bindparam("operation_id"))
@@ -354,14 +377,30 @@ def get_operation(executor: Executor, operation_id: UUID) -> Operation | None:
     return Operation.from_row(found) if found is not None else None
 
 
-_FIND_OPERATION = select(operations).where(operations.c.intent_key == bindparam("intent_key"))
+_FIND_OPERATION = select(operations).where(
+    operations.c.intent_key == bindparam("intent_key"), operations.c.agent == bindparam("agent")
+)
 
 
-def find_operation(executor: Executor, intent_key: str) -> Operation | None:
-    """The operation recorded under this intent key, or ``None``."""
-    row = executor.execute(_FIND_OPERATION, {"intent_key": intent_key})
+def find_operation(executor: Executor, intent_key: str, *, agent: str) -> Operation | None:
+    """The operation recorded under ``agent``'s intent key, or ``None``."""
+    row = executor.execute(_FIND_OPERATION, {"intent_key": intent_key, "agent": agent})
     found = row.mappings().one_or_none()
     return Operation.from_row(found) if found is not None else None
+
+
+_FIND_EVERY_AGENTS = (
+    select(operations)
+    .where(operations.c.intent_key == bindparam("intent_key"))
+    .order_by(operations.c.agent)
+)
+
+
+def find_every_agents(executor: Executor, intent_key: str) -> list[Operation]:
+    """Every agent's operation recorded under ``intent_key``, by agent (the unique index's
+    leading column answers it)."""
+    rows = executor.execute(_FIND_EVERY_AGENTS, {"intent_key": intent_key})
+    return [Operation.from_row(row) for row in rows.mappings()]
 
 
 def list_operations(

@@ -9,25 +9,28 @@ from outbox.models import ApiToken, Executor
 # Every statement returns every column but the hash: it is only ever compared in a WHERE.
 _INSERT_TOKEN = text(
     """
-    INSERT INTO outbox.api_tokens (name, scope, token_hash)
-    VALUES (:name, :scope, :token_hash)
+    INSERT INTO outbox.api_tokens (name, scope, agent, token_hash)
+    VALUES (:name, :scope, :agent, :token_hash)
     ON CONFLICT (name) DO NOTHING
-    RETURNING id, name, scope, created_at, last_used_at, revoked_at
+    RETURNING id, name, scope, agent, created_at, last_used_at, revoked_at
     """
 )
 
 
-def insert_token(executor: Executor, *, name: str, scope: str, token_hash: str) -> ApiToken | None:
-    """Insert a token; ``None`` when a token (live or revoked) has this name already."""
+def insert_token(
+    executor: Executor, *, name: str, scope: str, agent: str, token_hash: str
+) -> ApiToken | None:
+    """Insert a token speaking for ``agent``; ``None`` when a token (live or revoked) has this
+    name already."""
     row = executor.execute(
-        _INSERT_TOKEN, {"name": name, "scope": scope, "token_hash": token_hash}
+        _INSERT_TOKEN, {"name": name, "scope": scope, "agent": agent, "token_hash": token_hash}
     ).mappings()
     found = row.one_or_none()
     return ApiToken.from_row(found) if found is not None else None
 
 
 _GET_TOKEN = text(
-    "SELECT id, name, scope, created_at, last_used_at, revoked_at "
+    "SELECT id, name, scope, agent, created_at, last_used_at, revoked_at "
     "FROM outbox.api_tokens WHERE name = :name"
 )
 
@@ -39,7 +42,7 @@ def get_token(executor: Executor, name: str) -> ApiToken | None:
 
 
 _LIST_TOKENS = text(
-    "SELECT id, name, scope, created_at, last_used_at, revoked_at "
+    "SELECT id, name, scope, agent, created_at, last_used_at, revoked_at "
     "FROM outbox.api_tokens ORDER BY name"
 )
 
@@ -54,7 +57,7 @@ _REVOKE_TOKEN = text(
     """
     UPDATE outbox.api_tokens SET revoked_at = coalesce(revoked_at, clock_timestamp())
     WHERE name = :name
-    RETURNING id, name, scope, created_at, last_used_at, revoked_at
+    RETURNING id, name, scope, agent, created_at, last_used_at, revoked_at
     """
 )
 
@@ -70,7 +73,7 @@ def revoke_token(executor: Executor, name: str) -> ApiToken | None:
 _AUTHENTICATE = text(
     """
     WITH found AS (
-        SELECT id, name, scope, created_at, last_used_at, revoked_at
+        SELECT id, name, scope, agent, created_at, last_used_at, revoked_at
         FROM outbox.api_tokens WHERE token_hash = :token_hash AND revoked_at IS NULL
     ),
     touched AS (
@@ -80,7 +83,7 @@ _AUTHENTICATE = text(
           AND (found.last_used_at IS NULL
                OR found.last_used_at < clock_timestamp() - make_interval(secs => :touch_every_s))
     )
-    SELECT id, name, scope, created_at, last_used_at, revoked_at FROM found
+    SELECT id, name, scope, agent, created_at, last_used_at, revoked_at FROM found
     """
 )
 

@@ -21,7 +21,7 @@ def page_operations(
     state: State | None = None,
     tool: str | None = None,
     target: str | None = None,
-    requested_by: str | None = None,
+    agent: str | None = None,
 ) -> list[Operation]:
     """Up to ``limit`` operations, newest first, older than ``before_id`` (the keyset cursor:
     ids are UUIDv7, so id order is creation order), matching every filter given."""
@@ -36,8 +36,8 @@ def page_operations(
         query = query.where(operations.c.tool == tool)
     if target is not None:
         query = query.where(operations.c.target == target)
-    if requested_by is not None:
-        query = query.where(operations.c.requested_by == requested_by)
+    if agent is not None:
+        query = query.where(operations.c.agent == agent)
     return [Operation.from_row(row) for row in executor.execute(query).mappings()]
 
 

@@ -122,5 +122,5 @@ def _allowed(request: Request, caller: ApiToken | None, *, operator_only: bool) 
 
 
 def may_read(caller: ApiToken, operation: Operation) -> bool:
-    """An operator reads every operation; an agent only those it enqueued (requested_by)."""
-    return caller.scope is TokenScope.OPERATOR or operation.requested_by == caller.name
+    """An operator reads every operation; an agent only its own agent's (any of its tokens')."""
+    return caller.scope is TokenScope.OPERATOR or operation.agent == caller.agent

@@ -194,6 +194,10 @@ class OperationOut(BaseModel):
     decided_by: str | None
     decided_at: datetime | None
     approved_payload_hash: str | None
+    agent: str = Field(
+        description="The agent whose intent key this is (an agent token's agent): the same "
+        "key from another agent names another operation."
+    )
 
     @classmethod
     def of(cls, operation: Operation) -> dict[str, Any]:

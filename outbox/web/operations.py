@@ -120,17 +120,11 @@ async def create_operation(
                 metadata=body.metadata,
                 requested_by=caller.name,
                 require_approval=body.require_approval,
+                # The key is the token's agent's: another agent's same key is another
+                # operation, and nothing of it can be in this answer.
+                agent=caller.agent,
             )
-            done = api.enqueue_intent(conn, intent)
-            if not may_read(caller, done.operation):
-                # Same key, same intent, another agent's operation: neither shown nor shared.
-                raise Problem(
-                    409,
-                    f"intent key {key!r} names an operation another token enqueued; "
-                    "choose a key of your own",
-                    slug="intent-key-taken",
-                )
-            return done
+            return api.enqueue_intent(conn, intent)
 
     # In a worker thread, on a sync connection: the same enqueue at about half the CPU.
     done = await run_in_threadpool(record)
@@ -261,7 +255,13 @@ async def list_operations(
     request: Request,
     token: Token,
     *,
-    intent_key: Annotated[Text | None, Query(description="Only the one with this key.")] = None,
+    intent_key: Annotated[
+        Text | None, Query(description="Only those with this key (one per agent).")
+    ] = None,
+    agent: Annotated[
+        Text | None,
+        Query(description="Only this agent's (an operator's filter; an agent sees its own)."),
+    ] = None,
     state: Annotated[State | None, Query(description="Only operations in this state.")] = None,
     tool: Annotated[Text | None, Query(description="Only operations of this tool.")] = None,
     target: Annotated[Text | None, Query(description="Only operations on this target.")] = None,
@@ -275,7 +275,7 @@ async def list_operations(
     ctx = context(request)
     async with ctx.engine.begin() as conn:
         caller = await authorize(conn, request, token)
-        own = None if caller.scope is TokenScope.OPERATOR else caller.name
+        own = agent if caller.scope is TokenScope.OPERATOR else caller.agent
         found = await conn.run_sync(
             lambda sync: sql.web.page_operations(
                 sync,
@@ -285,7 +285,7 @@ async def list_operations(
                 state=state,
                 tool=tool,
                 target=target,
-                requested_by=own,
+                agent=own,
             )
         )
     more = _encode_cursor(found[-1].id) if len(found) == limit else None

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from uuid import UUID, uuid4
@@ -20,9 +21,11 @@ from sqlalchemy.orm import Session
 from outbox import api, migrate, resolve, tokens
 from outbox.approval import publish_policies_committed
 from outbox.budgets import Budget, publish_budgets_committed
+from outbox.cli.db import prune_batches
 from outbox.contracts import ToolContract
 from outbox.db import create_engine
 from outbox.models import TokenScope
+from outbox.sql.retention import DedupWindows
 from outbox.states import State
 from tests.acceptance.conftest import clean_environment, run_outbox
 from tests.acceptance.test_cli_sagas import compensated_saga
@@ -359,14 +362,92 @@ def test_an_agent_reads_only_its_own_operations(
     assert seen == {mine["id"], theirs["id"]}
 
 
-def test_another_agents_key_is_not_shared(
+def test_the_same_key_from_two_agents_is_two_operations(
     agent: httpx.Client, other_agent: httpx.Client, engine: Engine
 ) -> None:
-    """The same intent under another agent's key is 409, not that agent's operation."""
-    enqueue(agent, "shared-key")
-    problem = assert_problem(enqueue(other_agent, "shared-key"), 409, "another token")
-    assert "id" not in problem
-    assert operation_count(engine) == 1
+    """Two agents sending one key and one intent each get their own operation (201), and
+    their own again (200)."""
+    mine, theirs = enqueue(agent, "shared-key"), enqueue(other_agent, "shared-key")
+    assert (mine.status_code, theirs.status_code) == (201, 201), (mine.text, theirs.text)
+    assert mine.json()["id"] != theirs.json()["id"]
+    assert (mine.json()["agent"], theirs.json()["agent"]) == ("agent-a", "agent-b")
+    again = enqueue(other_agent, "shared-key")
+    assert (again.status_code, again.json()["id"]) == (200, theirs.json()["id"])
+    assert operation_count(engine) == 2
+
+
+def test_another_agents_key_answers_as_a_key_nobody_used(
+    agent: httpx.Client, other_agent: httpx.Client, engine: Engine
+) -> None:
+    """What agent b gets for a key agent a used (the same intent, another payload, a's
+    operation finished and pruned) is what it gets for a fresh key: 201, the same headers,
+    b's own operation, nothing of a's; a's own retry of its pruned key is already done."""
+    same = enqueue(agent, "k-same").json()
+    other = enqueue(agent, "k-other", payload={"version": "9.9.9"}).json()
+    done = make_operation(
+        engine,
+        State.CONFIRMED,
+        intent_key="k-pruned",
+        payload={"version": "1.2.3"},
+        agent="agent-a",
+    )
+    age(engine, done.id, 40 * 86400, "resolved_at", "updated_at", "created_at")
+    windows = DedupWindows({TOOL: None})
+    assert sum(prune_batches(engine, older_than_s=86400, batch_size=10, windows=windows)) == 1
+    fresh = enqueue(other_agent, "k-fresh")
+    secrets = [same["id"], other["id"], str(done.id), "agent-a", "rel-1"]
+    for key in ("k-same", "k-other", "k-pruned"):
+        theirs = enqueue(other_agent, key)
+        assert theirs.status_code == fresh.status_code == 201, theirs.text
+        assert sorted(theirs.headers) == sorted(fresh.headers)
+        assert theirs.json()["agent"] == "agent-b"
+        for secret in secrets:
+            assert secret not in theirs.text
+            assert secret not in str(theirs.headers)
+    assert_problem(enqueue(agent, "k-pruned"), 409, str(done.id))
+
+
+def test_a_new_token_of_the_same_agent_keeps_its_keys(
+    server: ApiServer, agent: httpx.Client, engine: Engine
+) -> None:
+    """A rotation: a token made for agent-a under another name, the first one revoked, gets
+    agent-a's operation back for its key, reads it and lists it."""
+    first = enqueue(agent, "rotated-key").json()
+    with Session(engine) as session, session.begin():
+        rotated = tokens.create_token(
+            session, name="agent-a-2026-12", scope=TokenScope.AGENT, agent="agent-a"
+        ).token
+        tokens.revoke_token(session, "agent-a")
+    assert_problem(agent.get(f"/v1/operations/{first['id']}"), 401)
+    with httpx.Client(base_url=server.url, headers=_bearer(rotated), timeout=30) as client:
+        again = enqueue(client, "rotated-key")
+        assert (again.status_code, again.json()["id"]) == (200, first["id"])
+        assert client.get(f"/v1/operations/{first['id']}").status_code == 200
+        listed = client.get("/v1/operations").json()["items"]
+        assert [op["id"] for op in listed] == [first["id"]]
+        made = enqueue(client, "after-rotation").json()
+    assert (made["agent"], made["requested_by"]) == ("agent-a", "agent-a-2026-12")
+
+
+def test_two_agents_racing_one_key_each_get_their_own_one_operation(
+    agent: httpx.Client, other_agent: httpx.Client, engine: Engine
+) -> None:
+    """Twelve concurrent requests per agent with one key: one 201 and eleven 200s per agent,
+    every answer its own agent's single operation, two operations in all."""
+    barrier = threading.Barrier(24)
+
+    def one(client: httpx.Client) -> httpx.Response:
+        barrier.wait()
+        return enqueue(client, "raced-key")
+
+    with ThreadPoolExecutor(24) as pool:
+        answers = list(pool.map(one, [agent, other_agent] * 12))
+    for who in ("agent-a", "agent-b"):
+        own = [r for r in answers if r.json()["agent"] == who]
+        assert len(own) == 12
+        assert sorted(r.status_code for r in own) == [200] * 11 + [201]
+        assert len({r.json()["id"] for r in own}) == 1
+    assert operation_count(engine) == 2
 
 
 # --- read, list, events -----------------------------------------------------------------------

@@ -29,6 +29,7 @@ from outbox.contracts import CONTRACTS
 from outbox.db import create_async_engine, create_engine
 from outbox.errors import BudgetExceeded, InvalidIntent
 from outbox.integrations._calls import refusal
+from outbox.mcp.auth import Caller
 from outbox.mcp.calls import Calls
 from outbox.metrics import OutboxCollector
 from outbox.models import Operation
@@ -268,7 +269,9 @@ def test_the_mcp_server_and_the_adapters_answer_a_refusal_in_the_core_words(
             calls = Calls(engine=async_engine, wait_s=0)
             return [
                 await calls.call_registered(
-                    TOOL, {"intent_key": key, "target": "acct", "payload": {"amount": 1}}, "a"
+                    TOOL,
+                    {"intent_key": key, "target": "acct", "payload": {"amount": 1}},
+                    Caller(name="a", agent="a"),
                 )
                 for key in ("m-1", "m-2")
             ]
@@ -507,6 +510,41 @@ def test_every_cancel_gives_the_share_back_and_a_pruned_operation_still_counts(
         charge(engine)
 
 
+def _charge_as_of_0020(engine: Engine) -> uuid.UUID:
+    """A planned charge and its usage row, written as that revision's enqueue wrote them (the
+    code at head writes columns a database at 0020 does not have yet)."""
+    with engine.begin() as conn:
+        op_id = conn.execute(
+            text(
+                "INSERT INTO outbox.operations "
+                "(intent_key, tool, target, payload, payload_hash, intent_hash) "
+                "VALUES (:key, :tool, 'acct', '{}', :hash, "
+                "        outbox.intent_hash(:tool, 'acct', :hash)) RETURNING id"
+            ),
+            {"key": uuid.uuid4().hex, "tool": TOOL, "hash": "0" * 64},
+        ).scalar_one()
+        conn.execute(
+            text(
+                "INSERT INTO outbox.budget_usage (budget, key, operation_id, cost) "
+                "VALUES ('spend', 'agent-a', :id, 1)"
+            ),
+            {"id": op_id},
+        )
+    return uuid.UUID(str(op_id))
+
+
+def _cancel_as_of_0020(engine: Engine, op_id: uuid.UUID) -> None:
+    """The agent's cancel as a database at 0020 takes it (the state and its resolution)."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE outbox.operations SET state = 'cancelled', "
+                "resolved_at = clock_timestamp(), updated_at = clock_timestamp() WHERE id = :id"
+            ),
+            {"id": op_id},
+        )
+
+
 def test_0021_deletes_the_rows_of_operations_cancelled_before_it_and_downgrades(
     databases: Databases,
 ) -> None:
@@ -516,29 +554,25 @@ def test_0021_deletes_the_rows_of_operations_cancelled_before_it_and_downgrades(
     try:
         migrate.upgrade(fresh, "0020")
         publish(fresh, max_operations=10)
-        kept, cancelled = charge(fresh), charge(fresh)
-
-        def cancel_one(op: Operation) -> None:
-            with Session(fresh) as session, session.begin():
-                api.cancel(session, op.id)
+        kept, cancelled = _charge_as_of_0020(fresh), _charge_as_of_0020(fresh)
 
         def rows() -> dict[uuid.UUID, int]:
-            return {op.id: usage_rows_of(fresh, op.id) for op in (kept, cancelled)}
+            return {op_id: usage_rows_of(fresh, op_id) for op_id in (kept, cancelled)}
 
-        cancel_one(cancelled)
-        assert rows() == {kept.id: 1, cancelled.id: 1}
-        migrate.upgrade(fresh)
-        assert rows() == {kept.id: 1, cancelled.id: 0}
+        _cancel_as_of_0020(fresh, cancelled)
+        assert rows() == {kept: 1, cancelled: 1}
+        migrate.upgrade(fresh, "0021")
+        assert rows() == {kept: 1, cancelled: 0}
         assert used_by(fresh) == 1
         config = migrate.alembic_config()
         with fresh.connect() as conn:
             config.attributes["connection"] = conn
             command.downgrade(config, "0020")
-        again = charge(fresh)
-        cancel_one(again)
-        assert usage_rows_of(fresh, again.id) == 1
+        again = _charge_as_of_0020(fresh)
+        _cancel_as_of_0020(fresh, again)
+        assert usage_rows_of(fresh, again) == 1
         migrate.upgrade(fresh)
-        assert usage_rows_of(fresh, again.id) == 0
+        assert usage_rows_of(fresh, again) == 0
     finally:
         fresh.dispose()
 

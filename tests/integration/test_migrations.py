@@ -119,6 +119,8 @@ def test_upgrade_from_empty_matches_create_all(
     pruned = importlib.import_module("outbox.migrations.versions.0011_pruned_intents")
     guard_admit = importlib.import_module("outbox.migrations.versions.0020_guard_admit")
     budget_share = importlib.import_module("outbox.migrations.versions.0021_budget_share_returned")
+    # 0010's immutable columns and 0011's pruned intents as 0023 left them (with the agent).
+    scope = importlib.import_module("outbox.migrations.versions.0023_agent_scope")
     reference = create_engine(databases.create())
     try:
         with reference.begin() as conn:
@@ -128,10 +130,11 @@ def test_upgrade_from_empty_matches_create_all(
             metadata.create_all(conn)
             conn.exec_driver_sql(initial.APPEND_ONLY)
             conn.exec_driver_sql(lock_and_read.OPERATION_IF_LOCKED)
-            for ddl in (identity.INTENT_HASH, identity.IMMUTABLE, identity.DELETE_GUARD):
+            for ddl in (identity.INTENT_HASH, scope.IMMUTABLE, identity.DELETE_GUARD):
                 conn.exec_driver_sql(ddl)
             conn.exec_driver_sql(identity.EVENTS_KEPT)
             conn.exec_driver_sql(pruned.REMEMBER)
+            conn.exec_driver_sql(scope.REMEMBER)
             conn.exec_driver_sql(guard_admit.GUARD_ADMIT)
             conn.exec_driver_sql(budget_share.RETURN_SHARE)
         expected = catalog(reference)

@@ -13,6 +13,7 @@ from outbox import api, sql
 from outbox.api import Intent
 from outbox.cli.db import prune_batches
 from outbox.errors import IntentAlreadyDone, IntentConflict
+from outbox.models import IntentKey
 from outbox.sql.retention import DedupWindows
 from outbox.states import State
 from tests.factories import age, make_operation
@@ -103,7 +104,7 @@ def test_the_pruned_intent_keeps_what_identifies_it(engine: Engine) -> None:
     age(engine, op.id, 40 * DAY, "resolved_at")
     assert _prune(engine) == 1
     with engine.connect() as conn:
-        [kept] = sql.intents.find_pruned_intents(conn, ["k-1"])
+        [kept] = sql.intents.find_pruned_intents(conn, [IntentKey("", "k-1")])
     assert (kept.operation_id, kept.tool, kept.target, kept.payload_hash) == (
         op.id,
         TOOL,

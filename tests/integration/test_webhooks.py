@@ -283,6 +283,7 @@ def test_the_message_names_the_operation_and_the_resolve_command(
     assert data == {
         "operation_id": str(op.id),
         "intent_key": "k-1",
+        "agent": "",
         "tool": op.tool,
         "target": op.target,
         "state": "needs_human",

@@ -14,7 +14,7 @@ from outbox.web.auth import TokenCache
 
 def _token() -> ApiToken:
     now = datetime.now(UTC)
-    return ApiToken(uuid4(), "agent-a", TokenScope.AGENT, now, None, None)
+    return ApiToken(uuid4(), "agent-a", TokenScope.AGENT, now, None, None, agent="agent-a")
 
 
 def test_a_checked_token_is_trusted_until_its_ttl_passes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -283,16 +283,19 @@ async def queue(request: Request) -> Response:
 
 @router.get("/search", response_class=HTMLResponse)
 async def search(request: Request, q: str = "") -> Response:
-    """Go to the operation whose id or intent key is ``q``."""
+    """Go to the operation whose id or intent key is ``q``; list them when agents share the
+    key (each agent's same key is another operation)."""
     operator = await _operator(request)
     if operator is None:
         return _to_signin()
     if not q.strip():
         return _page(request, "search.html", operator=operator, query="", status_code=200)
-    found: Operation | None = await _read(request, lambda sync: views.find_operation(sync, q))
-    if found is None:
+    found: list[Operation] = await _read(request, lambda sync: views.find_operations(sync, q))
+    if not found:
         return _page(request, "search.html", operator=operator, query=q, status_code=404)
-    return RedirectResponse(f"/operations/{found.id}", status_code=303, headers=SECURITY_HEADERS)
+    if len(found) > 1:
+        return _page(request, "search.html", operator=operator, query=q, found=found)
+    return RedirectResponse(f"/operations/{found[0].id}", status_code=303, headers=SECURITY_HEADERS)
 
 
 @router.get("/operations/{operation_id}", response_class=HTMLResponse)

@@ -168,17 +168,17 @@ def read_operation(session: Executor, operation_id: UUID) -> OperationView | Non
     )
 
 
-def find_operation(session: Executor, text: str) -> Operation | None:
-    """The operation whose id is ``text``, else the one whose intent key is (an intent key
-    left to its default is the operation's id, so both readings agree)."""
+def find_operations(session: Executor, text: str) -> list[Operation]:
+    """The operation whose id is ``text``, else every agent's operation whose intent key it is
+    (an intent key left to its default is the operation's id, so both readings agree)."""
     text = text.strip()
     if not text:
-        return None
+        return []
     try:
         found = api.get(session, UUID(text))
     except ValueError:
         found = None
-    return found if found is not None else api.find(session, text)
+    return [found] if found is not None else api.find_every_agents(session, text)
 
 
 @dataclass(frozen=True, slots=True)
