@@ -309,10 +309,14 @@ class AsyncSaga:
     """A saga opened by :func:`saga` on the caller's async session: add its steps with
     :meth:`step` (:class:`outbox.Saga`'s, run by it)."""
 
-    def __init__(self, session: AsyncExecutor, key: str, state: SagaState) -> None:
+    def __init__(
+        self, session: AsyncExecutor, key: str, state: SagaState, agent: str = api.SHARED_AGENT
+    ) -> None:
         self._session = session
         self.key = key
         self.state = state
+        #: The agent whose saga key it is.
+        self.agent = agent
 
     def __repr__(self) -> str:
         return f"AsyncSaga(key={self.key!r}, state={self.state.value!r})"
@@ -331,10 +335,10 @@ class AsyncSaga:
         """Add step ``name`` (or find it again) and return its operation; joins the session's
         transaction and never commits. :meth:`outbox.Saga.step`, run by it, with the same
         arguments, rules and errors (``IntentConflict``, ``SagaNotRunning``, ``InvalidIntent``)."""
-        key = self.key
+        key, agent = self.key, self.agent
         return await _run(
             self._session,
-            lambda s: sagas.saga(s, key).step(
+            lambda s: sagas.saga(s, key, agent=agent).step(
                 name,
                 tool=tool,
                 target=target,
@@ -347,12 +351,19 @@ class AsyncSaga:
 
 
 async def saga(
-    session: AsyncExecutor, saga_key: str, *, requested_by: str | None = None
+    session: AsyncExecutor,
+    saga_key: str,
+    *,
+    requested_by: str | None = None,
+    agent: str | None = None,
 ) -> AsyncSaga:
-    """Open the saga ``saga_key``, creating it ``running`` if it does not exist; joins the
-    caller's transaction and never commits. :func:`outbox.saga`, run by it."""
-    opened = await _run(session, lambda s: sagas.saga(s, saga_key, requested_by=requested_by))
-    return AsyncSaga(session, opened.key, opened.state)
+    """Open ``agent``'s saga ``saga_key`` (default: ``requested_by``'s, else the shared
+    scope), creating it ``running`` if it does not exist; joins the caller's transaction and
+    never commits. :func:`outbox.saga`, run by it."""
+    opened = await _run(
+        session, lambda s: sagas.saga(s, saga_key, requested_by=requested_by, agent=agent)
+    )
+    return AsyncSaga(session, opened.key, opened.state, opened.agent)
 
 
 async def declare_saga(
@@ -361,18 +372,22 @@ async def declare_saga(
     steps: Sequence[StepSpec],
     *,
     requested_by: str | None = None,
+    agent: str | None = None,
 ) -> DeclaredSaga:
     """Open ``saga_key`` with exactly these steps, or find it again; joins the caller's
     transaction and never commits. :func:`outbox.declare_saga`, run by it."""
     return await _run(
         session,
-        lambda s: sagas.declare_saga(s, saga_key, steps, requested_by=requested_by),
+        lambda s: sagas.declare_saga(s, saga_key, steps, requested_by=requested_by, agent=agent),
     )
 
 
-async def get_saga(session: AsyncExecutor, saga_key: str) -> SagaView | None:
-    """The saga with this key, its steps and trail, or ``None`` (:func:`outbox.get_saga`)."""
-    return await _run(session, lambda s: sagas.get_saga(s, saga_key))
+async def get_saga(
+    session: AsyncExecutor, saga_key: str, *, agent: str = api.SHARED_AGENT
+) -> SagaView | None:
+    """``agent``'s saga with this key, its steps and trail, or ``None``
+    (:func:`outbox.get_saga`)."""
+    return await _run(session, lambda s: sagas.get_saga(s, saga_key, agent=agent))
 
 
 async def list_sagas(
@@ -380,22 +395,29 @@ async def list_sagas(
     *,
     state: SagaState | str | None = None,
     limit: int = 50,
-    requested_by: str | None = None,
+    agent: str | None = None,
     after: SagaPosition | None = None,
 ) -> list[SagaSummary]:
-    """Sagas, newest first (:func:`outbox.list_sagas`)."""
+    """Sagas, newest first, optionally only ``agent``'s (:func:`outbox.list_sagas`)."""
     return await _run(
         session,
-        lambda s: sagas.list_sagas(
-            s, state=state, limit=limit, requested_by=requested_by, after=after
-        ),
+        lambda s: sagas.list_sagas(s, state=state, limit=limit, agent=agent, after=after),
     )
 
 
-async def cancel_saga(session: AsyncExecutor, saga_key: str, *, by: str, reason: str) -> SagaView:
-    """Cancel a running saga: its held steps cancelled, its confirmed steps undone
+async def cancel_saga(
+    session: AsyncExecutor,
+    saga_key: str,
+    *,
+    by: str,
+    reason: str,
+    agent: str = api.SHARED_AGENT,
+) -> SagaView:
+    """Cancel ``agent``'s running saga: its held steps cancelled, its confirmed steps undone
     (:func:`outbox.cancel_saga`, run by it); joins the caller's transaction, never commits."""
-    return await _run(session, lambda s: sagas.cancel_saga(s, saga_key, by=by, reason=reason))
+    return await _run(
+        session, lambda s: sagas.cancel_saga(s, saga_key, by=by, reason=reason, agent=agent)
+    )
 
 
 def _next_poll(loop: asyncio.AbstractEventLoop, poll_interval: float) -> float:

@@ -116,6 +116,16 @@ class IntentKey:
 
 
 @dataclass(frozen=True, slots=True)
+class SagaRef:
+    """A saga's identity: its key in its agent's scope (another agent's same key is another
+    saga)."""
+
+    key: str
+    #: The agent (``""``: the deployment's shared scope).
+    agent: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Event:
     """One line of an operation's audit trail in ``outbox.events``."""
 

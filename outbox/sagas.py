@@ -40,7 +40,7 @@ from outbox.errors import (
     StaleTransition,
 )
 from outbox.logs import Action as LogAction
-from outbox.models import Executor, Operation, WebhookEvent, iso_utc, json_fields
+from outbox.models import Executor, Operation, SagaRef, WebhookEvent, iso_utc, json_fields
 from outbox.payloads import check_payload
 from outbox.saga_rules import FINAL_SAGA_STATES, Decision, Kind, SagaState, StepFacts, decide
 from outbox.sql.sagas import SagaRow, StepRow
@@ -93,13 +93,20 @@ class Compensate:
 
 
 def step_intent_key(saga_key: str, name: str) -> str:
-    """The intent key of step ``name`` of saga ``saga_key``: ``saga:{key}:{name}``."""
-    return f"saga:{saga_key}:{name}"
+    """The intent key of step ``name`` of saga ``saga_key``: ``saga:{len}:{key}:step:{name}``.
+
+    The key's length comes first, so where it ends is never in doubt: ``saga:rel:a`` with
+    step ``b`` and ``saga:rel`` with step ``a:b`` are two keys (in the form sagas opened
+    before migration 0023 keep, ``saga:{key}:{name}``, they were one). In the saga's
+    agent's scope, like every key of its operations.
+    """
+    return f"saga:{len(saga_key)}:{saga_key}:step:{name}"
 
 
 def compensation_intent_key(saga_key: str, name: str) -> str:
-    """The intent key of the compensation of step ``name``: ``saga:{key}:{name}:compensate``."""
-    return f"saga:{saga_key}:{name}:compensate"
+    """The intent key of the compensation of step ``name``: ``saga:{len}:{key}:undo:{name}``
+    (never a step's key: the word after the key tells them apart)."""
+    return f"saga:{len(saga_key)}:{saga_key}:undo:{name}"
 
 
 def compensation_payload(payload: Any, remote_ref: str | None) -> Any:
@@ -189,11 +196,14 @@ class SagaView:
     updated_at: datetime
     steps: tuple[SagaStep, ...]
     events: tuple[SagaEvent, ...]
+    #: The agent whose saga key it is (``""``: the shared scope).
+    agent: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready mapping (``outbox sagas show KEY --json``)."""
         return {
             "key": self.key,
+            "agent": self.agent,
             "state": self.state.value,
             "reason": self.reason,
             "requested_by": self.requested_by,
@@ -216,6 +226,7 @@ class SagaSummary:
     steps: int
     created_at: datetime
     updated_at: datetime
+    agent: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready mapping (``outbox sagas list --json``)."""
@@ -224,25 +235,34 @@ class SagaSummary:
     @property
     def position(self) -> SagaPosition:
         """Where a page ending with this saga ended: :func:`list_sagas`' ``after``."""
-        return SagaPosition(self.created_at, self.key)
+        return SagaPosition(self.created_at, self.key, self.agent)
 
 
 @dataclass(frozen=True, slots=True)
 class SagaPosition:
-    """A place in :func:`list_sagas`' order (newest first, then by key): a saga's
-    ``created_at`` and ``key``."""
+    """A place in :func:`list_sagas`' order (newest first, then by key and agent): a saga's
+    ``created_at``, ``key`` and ``agent``."""
 
     created_at: datetime
     key: str
+    agent: str = ""
 
 
-def get_saga(session: Executor, saga_key: str) -> SagaView | None:
-    """The saga with this key (its steps and their operations, its trail), or ``None``.
-    Reads in the caller's transaction."""
-    row = sql.sagas.get_saga(session, saga_key)
+def get_saga(session: Executor, saga_key: str, *, agent: str = api.SHARED_AGENT) -> SagaView | None:
+    """``agent``'s saga with this key (its steps and their operations, its trail), or
+    ``None``: the agent it was opened for (:func:`saga`'s ``agent``, else its
+    ``requested_by``; default: the shared scope). Reads in the caller's transaction."""
+    ref = SagaRef(saga_key, agent)
+    row = sql.sagas.get_saga(session, ref)
     if row is None:
         return None
-    return _view(row, sql.sagas.steps_of(session, saga_key), sql.sagas.events_of(session, saga_key))
+    return _view(row, sql.sagas.steps_of(session, ref), sql.sagas.events_of(session, ref))
+
+
+def agents_of_saga_key(session: Executor, saga_key: str) -> list[str]:
+    """The agents that have a saga under ``saga_key``, by name: an operator's search (each
+    agent's same key is a saga of its own). Reads in the caller's transaction."""
+    return sql.sagas.agents_of_key(session, saga_key)
 
 
 def list_sagas(
@@ -250,15 +270,16 @@ def list_sagas(
     *,
     state: SagaState | str | None = None,
     limit: int = 50,
-    requested_by: str | None = None,
+    agent: str | None = None,
     after: SagaPosition | None = None,
 ) -> list[SagaSummary]:
-    """Sagas, newest first, optionally only those in ``state`` and only those opened with
-    ``requested_by`` (an agent's own); at most ``limit``. ``after``: where the previous
-    page ended (its last saga's :attr:`SagaSummary.position`), for the next one (keyset: no
-    saga is skipped or listed twice as sagas are opened meanwhile). Reads in the caller's
-    transaction. :class:`InvalidSagaRequest` names a bad argument."""
-    who = None if requested_by is None else _required_text(requested_by, "requested_by")
+    """Sagas, newest first, optionally only those in ``state`` and only ``agent``'s (an
+    agent's own); at most ``limit``. ``after``: where the previous page ended (its last
+    saga's :attr:`SagaSummary.position`), for the next one (keyset: no saga is skipped or
+    listed twice as sagas are opened meanwhile). Reads in the caller's transaction.
+    :class:`InvalidSagaRequest` names a bad argument."""
+    if agent is not None and not isinstance(agent, str):
+        raise InvalidSagaRequest("agent must be a string", field="agent")
     wanted: str | None = None
     if state is not None:
         try:
@@ -279,13 +300,14 @@ def list_sagas(
             steps=listed.steps,
             created_at=listed.saga.created_at,
             updated_at=listed.saga.updated_at,
+            agent=listed.saga.agent,
         )
         for listed in sql.sagas.list_sagas(
             session,
             state=wanted,
             limit=limit,
-            requested_by=who,
-            after=None if after is None else (after.created_at, after.key),
+            agent=agent,
+            after=None if after is None else (after.created_at, after.key, after.agent),
         )
     ]
 
@@ -293,6 +315,7 @@ def list_sagas(
 def _view(row: SagaRow, steps: Sequence[StepRow], events: Sequence[Any]) -> SagaView:
     return SagaView(
         key=row.key,
+        agent=row.agent,
         state=SagaState(row.state),
         reason=row.reason,
         requested_by=row.requested_by,
@@ -354,6 +377,8 @@ class Saga:
     def __init__(self, session: Executor, row: SagaRow) -> None:
         self._session = session
         self.key: str = row.key
+        #: The agent whose saga key it is; its steps' intent keys are that agent's too.
+        self.agent: str = row.agent
         self.state: SagaState = SagaState(row.state)
         self.requested_by: str | None = row.requested_by
         self.created_at: datetime = row.created_at
@@ -400,26 +425,36 @@ class Saga:
         """
         return _add_step(
             self._session,
-            self.key,
+            SagaRef(self.key, self.agent),
             _StepRequest(name, tool, target, payload, compensate, pivot, group),
         )
 
 
-def saga(session: Executor, saga_key: str, *, requested_by: str | None = None) -> Saga:
+def saga(
+    session: Executor,
+    saga_key: str,
+    *,
+    requested_by: str | None = None,
+    agent: str | None = None,
+) -> Saga:
     """Open the saga ``saga_key``, creating it ``running`` if it does not exist; joins the
     caller's transaction and never commits (the saga exists if and only if the caller
     commits). Opening an existing saga loads it as it is, whatever its state.
 
-    ``requested_by`` is recorded on a new saga and given to its steps' operations (budgets
-    may count by it). :class:`InvalidSagaRequest` for a malformed key (``field``
-    ``saga_key``: a non-empty string of at most 160 characters).
+    The key is ``agent``'s (default: ``requested_by``, else the shared scope), as an intent
+    key is (:func:`outbox.enqueue`): another agent's same key is another saga, and its
+    steps' operations are the agent's too. ``requested_by`` is recorded on a new saga and
+    given to its steps' operations (budgets may count by it). :class:`InvalidSagaRequest`
+    for a malformed key (``field`` ``saga_key``: a non-empty string of at most 160
+    characters) or agent.
     """
     _check_key(saga_key)
-    row = sql.sagas.create_saga(session, saga_key, requested_by=requested_by)
+    ref = SagaRef(saga_key, _agent(agent, requested_by))
+    row = sql.sagas.create_saga(session, ref, requested_by=requested_by)
     if row is None:
         # Taken, possibly by a transaction that committed during our INSERT (invisible to
         # that statement's snapshot, visible to this one's).
-        row = sql.sagas.get_saga(session, saga_key)
+        row = sql.sagas.get_saga(session, ref)
     if row is None:
         raise InvalidSagaRequest(
             f"saga {saga_key!r} is being created and removed concurrently; try again",
@@ -460,17 +495,18 @@ def declare_saga(
     steps: Sequence[StepSpec],
     *,
     requested_by: str | None = None,
+    agent: str | None = None,
 ) -> DeclaredSaga:
     """Open ``saga_key`` with exactly these steps, in this order, or find it again: a whole
     saga in one call, for callers that cannot hold a transaction open across
     :meth:`Saga.step` calls (the HTTP API). Joins the caller's transaction, never commits.
 
     A new saga is :func:`saga` then :meth:`Saga.step` for each step. The same declaration
-    again (same steps, same order, same requester) writes nothing and returns the saga as it
-    is now (``created=False``), whatever its state. Refused, with nothing written:
-    ``IntentConflict`` when the key names a saga of other steps (``differences``
-    ``("steps",)`` when their names or number differ, ``("steps[i].payload",)`` and the like
-    when a step differs) or another requester's saga (``("requested_by",)``);
+    again by the same agent (same steps, same order) writes nothing and returns the saga as
+    it is now (``created=False``), whatever its state; another agent's same key is another
+    saga. Refused, with nothing written: ``IntentConflict`` when the agent's key names a
+    saga of other steps (``differences`` ``("steps",)`` when their names or number differ,
+    ``("steps[i].payload",)`` and the like when a step differs);
     ``InvalidIntent`` naming the step (``steps[i].name``, ``steps[i].payload.amount``);
     ``InvalidSagaRequest`` for the key or an empty or too long list (``steps``); and what
     :meth:`Saga.step` raises (``BudgetExceeded``...).
@@ -490,19 +526,13 @@ def declare_saga(
                 f"steps[{index}]: step name {name!r} is given twice; each step needs its own",
                 field=f"steps[{index}].name",
             )
-    handle = saga(session, saga_key, requested_by=requested_by)
+    handle = saga(session, saga_key, requested_by=requested_by, agent=agent)
+    ref = SagaRef(saga_key, handle.agent)
     # Locked before its steps are read: concurrent declarations of one key take turns.
-    row = sql.sagas.lock_saga(session, saga_key)
+    row = sql.sagas.lock_saga(session, ref)
     if row is None:
         raise SagaNotFound(f"saga {saga_key!r} was removed concurrently", saga_key=saga_key)
-    if row.requested_by != requested_by:
-        raise IntentConflict(
-            f"saga {saga_key!r} was opened by another requester; choose a key of your own",
-            intent_key=saga_key,
-            operation_id=None,
-            differences=("requested_by",),
-        )
-    existing = [step.name for step in sql.sagas.steps_of(session, saga_key)]
+    existing = [step.name for step in sql.sagas.steps_of(session, ref)]
     if existing and existing != names:
         raise IntentConflict(
             f"saga {saga_key!r} was declared with other steps ({', '.join(existing)}), not "
@@ -532,7 +562,7 @@ def declare_saga(
                 f"steps[{index}] ({spec.name!r}): {exc}",
                 **(vars(exc) | {"field": f"steps[{index}].{exc.field}"}),
             ) from None
-    view = get_saga(session, saga_key)
+    view = get_saga(session, saga_key, agent=handle.agent)
     if view is None:  # locked above, in this transaction: not expected
         raise SagaNotFound(f"no saga {saga_key!r}", saga_key=saga_key)
     return DeclaredSaga(view, created=not existing)
@@ -549,21 +579,26 @@ class _StepRequest:
     group: str | None
 
 
-def _add_step(session: Executor, saga_key: str, request: _StepRequest) -> Operation:
+def _add_step(session: Executor, ref: SagaRef, request: _StepRequest) -> Operation:
     _check_step(request)
-    row = sql.sagas.lock_saga(session, saga_key)
+    saga_key = ref.key
+    row = sql.sagas.lock_saga(session, ref)
     if row is None:
         raise SagaNotFound(f"no saga {saga_key!r}", saga_key=saga_key)
-    steps = sql.sagas.steps_of(session, saga_key)
+    steps = sql.sagas.steps_of(session, ref)
+    existing = next((s for s in steps if s.name == request.name), None)
     intent = api.Intent(
         request.tool,
         request.target,
         request.payload,
-        intent_key=step_intent_key(saga_key, request.name),
+        # A step recorded already keeps the key it was recorded with (older sagas' form).
+        intent_key=(
+            existing.intent_key if existing is not None else step_intent_key(saga_key, request.name)
+        ),
         metadata={"saga": saga_key, "saga_step": request.name},
         requested_by=row.requested_by,
+        agent=row.agent,
     )
-    existing = next((s for s in steps if s.name == request.name), None)
     if existing is not None:
         found = api.enqueue_intent(session, intent).operation  # IntentConflict if it differs
         _check_same_step(existing, request, found)
@@ -609,9 +644,10 @@ def _add_step(session: Executor, saga_key: str, request: _StepRequest) -> Operat
     compensate = request.compensate
     sql.sagas.insert_step(
         session,
-        key=saga_key,
+        ref=ref,
         position=len(steps),
         name=request.name,
+        intent_key=str(intent.intent_key),
         grp=request.group,
         pivot=request.pivot,
         operation_id=operation.id,
@@ -621,11 +657,25 @@ def _add_step(session: Executor, saga_key: str, request: _StepRequest) -> Operat
         approval_ttl_s=approval_ttl_s,
         released=release_now,
     )
-    sql.sagas.check_again_in(session, saga_key, delay_s=0)
+    sql.sagas.check_again_in(session, ref, delay_s=0)
     if release_now:
         return operation
     reread = sql.intents.get_operation(session, operation.id)
     return reread if reread is not None else operation
+
+
+def _agent(agent: str | None, requested_by: str | None) -> str:
+    """The agent a saga key belongs to: ``agent``, else ``requested_by``, else shared."""
+    scope = agent if agent is not None else requested_by
+    if scope is None:
+        return api.SHARED_AGENT
+    if not isinstance(scope, str) or len(scope) > api.MAX_AGENT_LENGTH:
+        field = "agent" if agent is not None else "requested_by"
+        raise InvalidSagaRequest(
+            f"{field} must be a string of at most {api.MAX_AGENT_LENGTH} characters",
+            field=field,
+        )
+    return scope
 
 
 def _check_key(saga_key: Any) -> None:
@@ -741,7 +791,12 @@ class Advanced:
 
 
 def advance(
-    session: Executor, saga_key: str, *, actor: str = DRIVER, skip_locked: bool = False
+    session: Executor,
+    saga_key: str,
+    *,
+    agent: str = api.SHARED_AGENT,
+    actor: str = DRIVER,
+    skip_locked: bool = False,
 ) -> Advanced | None:
     """Apply the saga's decision table (:func:`outbox.saga_rules.decide`) until it says to
     wait, in the caller's transaction (never commits), under the saga row's lock.
@@ -751,14 +806,15 @@ def advance(
     Each saga move writes its event and, into ``compensated`` or ``needs_human``, its
     webhook delivery row, in this transaction.
     """
-    row = sql.sagas.lock_saga(session, saga_key, skip_locked=skip_locked)
+    ref = SagaRef(saga_key, agent)
+    row = sql.sagas.lock_saga(session, ref, skip_locked=skip_locked)
     if row is None:
         return None
     decisions: list[Decision] = []
     moves: list[SagaState] = []
     limit = 8
     while len(decisions) < limit:
-        steps = sql.sagas.steps_of(session, saga_key)
+        steps = sql.sagas.steps_of(session, ref)
         limit = 4 * len(steps) + 8
         decision = decide(
             SagaState(row.state),
@@ -770,7 +826,7 @@ def advance(
             break
         if decision.kind is Kind.WAIT:
             if decision.reason != row.reason:
-                sql.sagas.set_reason(session, saga_key, reason=storable.text(decision.reason))
+                sql.sagas.set_reason(session, ref, reason=storable.text(decision.reason))
             break
         if decision.kind is Kind.MOVE:
             assert decision.to_state is not None  # noqa: S101 -- a MOVE always names it
@@ -800,7 +856,13 @@ def advance(
 
 
 def cancel_saga(
-    session: Executor, saga_key: str, *, by: str, reason: str, actor: str = AGENT
+    session: Executor,
+    saga_key: str,
+    *,
+    by: str,
+    reason: str,
+    actor: str = AGENT,
+    agent: str = api.SHARED_AGENT,
 ) -> SagaView:
     """Cancel a ``running`` saga; joins the caller's transaction and never commits.
 
@@ -816,7 +878,8 @@ def cancel_saga(
     """
     who = _required_text(by, "by")
     why = _required_text(reason, "reason")
-    row = sql.sagas.lock_saga(session, saga_key)
+    ref = SagaRef(saga_key, agent)
+    row = sql.sagas.lock_saga(session, ref)
     if row is None:
         raise SagaNotFound(f"no saga {saga_key!r}", saga_key=saga_key)
     if row.state != SagaState.RUNNING:
@@ -827,14 +890,14 @@ def cancel_saga(
             state=SagaState(row.state),
             step=None,
         )
-    for step in sql.sagas.steps_of(session, saga_key):
+    for step in sql.sagas.steps_of(session, ref):
         if step.operation_id is None or step.held:
             continue  # held steps: cancelled by the table below
         if step.state in (State.PLANNED, State.AWAITING_APPROVAL):
             _try_cancel(session, step.operation_id, step.state, f"saga {saga_key} cancelled")
     moved = sql.sagas.move_saga(
         session,
-        saga_key,
+        ref,
         from_state=row.state,
         to_state=SagaState.COMPENSATING.value,
         actor=actor,
@@ -843,8 +906,8 @@ def cancel_saga(
         cancelled_by=who,
     )
     assert moved is not None  # noqa: S101 -- under the row's lock, still running
-    advance(session, saga_key, actor=actor)
-    view = get_saga(session, saga_key)
+    advance(session, saga_key, agent=agent, actor=actor)
+    view = get_saga(session, saga_key, agent=agent)
     assert view is not None  # noqa: S101 -- locked by this transaction
     return view
 
@@ -885,7 +948,7 @@ def _move(
     reason = storable.text(reason)
     moved = sql.sagas.move_saga(
         session,
-        row.key,
+        row.ref,
         from_state=row.state,
         to_state=to_state.value,
         actor=actor,
@@ -903,6 +966,7 @@ def _move(
             event,
             saga_key=row.key,
             data={
+                "agent": row.agent,
                 "state": to_state.value,
                 "from_state": row.state,
                 "reason": reason,
@@ -956,7 +1020,7 @@ def _release(
                 webhooks.record_approval_requested(session, released)
         sql.sagas.insert_note(
             session,
-            row.key,
+            row.ref,
             state=row.state,
             actor=actor,
             reason=f"step {step.name} released",
@@ -993,7 +1057,7 @@ def _cancel_held(
         )
         sql.sagas.insert_note(
             session,
-            row.key,
+            row.ref,
             state=row.state,
             actor=actor,
             reason=f"step {step.name} cancelled: never released"
@@ -1042,6 +1106,7 @@ def _compensate(
         intent_key=compensation_intent_key(row.key, step.name),
         metadata={"saga": row.key, "saga_compensates": step.name},
         requested_by=row.requested_by,
+        agent=row.agent,
     )
     try:
         with session.begin_nested():
@@ -1053,15 +1118,15 @@ def _compensate(
         )
         if row.state == SagaState.NEEDS_HUMAN:
             if row.reason != reason:
-                sql.sagas.set_reason(session, row.key, reason=storable.text(reason))
+                sql.sagas.set_reason(session, row.ref, reason=storable.text(reason))
             return row
         return _move(
             session, row, to_state=SagaState.NEEDS_HUMAN, reason=reason, actor=actor, steps=steps
         )
-    sql.sagas.set_compensation(session, row.key, step.position, operation.id)
+    sql.sagas.set_compensation(session, row.ref, step.position, operation.id)
     sql.sagas.insert_note(
         session,
-        row.key,
+        row.ref,
         state=row.state,
         actor=actor,
         reason=f"compensating step {step.name}",

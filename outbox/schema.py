@@ -18,10 +18,12 @@ from sqlalchemy import (
     Column,
     Double,
     ForeignKey,
+    ForeignKeyConstraint,
     Identity,
     Index,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
     Table,
     Text,
     UniqueConstraint,
@@ -474,6 +476,9 @@ sagas = Table(
     "sagas",
     metadata,
     Column("key", Text, primary_key=True),
+    # The agent whose saga key it is (migration 0023; ``''``: the shared scope): another
+    # agent's same key is another saga.
+    Column("agent", Text, primary_key=True, server_default=text("''")),
     Column("state", Text, nullable=False, server_default="running"),
     Column("reason", Text),
     Column("requested_by", Text),
@@ -504,14 +509,12 @@ sagas = Table(
 saga_steps = Table(
     "saga_steps",
     metadata,
-    Column(
-        "saga_key",
-        Text,
-        ForeignKey("outbox.sagas.key", ondelete="CASCADE"),
-        primary_key=True,
-    ),
-    Column("position", Integer, primary_key=True),
+    Column("saga_key", Text, nullable=False),
+    Column("agent", Text, nullable=False, server_default=text("''")),
+    Column("position", Integer, nullable=False),
     Column("name", Text, nullable=False),
+    # Its operation's intent key, as recorded (migration 0023: older sagas keep their form).
+    Column("intent_key", Text, nullable=False),
     Column("grp", Text),
     Column("pivot", Boolean, nullable=False, server_default=text("false")),
     Column(
@@ -530,7 +533,11 @@ saga_steps = Table(
     Column("approval_ttl_s", Double),
     _timestamp("released_at"),
     _timestamp("created_at", nullable=False, now=True),
-    UniqueConstraint("saga_key", "name"),
+    PrimaryKeyConstraint("saga_key", "agent", "position"),
+    ForeignKeyConstraint(
+        ["saga_key", "agent"], ["outbox.sagas.key", "outbox.sagas.agent"], ondelete="CASCADE"
+    ),
+    UniqueConstraint("saga_key", "agent", "name"),
     CheckConstraint("position >= 0", name="position_not_negative"),
     CheckConstraint(
         "(compensate_tool IS NULL) = (compensate_target IS NULL)"
@@ -547,17 +554,16 @@ saga_events = Table(
     "saga_events",
     metadata,
     Column("id", BigInteger, Identity(always=True), primary_key=True),
-    Column(
-        "saga_key",
-        Text,
-        ForeignKey("outbox.sagas.key", ondelete="CASCADE"),
-        nullable=False,
-    ),
+    Column("saga_key", Text, nullable=False),
+    Column("agent", Text, nullable=False, server_default=text("''")),
     _timestamp("at", nullable=False, now=True),
     Column("from_state", Text),
     Column("to_state", Text, nullable=False),
     Column("actor", Text, nullable=False),
     Column("reason", Text, nullable=False),
     Column("detail", JSONB),
-    Index("ix_saga_events_saga_key_id", "saga_key", "id"),
+    ForeignKeyConstraint(
+        ["saga_key", "agent"], ["outbox.sagas.key", "outbox.sagas.agent"], ondelete="CASCADE"
+    ),
+    Index("ix_saga_events_saga_key_agent_id", "saga_key", "agent", "id"),
 )

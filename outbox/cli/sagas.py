@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from sqlalchemy.orm import Session
 
 from outbox import sagas, sql
 from outbox.cli.common import transaction
@@ -57,9 +58,30 @@ def list_command(
     console.print(_list_table(found, now))
 
 
+AgentOption = Annotated[
+    str | None,
+    typer.Option(
+        help="The agent whose saga it is, when several agents use the key (each agent's "
+        "same key is a saga of its own); default: the one agent that has it."
+    ),
+]
+
+
+def _agent_of(session: Session, key: str, agent: str | None) -> str:
+    """``agent``, else the one agent with a saga under ``key``; one line if several have."""
+    if agent is not None:
+        return agent
+    agents = sagas.agents_of_saga_key(session, key)
+    if len(agents) > 1:
+        named = ", ".join(repr(a) for a in agents)
+        fail(f"saga key {key!r} names {len(agents)} sagas, one per agent ({named}): add --agent")
+    return agents[0] if agents else ""
+
+
 @app.command("show", no_args_is_help=True)
 def show_command(
     key: Annotated[str, typer.Argument(help="The saga key.")],
+    agent: AgentOption = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print JSON with `steps` and `events`.")
     ] = False,
@@ -67,7 +89,7 @@ def show_command(
     """Show one saga: its state and why, its steps in order (each step's operation and its
     compensation), what waits for a person, and its audit trail."""
     with transaction() as session:
-        found = sagas.get_saga(session, key)
+        found = sagas.get_saga(session, key, agent=_agent_of(session, key, agent))
     if found is None:
         raise SagaNotFound(f"no saga {key!r}", saga_key=key)
     if as_json:
@@ -88,6 +110,7 @@ def cancel_command(
     *,
     by: Annotated[str, typer.Option(help="Who cancels it (your name), for the audit trail.")],
     reason: Annotated[str, typer.Option(help="Why, for the audit trail.")],
+    agent: AgentOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the saga as JSON.")] = False,
 ) -> None:
     """Cancel a running saga: its steps not sent yet are cancelled, its confirmed steps are
@@ -96,7 +119,14 @@ def cancel_command(
     if not by.strip() or not reason.strip():
         fail("--by and --reason must not be empty", code=2)
     with transaction() as session:
-        done = sagas.cancel_saga(session, key, by=by, reason=reason, actor=sagas.OPERATOR)
+        done = sagas.cancel_saga(
+            session,
+            key,
+            by=by,
+            reason=reason,
+            actor=sagas.OPERATOR,
+            agent=_agent_of(session, key, agent),
+        )
     if as_json:
         print_json(done.to_dict())
         return
@@ -128,6 +158,7 @@ def _list_table(found: list[SagaSummary], now: object) -> Table:
 def _details(saga: SagaView) -> str:
     rows = [
         ("saga", saga.key),
+        ("agent", saga.agent or "(shared)"),
         ("state", saga.state.value),
         ("reason", saga.reason),
         ("requested by", saga.requested_by),

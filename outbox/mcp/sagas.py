@@ -293,7 +293,11 @@ class SagaCalls:
         try:
             async with self.engine.begin() as conn:
                 done = await aio.declare_saga(
-                    conn, declaration.saga_key, declaration.steps, requested_by=caller.name
+                    conn,
+                    declaration.saga_key,
+                    declaration.steps,
+                    requested_by=caller.name,
+                    agent=caller.agent,
                 )
         except OutboxError as exc:  # refused: nothing was written
             return _refusal(exc, declaration.saga_key)
@@ -311,8 +315,8 @@ class SagaCalls:
         except ArgumentRefused as exc:
             return refused(str(exc), field=exc.field)
         try:
-            found = await self._read(query.saga_key)
-            if found is None or found.requested_by != caller.name:
+            found = await self._read(query.saga_key, caller.agent)
+            if found is None:
                 return refused(
                     f"none of your sagas has saga_key {query.saga_key!r}", field="saga_key"
                 )
@@ -321,9 +325,9 @@ class SagaCalls:
             return unreachable()
         return saga_result(found)
 
-    async def _read(self, key: str) -> SagaView | None:
+    async def _read(self, key: str, agent: str) -> SagaView | None:
         async with self.engine.connect() as conn:
-            return await aio.get_saga(conn, key)
+            return await aio.get_saga(conn, key, agent=agent)
 
     async def _settled(self, view: SagaView, wait_s: float) -> SagaView:
         """``view`` once settled (final, or waiting for a person), or as last read after
@@ -332,7 +336,7 @@ class SagaCalls:
         while not _settled(view) and (left := deadline - time.monotonic()) > 0:
             await asyncio.sleep(min(POLL_S, left))
             try:
-                view = await self._read(view.key) or view
+                view = await self._read(view.key, view.agent) or view
             except (OperationalError, InterfaceError):
                 return view  # recorded already: its report says how to check on it later
         return view
@@ -340,12 +344,6 @@ class SagaCalls:
 
 def _refusal(exc: OutboxError, saga_key: str) -> types.CallToolResult:
     """The core's refusal of a declaration in words for a model, naming the field."""
-    if isinstance(exc, IntentConflict) and exc.differences == ("requested_by",):
-        return refused(
-            f"saga_key {saga_key!r} names a saga another agent declared; choose a key of your "
-            "own (e.g. with your conversation id in it)",
-            field="saga_key",
-        )
     if isinstance(exc, IntentConflict):
         return refused(
             f"{exc} The same saga_key must always carry the same steps. If this is a new, "

@@ -28,6 +28,7 @@ from sqlalchemy.exc import DBAPIError
 
 from outbox import sagas, sql, storable
 from outbox.logs import Action
+from outbox.models import SagaRef
 from outbox.sagas import Advanced
 
 log = logging.getLogger(__name__)
@@ -38,14 +39,14 @@ RECHECK_S = 10.0
 
 
 def advance_saga_and_commit(
-    engine: Engine, saga_key: str, *, recheck_s: float = RECHECK_S
+    engine: Engine, ref: SagaRef, *, recheck_s: float = RECHECK_S
 ) -> Advanced | None:
     """Advance one saga under its row lock and commit; ``None`` if there is no such saga or
     another transaction holds it (that one's commit, or the next pass, decides)."""
     with engine.begin() as conn:
-        advanced = sagas.advance(conn, saga_key, skip_locked=True)
+        advanced = sagas.advance(conn, ref.key, agent=ref.agent, skip_locked=True)
         if advanced is not None:
-            sql.sagas.check_again_in(conn, saga_key, delay_s=recheck_s)
+            sql.sagas.check_again_in(conn, ref, delay_s=recheck_s)
     return advanced
 
 
@@ -86,7 +87,7 @@ def nudge_sagas_of_and_commit(
     return result
 
 
-def _advance_one(engine: Engine, key: str, result: SagaPass, *, recheck_s: float) -> None:
+def _advance_one(engine: Engine, key: SagaRef, result: SagaPass, *, recheck_s: float) -> None:
     try:
         advanced = advance_saga_and_commit(engine, key, recheck_s=recheck_s)
     except Exception as exc:
@@ -95,9 +96,9 @@ def _advance_one(engine: Engine, key: str, result: SagaPass, *, recheck_s: float
         result.failed += 1
         log.error(  # noqa: TRY400 -- the summary, never a traceback with bound values
             "saga %s could not be advanced: %s",
-            key,
+            key.key,
             storable.error_summary(exc),
-            extra={"action": Action.SAGA_ADVANCE_FAILED, "saga_key": key},
+            extra={"action": Action.SAGA_ADVANCE_FAILED, "saga_key": key.key, "agent": key.agent},
         )
         return
     if advanced is None:

@@ -18,7 +18,7 @@ from uuid import UUID
 
 from sqlalchemy import text
 
-from outbox.models import Executor
+from outbox.models import Executor, SagaRef
 from outbox.sql.columns import HELD_UNTIL
 from outbox.states import State
 
@@ -35,6 +35,13 @@ class SagaRow:
     created_at: datetime
     updated_at: datetime
     next_check_at: datetime
+    #: The agent whose saga key it is (``""``: the shared scope).
+    agent: str
+
+    @property
+    def ref(self) -> SagaRef:
+        """The saga's identity: its key in its agent's scope."""
+        return SagaRef(self.key, self.agent)
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> SagaRow:
@@ -47,8 +54,11 @@ class StepRow:
     """One step with what the saga needs of its operation and of its compensation's."""
 
     saga_key: str
+    agent: str
     position: int
     name: str
+    #: The intent key of its operation (stored: sagas opened before 0023 keep their form).
+    intent_key: str
     grp: str | None
     pivot: bool
     operation_id: UUID | None
@@ -74,54 +84,67 @@ class StepRow:
 _CREATE_SAGA = text(
     """
     WITH created AS (
-        INSERT INTO outbox.sagas (key, requested_by) VALUES (:key, :requested_by)
-        ON CONFLICT (key) DO NOTHING
+        INSERT INTO outbox.sagas (key, agent, requested_by) VALUES (:key, :agent, :requested_by)
+        ON CONFLICT (key, agent) DO NOTHING
         RETURNING *
     ),
     logged AS (
-        INSERT INTO outbox.saga_events (saga_key, from_state, to_state, actor, reason)
-        SELECT key, NULL, state, 'agent', 'created' FROM created
+        INSERT INTO outbox.saga_events (saga_key, agent, from_state, to_state, actor, reason)
+        SELECT key, agent, NULL, state, 'agent', 'created' FROM created
     )
     SELECT * FROM created
     """
 )
 
-_GET_SAGA = text("SELECT * FROM outbox.sagas WHERE key = :key")
+_GET_SAGA = text("SELECT * FROM outbox.sagas WHERE key = :key AND agent = :agent")
 
-_LOCK_SAGA = text("SELECT * FROM outbox.sagas WHERE key = :key FOR NO KEY UPDATE")
+_LOCK_SAGA = text(
+    "SELECT * FROM outbox.sagas WHERE key = :key AND agent = :agent FOR NO KEY UPDATE"
+)
 
-_TRY_LOCK_SAGA = text("SELECT * FROM outbox.sagas WHERE key = :key FOR NO KEY UPDATE SKIP LOCKED")
+_TRY_LOCK_SAGA = text(
+    "SELECT * FROM outbox.sagas WHERE key = :key AND agent = :agent FOR NO KEY UPDATE SKIP LOCKED"
+)
+
+_AGENTS_OF_KEY = text("SELECT agent FROM outbox.sagas WHERE key = :key ORDER BY agent")
 
 
-def create_saga(executor: Executor, key: str, *, requested_by: str | None) -> SagaRow | None:
-    """Insert a ``running`` saga and its first event; ``None`` if the key exists already
-    (or is being inserted by a concurrent transaction, whose outcome this waits for)."""
-    row = (
-        executor.execute(_CREATE_SAGA, {"key": key, "requested_by": requested_by})
-        .mappings()
-        .one_or_none()
-    )
+def create_saga(executor: Executor, ref: SagaRef, *, requested_by: str | None) -> SagaRow | None:
+    """Insert a ``running`` saga and its first event; ``None`` if the agent's key exists
+    already (or is being inserted by a concurrent transaction, whose outcome this waits for)."""
+    params = {"key": ref.key, "agent": ref.agent, "requested_by": requested_by}
+    row = executor.execute(_CREATE_SAGA, params).mappings().one_or_none()
     return SagaRow.from_row(row) if row is not None else None
 
 
-def get_saga(executor: Executor, key: str) -> SagaRow | None:
-    """The saga with this key, or ``None``."""
-    row = executor.execute(_GET_SAGA, {"key": key}).mappings().one_or_none()
+def get_saga(executor: Executor, ref: SagaRef) -> SagaRow | None:
+    """The saga with this key in this agent's scope, or ``None``."""
+    row = executor.execute(_GET_SAGA, _of(ref)).mappings().one_or_none()
     return SagaRow.from_row(row) if row is not None else None
 
 
-def lock_saga(executor: Executor, key: str, *, skip_locked: bool = False) -> SagaRow | None:
+def agents_of_key(executor: Executor, key: str) -> list[str]:
+    """The agents that have a saga under ``key`` (an operator's search), by name."""
+    return [row.agent for row in executor.execute(_AGENTS_OF_KEY, {"key": key})]
+
+
+def lock_saga(executor: Executor, ref: SagaRef, *, skip_locked: bool = False) -> SagaRow | None:
     """The saga, its row locked until the caller's transaction ends (``FOR NO KEY UPDATE``:
     new steps' foreign keys are not blocked by it). ``None`` if there is none, or, with
     ``skip_locked``, if another transaction holds it."""
     statement = _TRY_LOCK_SAGA if skip_locked else _LOCK_SAGA
-    row = executor.execute(statement, {"key": key}).mappings().one_or_none()
+    row = executor.execute(statement, _of(ref)).mappings().one_or_none()
     return SagaRow.from_row(row) if row is not None else None
+
+
+def _of(ref: SagaRef) -> dict[str, str]:
+    return {"key": ref.key, "agent": ref.agent}
 
 
 _STEPS = text(
     """
-    SELECT s.saga_key, s.position, s.name, s.grp, s.pivot, s.operation_id,
+    SELECT s.saga_key, s.agent, s.position, s.name, s.intent_key, s.grp, s.pivot,
+           s.operation_id,
            s.compensate_tool, s.compensate_target, s.compensate_payload,
            s.compensation_operation_id, s.approval_ttl_s, s.released_at, s.created_at,
            o.state, o.remote_ref, o.tool, o.target, o.payload_hash,
@@ -130,15 +153,15 @@ _STEPS = text(
     FROM outbox.saga_steps s
     LEFT JOIN outbox.operations o ON o.id = s.operation_id
     LEFT JOIN outbox.operations c ON c.id = s.compensation_operation_id
-    WHERE s.saga_key = :key
+    WHERE s.saga_key = :key AND s.agent = :agent
     ORDER BY s.position
     """
 )
 
 
-def steps_of(executor: Executor, key: str) -> list[StepRow]:
+def steps_of(executor: Executor, ref: SagaRef) -> list[StepRow]:
     """The saga's steps in order, each with its operation's and compensation's state."""
-    rows = executor.execute(_STEPS, {"key": key, "held": HELD_UNTIL}).mappings()
+    rows = executor.execute(_STEPS, {**_of(ref), "held": HELD_UNTIL}).mappings()
     steps = []
     for row in rows:
         values = dict(row)
@@ -151,11 +174,11 @@ def steps_of(executor: Executor, key: str) -> list[StepRow]:
 _INSERT_STEP = text(
     """
     INSERT INTO outbox.saga_steps
-        (saga_key, position, name, grp, pivot, operation_id, compensate_tool,
-         compensate_target, compensate_payload, approval_ttl_s, released_at)
-    VALUES (:key, :position, :name, :grp, :pivot, :operation_id, :compensate_tool,
-            :compensate_target, CAST(:compensate_payload AS jsonb), :approval_ttl_s,
-            CASE WHEN :released THEN clock_timestamp() END)
+        (saga_key, agent, position, name, intent_key, grp, pivot, operation_id,
+         compensate_tool, compensate_target, compensate_payload, approval_ttl_s, released_at)
+    VALUES (:key, :agent, :position, :name, :intent_key, :grp, :pivot, :operation_id,
+            :compensate_tool, :compensate_target, CAST(:compensate_payload AS jsonb),
+            :approval_ttl_s, CASE WHEN :released THEN clock_timestamp() END)
     """
 )
 
@@ -163,9 +186,10 @@ _INSERT_STEP = text(
 def insert_step(
     executor: Executor,
     *,
-    key: str,
+    ref: SagaRef,
     position: int,
     name: str,
+    intent_key: str,
     grp: str | None,
     pivot: bool,
     operation_id: UUID,
@@ -179,9 +203,10 @@ def insert_step(
     executor.execute(
         _INSERT_STEP,
         {
-            "key": key,
+            **_of(ref),
             "position": position,
             "name": name,
+            "intent_key": intent_key,
             "grp": grp,
             "pivot": pivot,
             "operation_id": operation_id,
@@ -199,15 +224,15 @@ def insert_step(
 _SET_COMPENSATION = text(
     """
     UPDATE outbox.saga_steps SET compensation_operation_id = :operation_id
-    WHERE saga_key = :key AND position = :position
+    WHERE saga_key = :key AND agent = :agent AND position = :position
     """
 )
 
 
-def set_compensation(executor: Executor, key: str, position: int, operation_id: UUID) -> None:
+def set_compensation(executor: Executor, ref: SagaRef, position: int, operation_id: UUID) -> None:
     """Record the operation that undoes step ``position``."""
     executor.execute(
-        _SET_COMPENSATION, {"key": key, "position": position, "operation_id": operation_id}
+        _SET_COMPENSATION, {**_of(ref), "position": position, "operation_id": operation_id}
     )
 
 
@@ -298,12 +323,14 @@ _MOVE_SAGA = text(
         SET state = :to_state, reason = :reason, updated_at = clock_timestamp(),
             next_check_at = clock_timestamp(),
             cancelled_by = coalesce(CAST(:cancelled_by AS text), cancelled_by)
-        WHERE key = :key AND state = :from_state
+        WHERE key = :key AND agent = :agent AND state = :from_state
         RETURNING *
     ),
     logged AS (
-        INSERT INTO outbox.saga_events (saga_key, from_state, to_state, actor, reason, detail)
-        SELECT key, :from_state, :to_state, :actor, :reason, CAST(:detail AS jsonb) FROM moved
+        INSERT INTO outbox.saga_events
+            (saga_key, agent, from_state, to_state, actor, reason, detail)
+        SELECT key, agent, :from_state, :to_state, :actor, :reason, CAST(:detail AS jsonb)
+        FROM moved
     )
     SELECT * FROM moved
     """
@@ -312,7 +339,7 @@ _MOVE_SAGA = text(
 
 def move_saga(
     executor: Executor,
-    key: str,
+    ref: SagaRef,
     *,
     from_state: str,
     to_state: str,
@@ -327,7 +354,7 @@ def move_saga(
         executor.execute(
             _MOVE_SAGA,
             {
-                "key": key,
+                **_of(ref),
                 "from_state": from_state,
                 "to_state": to_state,
                 "actor": actor,
@@ -344,15 +371,15 @@ def move_saga(
 
 _INSERT_EVENT = text(
     """
-    INSERT INTO outbox.saga_events (saga_key, from_state, to_state, actor, reason, detail)
-    VALUES (:key, :state, :state, :actor, :reason, CAST(:detail AS jsonb))
+    INSERT INTO outbox.saga_events (saga_key, agent, from_state, to_state, actor, reason, detail)
+    VALUES (:key, :agent, :state, :state, :actor, :reason, CAST(:detail AS jsonb))
     """
 )
 
 
 def insert_note(
     executor: Executor,
-    key: str,
+    ref: SagaRef,
     *,
     state: str,
     actor: str,
@@ -363,7 +390,7 @@ def insert_note(
     executor.execute(
         _INSERT_EVENT,
         {
-            "key": key,
+            **_of(ref),
             "state": state,
             "actor": actor,
             "reason": reason,
@@ -375,29 +402,29 @@ def insert_note(
 _SET_REASON = text(
     """
     UPDATE outbox.sagas SET reason = :reason, cancelled_by = coalesce(:cancelled_by, cancelled_by)
-    WHERE key = :key
+    WHERE key = :key AND agent = :agent
     """
 )
 
 
 def set_reason(
-    executor: Executor, key: str, *, reason: str | None, cancelled_by: str | None = None
+    executor: Executor, ref: SagaRef, *, reason: str | None, cancelled_by: str | None = None
 ) -> None:
     """Change what the saga says about why it is where it is (no move)."""
-    executor.execute(_SET_REASON, {"key": key, "reason": reason, "cancelled_by": cancelled_by})
+    executor.execute(_SET_REASON, {**_of(ref), "reason": reason, "cancelled_by": cancelled_by})
 
 
 _CHECK_AT = text(
     """
     UPDATE outbox.sagas SET next_check_at = clock_timestamp() + make_interval(secs => :delay_s)
-    WHERE key = :key
+    WHERE key = :key AND agent = :agent
     """
 )
 
 
-def check_again_in(executor: Executor, key: str, *, delay_s: float) -> None:
+def check_again_in(executor: Executor, ref: SagaRef, *, delay_s: float) -> None:
     """When the periodic pass looks at the saga next (``0``: as soon as it runs)."""
-    executor.execute(_CHECK_AT, {"key": key, "delay_s": delay_s})
+    executor.execute(_CHECK_AT, {**_of(ref), "delay_s": delay_s})
 
 
 # SKIP LOCKED: a saga row held by the driver (which may be moving this very operation, or
@@ -406,9 +433,9 @@ def check_again_in(executor: Executor, key: str, *, delay_s: float) -> None:
 _CHECK_NOW_OF_OPERATION = text(
     """
     UPDATE outbox.sagas SET next_check_at = clock_timestamp()
-    WHERE key IN (
-        SELECT sagas.key FROM outbox.sagas
-        JOIN outbox.saga_steps s ON s.saga_key = sagas.key
+    WHERE (key, agent) IN (
+        SELECT sagas.key, sagas.agent FROM outbox.sagas
+        JOIN outbox.saga_steps s ON s.saga_key = sagas.key AND s.agent = sagas.agent
         WHERE (s.operation_id = :id OR s.compensation_operation_id = :id)
           AND sagas.state IN ('compensating', 'needs_human', 'running')
         FOR NO KEY UPDATE OF sagas SKIP LOCKED
@@ -424,7 +451,7 @@ def check_now_sagas_of(executor: Executor, operation_id: UUID) -> None:
 
 _DUE = text(
     """
-    SELECT key FROM outbox.sagas
+    SELECT key, agent FROM outbox.sagas
     WHERE state IN ('compensating', 'needs_human', 'running')
       AND next_check_at <= clock_timestamp()
     ORDER BY next_check_at
@@ -433,36 +460,39 @@ _DUE = text(
 )
 
 
-def due_sagas(executor: Executor, *, limit: int) -> list[str]:
+def due_sagas(executor: Executor, *, limit: int) -> list[SagaRef]:
     """Live sagas whose next check is due, the longest due first."""
-    return [row.key for row in executor.execute(_DUE, {"limit": limit})]
+    return [SagaRef(row.key, row.agent) for row in executor.execute(_DUE, {"limit": limit})]
 
 
 _OF_OPERATIONS = text(
     """
-    SELECT DISTINCT saga_key FROM outbox.saga_steps
+    SELECT DISTINCT saga_key, agent FROM outbox.saga_steps
     WHERE operation_id = ANY(CAST(:ids AS uuid[]))
        OR compensation_operation_id = ANY(CAST(:ids AS uuid[]))
     """
 )
 
 
-def sagas_of_operations(executor: Executor, operation_ids: Sequence[UUID]) -> list[str]:
+def sagas_of_operations(executor: Executor, operation_ids: Sequence[UUID]) -> list[SagaRef]:
     """The sagas these operations are steps or compensations of."""
-    return [row.saga_key for row in executor.execute(_OF_OPERATIONS, {"ids": list(operation_ids)})]
+    rows = executor.execute(_OF_OPERATIONS, {"ids": list(operation_ids)})
+    return [SagaRef(row.saga_key, row.agent) for row in rows]
 
 
 _LIST = text(
     """
     SELECT *,
-           (SELECT count(*) FROM outbox.saga_steps s WHERE s.saga_key = sagas.key) AS steps
+           (SELECT count(*) FROM outbox.saga_steps s
+            WHERE s.saga_key = sagas.key AND s.agent = sagas.agent) AS steps
     FROM outbox.sagas
     WHERE (CAST(:state AS text) IS NULL OR state = :state)
-      AND (CAST(:requested_by AS text) IS NULL OR requested_by = :requested_by)
+      AND (CAST(:agent AS text) IS NULL OR agent = :agent)
       -- The next page: after the previous page's last saga in this order.
       AND (CAST(:after_at AS timestamptz) IS NULL
-           OR created_at < :after_at OR (created_at = :after_at AND key > :after_key))
-    ORDER BY created_at DESC, key
+           OR created_at < :after_at
+           OR (created_at = :after_at AND (key, agent) > (:after_key, :after_agent)))
+    ORDER BY created_at DESC, key, agent
     LIMIT :limit
     """
 )
@@ -481,19 +511,20 @@ def list_sagas(
     *,
     state: str | None,
     limit: int,
-    requested_by: str | None = None,
-    after: tuple[datetime, str] | None = None,
+    agent: str | None = None,
+    after: tuple[datetime, str, str] | None = None,
 ) -> list[ListedSaga]:
-    """Sagas, newest first (then by key), optionally in one state, optionally only
-    ``requested_by``'s, optionally only those after ``after`` (a saga's ``created_at`` and
-    ``key``) in that order."""
-    after_at, after_key = after if after is not None else (None, None)
+    """Sagas, newest first (then by key and agent), optionally in one state, optionally only
+    ``agent``'s, optionally only those after ``after`` (a saga's ``created_at``, ``key`` and
+    ``agent``) in that order."""
+    after_at, after_key, after_agent = after if after is not None else (None, None, None)
     params = {
         "state": state,
         "limit": limit,
-        "requested_by": requested_by,
+        "agent": agent,
         "after_at": after_at,
         "after_key": after_key,
+        "after_agent": after_agent,
     }
     rows = executor.execute(_LIST, params).mappings()
     return [ListedSaga(SagaRow.from_row(row), int(row["steps"])) for row in rows]
@@ -516,14 +547,14 @@ class SagaEventRow:
 _EVENTS = text(
     """
     SELECT id, saga_key, at, from_state, to_state, actor, reason, detail
-    FROM outbox.saga_events WHERE saga_key = :key ORDER BY id
+    FROM outbox.saga_events WHERE saga_key = :key AND agent = :agent ORDER BY id
     """
 )
 
 
-def events_of(executor: Executor, key: str) -> list[SagaEventRow]:
+def events_of(executor: Executor, ref: SagaRef) -> list[SagaEventRow]:
     """The saga's audit trail, oldest first."""
-    return [SagaEventRow(**row) for row in executor.execute(_EVENTS, {"key": key}).mappings()]
+    return [SagaEventRow(**row) for row in executor.execute(_EVENTS, _of(ref)).mappings()]
 
 
 _COUNT_BY_STATE = text("SELECT state, count(*) AS n FROM outbox.sagas GROUP BY state")

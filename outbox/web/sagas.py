@@ -1,9 +1,10 @@
 """``/v1/sagas``: declare a saga whole (:func:`outbox.declare_saga`), read sagas
 (docs/sagas.md) through the Python API (:func:`outbox.get_saga`, :func:`outbox.list_sagas`)
-on the request's connection, and cancel one (:func:`outbox.cancel_saga`). An operator token
-reads every saga; an agent token only the sagas it opened (``requested_by`` is its name), as
-with operations. Only an operator cancels, as with operations; the token's name is recorded
-as who did.
+on the request's connection, and cancel one (:func:`outbox.cancel_saga`). A saga key is its
+agent's, as an intent key is: an agent token declares and reads its own agent's sagas (another
+agent's same key is another saga, never named in an answer); an operator token reads every
+saga, choosing the agent with ``?agent=`` when several use one key. Only an operator cancels,
+as with operations; the token's name is recorded as who did.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse
+from sqlalchemy import Connection
 from starlette.concurrency import run_in_threadpool
 
-from outbox import sagas
-from outbox.errors import IntentConflict
-from outbox.models import TokenScope
+from outbox import api, sagas
+from outbox.models import ApiToken, TokenScope
 from outbox.saga_rules import SagaState
 from outbox.web.auth import Token, authorize, authorize_sync
 from outbox.web.context import context
@@ -33,6 +34,14 @@ router = APIRouter(prefix="/v1", tags=["sagas"])
 
 #: Most sagas one list answers.
 MAX_SAGAS = 500
+
+AgentQuery = Annotated[
+    Text | None,
+    Query(
+        description="The agent whose saga (an operator's choice when agents share a key; "
+        "an agent token reads its own)."
+    ),
+]
 
 
 @router.post(
@@ -48,8 +57,9 @@ MAX_SAGAS = 500
 async def declare_saga(request: Request, token: Token, body: SagaDeclareRequest) -> JSONResponse:
     """``outbox.declare_saga`` under the token's name, in one transaction: 201 with the new
     saga; 200 with it as it is now for the same key and the same steps (retry freely); 422
-    naming what differs for the same key with other steps (``steps``, ``steps[1].payload``);
-    409 ``saga-key-taken`` for a key another token used. Its steps then run as the Python
+    naming what differs for the same key with other steps (``steps``, ``steps[1].payload``).
+    The key is the token's agent's: another agent's same key is another saga. Its steps
+    then run as the Python
     API's do: each released when the one before is confirmed, undone in reverse order if a
     later one is refused."""
     ctx = context(request)
@@ -81,19 +91,9 @@ async def declare_saga(request: Request, token: Token, body: SagaDeclareRequest)
                     require_known_tool(
                         ctx, conn, step.compensate.tool, field=f"steps[{index}].compensate.tool"
                     )
-            try:
-                return sagas.declare_saga(conn, body.saga_key, specs, requested_by=caller.name)
-            except IntentConflict as exc:
-                if exc.differences != ("requested_by",):
-                    raise
-                # Another token's saga: neither shown nor shared, as with operations.
-                raise Problem(
-                    409,
-                    f"saga key {body.saga_key!r} names a saga another token declared; "
-                    "choose a key of your own",
-                    slug="saga-key-taken",
-                    field="saga_key",
-                ) from None
+            return sagas.declare_saga(
+                conn, body.saga_key, specs, requested_by=caller.name, agent=caller.agent
+            )
 
     # In a worker thread, on a sync connection, as the enqueue is.
     done = await run_in_threadpool(record)
@@ -108,23 +108,47 @@ async def declare_saga(request: Request, token: Token, body: SagaDeclareRequest)
     "/sagas/{key:path}",
     response_model=SagaOut,
     summary="Read one saga: its state and why, its steps in order, its audit trail",
-    responses=documented(401, 404, 422),
+    responses=documented(401, 404, 409, 422),
 )
 async def get_saga(
     request: Request,
     token: Token,
     key: Annotated[Text, Path(description="The saga key.")],
+    agent: AgentQuery = None,
 ) -> JSONResponse:
-    """The saga as it is; an agent reads only the sagas it opened (else 404)."""
+    """The saga as it is; an agent reads only its own agent's (else 404)."""
     ctx = context(request)
     async with ctx.engine.begin() as conn:
         caller = await authorize(conn, request, token)
-        found = await conn.run_sync(lambda sync: sagas.get_saga(sync, key))
-    if found is None or (
-        caller.scope is not TokenScope.OPERATOR and found.requested_by != caller.name
-    ):
+        found = await conn.run_sync(
+            lambda sync: sagas.get_saga(sync, key, agent=_agent_of(sync, caller, key, agent))
+        )
+    if found is None:
         raise Problem(404, f"no saga {key!r}", slug="saga-not-found")
     return JSONResponse(found.to_dict())
+
+
+def _agent_of(conn: Connection, caller: ApiToken, key: str, asked: str | None) -> str:
+    """Whose saga ``key`` a request means: an agent token's own agent's, whatever it asks
+    (another agent's saga is not there for it); an operator's ``asked``, else the one agent
+    that has a saga under ``key`` (409 naming them when several do)."""
+    if caller.scope is not TokenScope.OPERATOR:
+        if asked is not None and asked != caller.agent:
+            raise Problem(404, f"no saga {key!r}", slug="saga-not-found")
+        return caller.agent
+    if asked is not None:
+        return asked
+    agents = sagas.agents_of_saga_key(conn, key)
+    if len(agents) > 1:
+        named = ", ".join(repr(a) for a in agents)
+        raise Problem(
+            409,
+            f"saga key {key!r} names {len(agents)} sagas, one per agent ({named}): choose "
+            "one with ?agent=",
+            slug="saga-key-ambiguous",
+            field="agent",
+        )
+    return agents[0] if agents else api.SHARED_AGENT
 
 
 @router.post(
@@ -138,6 +162,7 @@ async def cancel_saga(
     token: Token,
     key: Annotated[Text, Path(description="The saga key.")],
     body: SagaCancelRequest,
+    agent: AgentQuery = None,
 ) -> JSONResponse:
     """``outbox.cancel_saga`` under the operator token's name: the held and unsent steps are
     cancelled and the saga moves to ``compensating`` (its confirmed steps are undone in
@@ -148,7 +173,12 @@ async def cancel_saga(
         caller = await authorize(conn, request, token, operator_only=True)
         done = await conn.run_sync(
             lambda sync: sagas.cancel_saga(
-                sync, key, by=caller.name, reason=body.reason, actor=sagas.OPERATOR
+                sync,
+                key,
+                by=caller.name,
+                reason=body.reason,
+                actor=sagas.OPERATOR,
+                agent=_agent_of(sync, caller, key, agent),
             )
         )
     return JSONResponse(done.to_dict())
@@ -165,30 +195,29 @@ async def list_sagas(
     token: Token,
     *,
     state: Annotated[SagaState | None, Query(description="Only sagas in this state.")] = None,
+    agent: AgentQuery = None,
     limit: Annotated[int, Query(ge=1, le=MAX_SAGAS, description="At most this many.")] = 50,
     cursor: Annotated[
         str | None, Query(description="next_cursor of the previous page (opaque).")
     ] = None,
 ) -> JSONResponse:
-    """Sagas matching the filter, newest first; an agent sees only the sagas it opened.
+    """Sagas matching the filter, newest first; an agent sees only its own agent's.
     ``next_cursor`` is set when the page is full: pass it as ``cursor`` for the next one."""
     after = _decode_cursor(cursor) if cursor is not None else None
     ctx = context(request)
     async with ctx.engine.begin() as conn:
         caller = await authorize(conn, request, token)
-        # An operator reads every saga; an agent the ones it opened.
-        mine = None if caller.scope is TokenScope.OPERATOR else caller.name
+        # An operator reads every saga (or one agent's); an agent its own agent's.
+        mine = agent if caller.scope is TokenScope.OPERATOR else caller.agent
         found = await conn.run_sync(
-            lambda sync: sagas.list_sagas(
-                sync, state=state, limit=limit, requested_by=mine, after=after
-            )
+            lambda sync: sagas.list_sagas(sync, state=state, limit=limit, agent=mine, after=after)
         )
     more = _encode_cursor(found[-1].position) if len(found) == limit else None
     return JSONResponse({"items": [summary.to_dict() for summary in found], "next_cursor": more})
 
 
 def _encode_cursor(last: sagas.SagaPosition) -> str:
-    raw = json.dumps([last.created_at.isoformat(), last.key], separators=(",", ":"))
+    raw = json.dumps([last.created_at.isoformat(), last.key, last.agent], separators=(",", ":"))
     return base64.urlsafe_b64encode(raw.encode()).rstrip(b"=").decode()
 
 
@@ -201,10 +230,11 @@ def _decode_cursor(cursor: str) -> sagas.SagaPosition:
     )
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        at, key = json.loads(raw)
+        at, key, agent = json.loads(raw)
         when = datetime.fromisoformat(at)
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
         raise invalid from None
-    if not isinstance(key, str) or "\x00" in key or when.tzinfo is None:
+    texts = (key, agent)
+    if not all(isinstance(t, str) and "\x00" not in t for t in texts) or when.tzinfo is None:
         raise invalid
-    return sagas.SagaPosition(when, key)
+    return sagas.SagaPosition(when, key, agent)

@@ -476,7 +476,7 @@ def test_over_http_a_saga_is_declared_and_read_as_the_tokens_own(stack: Stack) -
         ).scalar_one()
         ops_by = conn.execute(
             text("SELECT requested_by FROM outbox.operations WHERE intent_key LIKE :k"),
-            {"k": f"saga:{key}:%"},
+            {"k": f"saga:{len(key)}:{key}:%"},
         ).scalars()
         assert (saga_by, sorted(ops_by)) == ("agent-saga-http", ["agent-saga-http"] * 2)
         left = conn.execute(
@@ -484,7 +484,7 @@ def test_over_http_a_saga_is_declared_and_read_as_the_tokens_own(stack: Stack) -
                 "SELECT (SELECT count(*) FROM outbox.sagas WHERE key = :k) + (SELECT count(*) "
                 "FROM outbox.operations WHERE intent_key LIKE :steps)"
             ),
-            {"k": bad_key, "steps": f"saga:{bad_key}:%"},
+            {"k": bad_key, "steps": f"saga:{len(bad_key)}:{bad_key}:%"},
         ).scalar_one()
     assert (malformed.is_error, _report(malformed)["field"]) == (True, "steps[1].payload.version")
     assert "steps[1].payload.version" in _text(malformed)

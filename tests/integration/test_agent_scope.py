@@ -15,7 +15,8 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from outbox import aio, api, migrate
+import outbox
+from outbox import aio, api, migrate, sagas
 from outbox.api import Intent
 from outbox.canonical import canonical_json, payload_hash
 from outbox.cli.db import prune_batches
@@ -267,5 +268,85 @@ def test_0023_downgrades_and_upgrades_again(databases: Databases) -> None:
             command.downgrade(config, "0022")
         migrate.upgrade(fresh)
         assert enqueue(fresh, "k", agent="a").id == op.id
+    finally:
+        fresh.dispose()
+
+
+# --- sagas ------------------------------------------------------------------------------------
+
+STEP = {"tool": TOOL, "target": "project-a", "payload": PAYLOAD}
+
+
+def test_saga_keys_are_their_agents_and_step_keys_are_unambiguous(engine: Engine) -> None:
+    """Two agents' sagas under one key are two sagas; saga ``rel:a`` step ``b`` and saga
+    ``rel`` step ``a:b`` (one key in the old form) are two operations; a compensation's key is
+    never a step's."""
+    with Session(engine) as session, session.begin():
+        mine = outbox.saga(session, "rel", agent="a").step("a:b", **STEP)
+        theirs = outbox.saga(session, "rel", agent="b").step("a:b", **STEP)
+        other = outbox.saga(session, "rel:a", agent="a").step("b", **STEP)
+        named_undo = outbox.saga(session, "rel:a", agent="a").step("undo", **STEP)
+    assert len({mine.id, theirs.id, other.id, named_undo.id}) == 4
+    assert (mine.agent, theirs.agent, other.agent) == ("a", "b", "a")
+    keys = {
+        sagas.step_intent_key("rel", "a:b"),
+        sagas.step_intent_key("rel:a", "b"),
+        sagas.compensation_intent_key("rel", "a:b"),
+        sagas.compensation_intent_key("rel:a", "b"),
+        sagas.step_intent_key("rel:a", "undo"),
+    }
+    assert len(keys) == 5
+    with Session(engine) as session:
+        assert sagas.agents_of_saga_key(session, "rel") == ["a", "b"]
+        found = outbox.get_saga(session, "rel", agent="b")
+    assert found is not None
+    assert [s.operation_id for s in found.steps] == [theirs.id]
+
+
+def test_another_agent_cannot_take_a_sagas_step_or_undo_key_first(engine: Engine) -> None:
+    """Agent b enqueuing the very keys agent a's saga step and its undo will use blocks
+    nothing: a's saga records its own step and, once refused later, its own undo."""
+    step_key = sagas.step_intent_key("deploy", "release")
+    undo_key = sagas.compensation_intent_key("deploy", "release")
+    for key in (step_key, undo_key):
+        enqueue(engine, key, agent="b")
+    with Session(engine) as session, session.begin():
+        step = outbox.saga(session, "deploy", agent="a").step(
+            "release",
+            **STEP,
+            compensate=outbox.Compensate(TOOL, "project-a", {"undo": "{remote_ref}"}),
+        )
+    assert (step.intent_key, step.agent) == (step_key, "a")
+    with Session(engine) as session:
+        theirs = api.find(session, step_key, agent="b")
+    assert theirs is not None
+    assert theirs.id != step.id
+
+
+def test_a_saga_opened_before_0023_keeps_its_steps_keys(databases: Databases) -> None:
+    """A saga recorded in the old key form is found again step by step after the upgrade:
+    declaring the same step again returns its operation, and nothing new is recorded."""
+    fresh = create_engine(databases.create())
+    try:
+        migrate.upgrade(fresh, "0022")
+        op_id = _insert_as_of_0022(fresh, "saga:old:release", "agent-a")
+        with fresh.begin() as conn:
+            conn.execute(
+                text("INSERT INTO outbox.sagas (key, requested_by) VALUES ('old', 'agent-a')")
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO outbox.saga_steps (saga_key, position, name, operation_id,"
+                    " released_at) VALUES ('old', 0, 'release', :id, clock_timestamp())"
+                ),
+                {"id": op_id},
+            )
+        migrate.upgrade(fresh)
+        with Session(fresh) as session, session.begin():
+            again = outbox.saga(session, "old", requested_by="agent-a").step(
+                "release", tool=TOOL, target="project-a", payload=PAYLOAD
+            )
+        assert again.id == op_id
+        assert operation_count(fresh) == 1
     finally:
         fresh.dispose()

@@ -477,7 +477,7 @@ def test_every_cancel_gives_the_share_back_and_a_pruned_operation_still_counts(
         assert approval.expire_due_and_commit(conn).expired == 1
     assert (usage_rows_of(engine, expired.id), used_by(engine)) == (0, 2)
     with Session(engine) as session, session.begin():
-        outbox.cancel_saga(session, "s-budget", by="bob", reason="not now")
+        outbox.cancel_saga(session, "s-budget", by="bob", reason="not now", agent="agent-a")
     assert reload(engine, step.id).state is State.CANCELLED
     assert (usage_rows_of(engine, step.id), used_by(engine)) == (0, 1)
 

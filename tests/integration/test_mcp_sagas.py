@@ -149,9 +149,9 @@ def test_a_declared_saga_not_settled_in_time_says_so_and_the_same_call_finds_it(
 def test_a_saga_declared_otherwise_or_malformed_is_refused_naming_the_field(
     engine: Engine, database_url: str
 ) -> None:
-    """Other steps under the key, another agent's key, an unknown tool, a missing payload,
-    an unknown member, a pivot with an undo: refused (an error) naming the field; nothing
-    more written."""
+    """Other steps under the key, an unknown tool, a missing payload, an unknown member, a
+    pivot with an undo: refused (an error) naming the field; nothing more written. Another
+    agent's same key is that agent's own saga, and its answers hold nothing of the first's."""
     _calls(database_url, "agent-a", [("outbox_saga", {"saga_key": "s-1", "steps": STEPS})])
     changed = [STEPS[0], {**STEPS[1], "payload": {"to": "9"}}, STEPS[2]]
     cases: list[tuple[dict[str, Any], str]] = [
@@ -180,14 +180,15 @@ def test_a_saga_declared_otherwise_or_malformed_is_refused_naming_the_field(
             ("outbox_saga_status", {"saga_key": "s-1"}),
         ],
     )
-    assert theirs.is_error
-    assert "choose a key of your own" in _text(theirs)
-    assert "point-lb" not in _text(theirs)
-    assert unknown.is_error
-    assert "none of your sagas" in _text(unknown)
+    assert not theirs.is_error, _text(theirs)
+    assert [step["name"] for step in _body(theirs)["steps"]] == ["release"]
+    assert _body(unknown)["steps"] == _body(theirs)["steps"]
+    for answer in (theirs, unknown):
+        assert "point-lb" not in _text(answer)
+        assert "agent-a" not in str(answer.structured_content)
     with engine.connect() as conn:
-        assert conn.execute(text("SELECT count(*) FROM outbox.sagas")).scalar_one() == 1
-        assert conn.execute(text("SELECT count(*) FROM outbox.operations")).scalar_one() == 3
+        assert conn.execute(text("SELECT count(*) FROM outbox.sagas")).scalar_one() == 2
+        assert conn.execute(text("SELECT count(*) FROM outbox.operations")).scalar_one() == 4
 
 
 def test_an_undone_saga_is_reported_as_an_error_saying_nothing_remains(

@@ -66,7 +66,7 @@ def test_a_declared_saga_is_the_saga_its_steps_make(engine: Engine) -> None:
 
     open_saga(engine, "d-by-steps", THREE, requested_by="agent-a")
     with Session(engine) as session:
-        by_steps = outbox.get_saga(session, "d-by-steps")
+        by_steps = outbox.get_saga(session, "d-by-steps", agent="agent-a")
     assert by_steps is not None
     assert [(s.name, s.tool, s.target, s.held, s.state) for s in by_steps.steps] == [
         (s.name, s.tool, s.target, s.held, s.state) for s in view.steps
@@ -103,16 +103,21 @@ def test_other_steps_under_the_key_are_refused_naming_what_differs(engine: Engin
     assert counts(engine) == before
 
 
-def test_another_requesters_saga_is_refused_and_not_shown(engine: Engine) -> None:
-    """The key names a saga someone else declared: refused as ``requested_by``, naming none
-    of its steps."""
-    declare(engine, "d-theirs", SPECS, requested_by="agent-b")
-    before = counts(engine)
-    with pytest.raises(IntentConflict) as caught:
-        declare(engine, "d-theirs", SPECS[:1], requested_by="agent-a")
-    assert caught.value.differences == ("requested_by",)
-    assert "release" not in str(caught.value)
-    assert counts(engine) == before
+def test_another_agents_saga_key_is_a_saga_of_its_own(engine: Engine) -> None:
+    """The key names a saga another agent declared: this agent's declaration is its own new
+    saga, answering nothing of the other's; a new token of the first agent (another
+    requested_by, the same agent) finds the first saga."""
+    theirs = declare(engine, "d-theirs", SPECS, requested_by="agent-b")
+    mine = declare(engine, "d-theirs", SPECS[:1], requested_by="agent-a")
+    assert mine.created
+    assert (mine.saga.agent, theirs.saga.agent) == ("agent-a", "agent-b")
+    assert [s.name for s in mine.saga.steps] == [SPECS[0].name]
+    theirs_ids = {str(s.operation_id) for s in theirs.saga.steps}
+    assert not theirs_ids & {str(s.operation_id) for s in mine.saga.steps}
+    assert not any(i in str(mine.saga.to_dict()) for i in theirs_ids)
+    again = declare(engine, "d-theirs", SPECS, requested_by="agent-b-2", agent="agent-b")
+    assert not again.created
+    assert [s.operation_id for s in again.saga.steps] == [s.operation_id for s in theirs.saga.steps]
 
 
 @pytest.mark.parametrize(
@@ -266,11 +271,11 @@ def test_saga_step_refuses_a_payload_failing_its_tools_schema_and_adds_nothing(
     assert (caught.value.field, caught.value.keyword) == ("payload.to", "type")
     assert counts(engine) == (1, 1, 1, 1)
     with Session(engine) as session:
-        found = outbox.get_saga(session, "s-schema")
+        found = outbox.get_saga(session, "s-schema", agent="agent-a")
     assert found is not None
     assert [s.name for s in found.steps] == ["release"]
     with Session(engine) as session, session.begin():
-        outbox.saga(session, "s-schema").step(**THREE[1])
+        outbox.saga(session, "s-schema", agent="agent-a").step(**THREE[1])
     assert counts(engine)[1] == 2
 
 

@@ -24,7 +24,7 @@ from outbox.contracts import ContractTable
 from outbox.db import create_async_engine
 from outbox.errors import IntentConflict, InvalidIntent, SagaNotRunning
 from outbox.metrics import OutboxCollector
-from outbox.models import Operation, iso_utc
+from outbox.models import Operation, SagaRef, iso_utc
 from outbox.reconcilers.sagas import (
     advance_due_sagas_and_commit,
     advance_saga_and_commit,
@@ -86,10 +86,18 @@ def open_saga(
         return [opened.step(**step) for step in steps]
 
 
+def ref_of(engine: Engine, key: str) -> SagaRef:
+    """The one saga under ``key``, whichever agent it was opened for (a test opens one)."""
+    with Session(engine) as session:
+        agents = sagas.agents_of_saga_key(session, key)
+    assert len(agents) <= 1, agents
+    return SagaRef(key, agents[0] if agents else "")
+
+
 def view(engine: Engine, key: str) -> SagaView:
     """The saga as read now."""
     with Session(engine) as session:
-        found = outbox.get_saga(session, key)
+        found = outbox.get_saga(session, key, agent=ref_of(engine, key).agent)
     assert found is not None
     return found
 
@@ -181,7 +189,7 @@ def decide_unknown(engine: Engine, op_id: UUID, *, applied: bool) -> Operation:
 
 def advance(engine: Engine, key: str) -> SagaState:
     """One driver pass over the saga, committed; its state after."""
-    advanced = advance_saga_and_commit(engine, key)
+    advanced = advance_saga_and_commit(engine, ref_of(engine, key))
     assert advanced is not None
     return advanced.state
 
@@ -234,7 +242,7 @@ def test_only_the_first_step_is_due_the_later_ones_are_held(engine: Engine) -> N
         ("point-lb", True, State.PLANNED),
         ("announce", True, State.PLANNED),
     ]
-    assert release.intent_key == "saga:s-held:release"
+    assert release.intent_key == "saga:6:s-held:step:release"
     assert release.metadata == {"saga": "s-held", "saga_step": "release"}
     assert release.requested_by == "agent-7"
     with engine.begin() as conn:  # the relay publishes only the due step
@@ -409,7 +417,7 @@ def test_a_refusal_compensates_the_confirmed_steps_in_reverse_order_once(
     (undo_point,) = compensations(engine, "s-undo")
     assert (undo_point.tool, undo_point.target) == ("lb.point", "lb-1")
     assert undo_point.payload == {"to": "previous", "undo": "lb-change-7"}
-    assert undo_point.intent_key == "saga:s-undo:point-lb:compensate"
+    assert undo_point.intent_key == "saga:6:s-undo:undo:point-lb"
     assert undo_point.state is State.PLANNED
     assert not is_held(engine, undo_point.id)
     assert advance(engine, "s-undo") is SagaState.COMPENSATING
@@ -474,8 +482,8 @@ def test_an_unknown_step_holds_the_compensation_until_it_is_decided(engine: Engi
     finish(engine, undo_b.id, State.CONFIRMED)
     advance(engine, "s-doubt")
     assert [op.intent_key for op in compensations(engine, "s-doubt")] == [
-        "saga:s-doubt:b:compensate",
-        "saga:s-doubt:release:compensate",
+        "saga:7:s-doubt:undo:b",
+        "saga:7:s-doubt:undo:release",
     ]
 
 
@@ -514,7 +522,7 @@ def test_a_step_resolved_not_applied_is_not_compensated(engine: Engine) -> None:
     decide_unknown(engine, point.id, applied=False)
     assert advance(engine, "s-not-applied") is SagaState.COMPENSATING
     assert [op.intent_key for op in compensations(engine, "s-not-applied")] == [
-        "saga:s-not-applied:release:compensate"
+        "saga:13:s-not-applied:undo:release"
     ]
     assert reload(engine, announce.id).state is State.CANCELLED
 
@@ -592,7 +600,7 @@ def test_a_compensation_its_checks_refuse_needs_a_human(engine: Engine) -> None:
             tool="x.other",
             target="t",
             payload={},
-            intent_key="saga:s-comp-bad:release:compensate",
+            intent_key="saga:10:s-comp-bad:undo:release",
         )
     assert advance(engine, "s-comp-bad") is SagaState.NEEDS_HUMAN
     reason = view(engine, "s-comp-bad").reason or ""
@@ -907,7 +915,7 @@ def test_a_saga_held_by_another_transaction_is_skipped_not_waited_for(engine: En
     finish(engine, release.id, State.CONFIRMED)
     with Session(engine) as session, session.begin():
         outbox.saga(session, "s-busy").step(**THREE[0])  # takes the saga's row lock
-        assert advance_saga_and_commit(engine, "s-busy") is None
+        assert advance_saga_and_commit(engine, SagaRef("s-busy")) is None
         assert advance_due_sagas_and_commit(engine).busy == 1
     assert advance(engine, "s-busy") is SagaState.RUNNING
     assert [s.held for s in view(engine, "s-busy").steps] == [False, False, True]
@@ -934,7 +942,7 @@ def test_a_pass_that_dies_before_its_commit_leaves_nothing_and_the_next_resumes(
     nudge_sagas_of_and_commit(engine, [point.id])
     advance_due_sagas_and_commit(engine)
     (undo,) = compensations(engine, "s-crash")
-    assert undo.intent_key == "saga:s-crash:release:compensate"
+    assert undo.intent_key == "saga:7:s-crash:undo:release"
 
 
 def test_agents_racing_on_one_saga_end_with_one_saga_and_one_operation_per_step(

@@ -17,6 +17,12 @@ Create Date: 2026-12-03
   its key is done for every agent, so no intent can happen twice across the upgrade (it is
   the only answer that may still speak of another agent's operation; ``outbox db prune
   --forget-intents-older-than`` removes such rows with the others).
+* Sagas too: a saga key is its agent's (``sagas`` keyed by ``(key, agent)``, its steps and
+  events carrying the agent under composite foreign keys); existing sagas get their
+  ``requested_by`` as agent, as their steps' operations do. A step keeps its operation's
+  intent key (``saga_steps.intent_key``): new sagas build theirs unambiguously
+  (``saga:<length>:<key>:step:<name>``; ``saga:rel:a`` + ``b`` and ``saga:rel`` + ``a:b``
+  were one key), existing ones keep the form they were recorded with.
 * ``api_tokens.agent``: the agent a token speaks for, its intent keys' scope. Existing tokens
   speak for the agent of their own name; ``outbox tokens create NEW --agent NAME`` makes
   another token of the same agent (rotation keeps the scope).
@@ -154,6 +160,8 @@ def upgrade() -> None:
     )
     op.execute(REMEMBER)
 
+    _scope_sagas()
+
     op.add_column("api_tokens", sa.Column("agent", sa.Text()), schema=_SCHEMA)
     op.execute("UPDATE outbox.api_tokens SET agent = name")
     op.alter_column("api_tokens", "agent", nullable=False, schema=_SCHEMA)
@@ -165,9 +173,87 @@ def upgrade() -> None:
     )
 
 
+def _scope_sagas() -> None:
+    for table in ("sagas", "saga_steps", "saga_events"):
+        op.add_column(
+            table,
+            sa.Column("agent", sa.Text(), nullable=False, server_default=sa.text("''")),
+            schema=_SCHEMA,
+        )
+    op.execute(
+        "UPDATE outbox.sagas SET agent = requested_by "
+        "WHERE requested_by IS NOT NULL AND requested_by <> ''"
+    )
+    op.execute(
+        "UPDATE outbox.saga_steps AS t SET agent = s.agent FROM outbox.sagas AS s "
+        "WHERE s.key = t.saga_key AND s.agent <> ''"
+    )
+    op.execute(
+        "UPDATE outbox.saga_events AS t SET agent = s.agent FROM outbox.sagas AS s "
+        "WHERE s.key = t.saga_key AND s.agent <> ''"
+    )
+    # A step's intent key, kept: a saga declared before this revision goes on finding its
+    # steps' operations under the keys they were recorded with; new sagas' keys are built
+    # by the unambiguous form (outbox.sagas.step_intent_key).
+    op.add_column("saga_steps", sa.Column("intent_key", sa.Text()), schema=_SCHEMA)
+    op.execute("UPDATE outbox.saga_steps SET intent_key = 'saga:' || saga_key || ':' || name")
+    op.alter_column("saga_steps", "intent_key", nullable=False, schema=_SCHEMA)
+    _rekey_sagas(
+        ["saga_key", "agent"],
+        ["key", "agent"],
+        steps_pk=["saga_key", "agent", "position"],
+        old_unique="uq_saga_steps_saga_key_name",
+        old_index="ix_saga_events_saga_key_id",
+    )
+
+
+def _rekey_sagas(
+    child: list[str], parent: list[str], *, steps_pk: list[str], old_unique: str, old_index: str
+) -> None:
+    """Key the sagas by ``parent``, and their steps' and events' references by ``child``."""
+    for table in ("saga_steps", "saga_events"):
+        op.drop_constraint(f"fk_{table}_saga_key_sagas", table, schema=_SCHEMA)
+    op.drop_constraint("pk_saga_steps", "saga_steps", schema=_SCHEMA)
+    op.drop_constraint(old_unique, "saga_steps", schema=_SCHEMA)
+    op.drop_index(old_index, table_name="saga_events", schema=_SCHEMA)
+    op.drop_constraint("pk_sagas", "sagas", schema=_SCHEMA)
+    op.create_primary_key(op.f("pk_sagas"), "sagas", parent, schema=_SCHEMA)
+    op.create_primary_key(op.f("pk_saga_steps"), "saga_steps", steps_pk, schema=_SCHEMA)
+    unique = [*child, "name"]
+    op.create_unique_constraint(
+        op.f(f"uq_saga_steps_{'_'.join(unique)}"), "saga_steps", unique, schema=_SCHEMA
+    )
+    for table in ("saga_steps", "saga_events"):
+        op.create_foreign_key(
+            op.f(f"fk_{table}_saga_key_sagas"),
+            table,
+            "sagas",
+            child,
+            parent,
+            source_schema=_SCHEMA,
+            referent_schema=_SCHEMA,
+            ondelete="CASCADE",
+        )
+    indexed = [*child, "id"]
+    op.create_index(
+        op.f(f"ix_saga_events_{'_'.join(indexed)}"), "saga_events", indexed, schema=_SCHEMA
+    )
+
+
 def downgrade() -> None:
     op.drop_constraint("ck_api_tokens_agent_length", "api_tokens", schema=_SCHEMA)
     op.drop_column("api_tokens", "agent", schema=_SCHEMA)
+
+    _rekey_sagas(
+        ["saga_key"],
+        ["key"],
+        steps_pk=["saga_key", "position"],
+        old_unique="uq_saga_steps_saga_key_agent_name",
+        old_index="ix_saga_events_saga_key_agent_id",
+    )
+    op.drop_column("saga_steps", "intent_key", schema=_SCHEMA)
+    for table in ("saga_events", "saga_steps", "sagas"):
+        op.drop_column(table, "agent", schema=_SCHEMA)
 
     op.execute(REMEMBER_UNSCOPED)
     op.drop_constraint("pk_pruned_intents", "pruned_intents", schema=_SCHEMA)

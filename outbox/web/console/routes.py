@@ -573,28 +573,43 @@ async def sagas_page(request: Request, state: str = "") -> Response:
 
 
 @router.get("/sagas/{key:path}", response_class=HTMLResponse)
-async def saga_page(request: Request, key: str) -> Response:
-    """One saga: its state and why, its steps as a timeline, what waits for a person, its
-    audit trail, and (running) the cancel form."""
+async def saga_page(request: Request, key: str, agent: str | None = None) -> Response:
+    """One saga (``?agent=`` names whose, when several agents use the key): its state and
+    why, its steps as a timeline, what waits for a person, its audit trail, and (running)
+    the cancel form."""
     operator = await _operator(request)
     if operator is None:
         return _to_signin()
-    return await _saga_response(request, operator, key)
+    return await _saga_response(request, operator, key, agent)
 
 
 async def _saga_response(
-    request: Request, operator: str, key: str, *, notice: str | None = None, status_code: int = 200
+    request: Request,
+    operator: str,
+    key: str,
+    agent: str | None,
+    *,
+    notice: str | None = None,
+    status_code: int = 200,
 ) -> HTMLResponse:
-    found = await _read(request, lambda sync: views.read_saga(sync, key))
-    if found is None:
-        return _page(request, "saga_missing.html", operator=operator, key=key, status_code=404)
+    found = await _read(request, lambda sync: views.read_saga(sync, key, agent))
+    if found is None or isinstance(found, list):
+        # None: no such saga; a list: the agents that each have one under the key.
+        return _page(
+            request,
+            "saga_missing.html",
+            operator=operator,
+            key=key,
+            agents=found or [],
+            status_code=404 if found is None else 200,
+        )
     return _page(
         request, "saga.html", operator=operator, view=found, notice=notice, status_code=status_code
     )
 
 
 @router.post("/sagas/{key:path}/cancel")
-async def cancel_saga(request: Request, key: str) -> Response:
+async def cancel_saga(request: Request, key: str, agent: str = "") -> Response:
     """Cancel a running saga under the operator's name (actor ``operator``), with a reason;
     refused, nothing written, once it is no longer running."""
     operator = await _operator(request)
@@ -606,18 +621,21 @@ async def cancel_saga(request: Request, key: str) -> Response:
     reason = _text(form, "reason")
 
     def cancel(sync: Executor) -> sagas.SagaView:
-        return sagas.cancel_saga(sync, key, by=operator, reason=reason, actor=sagas.OPERATOR)
+        return sagas.cancel_saga(
+            sync, key, by=operator, reason=reason, actor=sagas.OPERATOR, agent=agent
+        )
 
     try:
         async with context(request).engine.begin() as conn:
             done: sagas.SagaView = await conn.run_sync(cancel)
     except SagaNotFound:
-        return await _saga_response(request, operator, key)
+        return await _saga_response(request, operator, key, agent)
     except (SagaNotRunning, InvalidSagaRequest) as exc:
         return await _saga_response(
             request,
             operator,
             key,
+            agent,
             notice=f"Nothing was written: {exc}",
             status_code=409 if isinstance(exc, SagaNotRunning) else 422,
         )
@@ -633,5 +651,7 @@ async def cancel_saga(request: Request, key: str) -> Response:
     )
     request.session["flash"] = f"cancelled by {operator}: the saga is now {done.state.value}."
     return RedirectResponse(
-        f"/sagas/{quote(done.key, safe='')}", status_code=303, headers=SECURITY_HEADERS
+        f"/sagas/{quote(done.key, safe='')}?agent={quote(done.agent, safe='')}",
+        status_code=303,
+        headers=SECURITY_HEADERS,
     )

@@ -218,9 +218,21 @@ def read_sagas(session: Executor, state: SagaState | None) -> SagaList:
     )
 
 
-def read_saga(session: Executor, key: str) -> SagaPage | None:
-    """Everything the saga page shows; ``None`` if there is no such saga."""
-    found = sagas.get_saga(session, key)
+def saga_agents(session: Executor, key: str) -> list[str]:
+    """The agents that have a saga under ``key`` (each agent's same key is its own saga)."""
+    return sagas.agents_of_saga_key(session, key)
+
+
+def read_saga(session: Executor, key: str, agent: str | None) -> SagaPage | list[str] | None:
+    """Everything the saga page shows: ``agent``'s saga ``key``, else the one agent's that
+    has it; ``None`` if there is no such saga; the agents, when several have one under
+    ``key`` and none was named."""
+    if agent is None:
+        agents = saga_agents(session, key)
+        if len(agents) > 1:
+            return agents
+        agent = agents[0] if agents else ""
+    found = sagas.get_saga(session, key, agent=agent)
     if found is None:
         return None
     return SagaPage(
