@@ -274,7 +274,7 @@ def test_0023_downgrades_and_upgrades_again(databases: Databases) -> None:
 
 # --- sagas ------------------------------------------------------------------------------------
 
-STEP = {"tool": TOOL, "target": "project-a", "payload": PAYLOAD}
+STEP: dict[str, Any] = {"tool": TOOL, "target": "project-a", "payload": PAYLOAD}
 
 
 def test_saga_keys_are_their_agents_and_step_keys_are_unambiguous(engine: Engine) -> None:
