@@ -135,6 +135,8 @@ def _openai(args: argparse.Namespace) -> str:
             ModelStep.respond(answer),
         ]
     agent = Agent(name="deployer", model=ScriptedModel(steps), tools=[tool])
+    if args.session:
+        return asyncio.run(_openai_session_turn(args, agent))
     saved = _saved(args.history)
     said: list[Any] = [{"role": "user", "content": args.prompt}]
     turn_input: Any = json.loads(saved) + said if saved is not None else args.prompt
@@ -142,6 +144,25 @@ def _openai(args: argparse.Namespace) -> str:
     result = asyncio.run(Runner.run(agent, turn_input, context=run))
     _save(args.history, json.dumps(result.to_input_list()).encode())
     return str(result.final_output)
+
+
+async def _openai_session_turn(args: argparse.Namespace, agent: Any) -> str:
+    """The turn on an SDK ``SQLiteSession`` in ``--session``, numbered by the user messages
+    the session holds before the run: the count the docs used to suggest, which a crash
+    moves (the SDK saves the user's message when the run starts)."""
+    from agents import Runner, SQLiteSession  # noqa: PLC0415 -- the openai path only
+
+    from outbox.integrations.openai_agents import OutboxRun  # noqa: PLC0415
+
+    session = SQLiteSession(args.run_id, args.session)
+    try:
+        items = await session.get_items()
+        turn = len([i for i in items if isinstance(i, dict) and i.get("role") == "user"])
+        run = OutboxRun(args.run_id, turn=turn)
+        result = await Runner.run(agent, args.prompt, context=run, session=session)
+        return str(result.final_output)
+    finally:
+        session.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", default=DEPLOY)
     parser.add_argument("--history", help="the conversation's file (saved at each turn's end)")
     parser.add_argument("--turn", type=int, default=0, help="the SDK's OutboxRun turn")
+    parser.add_argument("--session", help="an SDK SQLiteSession's file, which numbers the turn")
     args = parser.parse_args(argv)
     load_tools()
     if args.framework == "openai":

@@ -314,6 +314,30 @@ def test_openai_agents_later_turn_killed_before_its_input_list_is_saved_resumes_
     assert key.split(":")[1:] == ["turn-1", TOOL, "0"]
 
 
+def test_openai_agents_turns_counted_from_a_session_number_a_killed_turn_again_and_act_twice(
+    stack: Stack,
+) -> None:
+    """Turns numbered by the user messages in an SDK Session (what the docs used to suggest):
+    the SDK saves the message when the run starts, so a second turn killed after its intent
+    committed is numbered anew when run again, under a new key, and the service acts twice."""
+    run_id, target = f"conv-{uuid.uuid4().hex[:8]}", f"project-{uuid.uuid4().hex[:8]}"
+    common = {"run_id": run_id, "target": target, "session": str(stack.log_dir / f"{run_id}.db")}
+    first_turn = stack.agent("openai", call_id="unused", prompt="hello", **common)
+    assert first_turn.process.wait(90) == 0, first_turn.output()[-3000:]
+    stack.stop_relay()
+    killed = stack.agent("openai", call_id="call-first", **common)
+    wait_until(lambda: bool(stack.operations(run_id)), timeout=60, what="the committed intent")
+    killed.kill()
+
+    stack.start_relay()
+    again = stack.agent("openai", call_id="call-second", **common)
+    assert again.process.wait(90) == 0, again.output()[-3000:]
+
+    keys = sorted(str(op["intent_key"]).split(":")[1] for op in stack.operations(run_id))
+    assert keys == ["turn-1", "turn-2"]
+    wait_until(lambda: len(stack.effects(target)) == 2, timeout=30, what="both effects")
+
+
 def _echo(call: ModelCall) -> Any:
     """The SDK model's last step: answer with the tool's output."""
     outputs = [
