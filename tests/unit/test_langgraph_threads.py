@@ -127,6 +127,32 @@ def test_an_interrupted_thread_is_resumed_and_a_command_is_passed_as_it_is() -> 
     assert asked == ["alice"]
 
 
+def test_a_step_that_raised_is_run_again_not_replaced_by_a_new_turn() -> None:
+    """A node that raised leaves its thread pending: given its input again, the thread runs
+    the failed node again instead of starting a turn with the input a second time."""
+    runs: Counter[str] = Counter()
+
+    def flaky(state: Turns) -> dict[str, Any]:
+        runs["flaky"] += 1
+        if runs["flaky"] == 1:
+            raise RuntimeError("the model provider timed out")
+        return {"said": ["answered"]}
+
+    builder = StateGraph(Turns)
+    builder.add_node("flaky", flaky)
+    builder.add_edge(START, "flaky")
+    graph = builder.compile(checkpointer=InMemorySaver())
+    config: RunnableConfig = {"configurable": {"thread_id": "t"}}
+    with pytest.raises(RuntimeError, match="timed out"):
+        invoke_thread(graph, {"said": ["release"]}, config)
+    assert thread_pending(graph, config)
+
+    result = invoke_thread(graph, {"said": ["release"]}, config)
+
+    assert result["said"] == ["release", "answered"]
+    assert runs["flaky"] == 2
+
+
 def test_the_async_helpers_follow_the_same_rule() -> None:
     """ainvoke_thread resumes a step whose checkpoint was lost and athread_pending says so."""
     runs: Counter[str] = Counter()
