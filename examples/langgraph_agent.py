@@ -6,9 +6,13 @@ PostgreSQL checkpoints the thread. The model is LangChain's offline ``GenericFak
 no provider, no key, and new tool-call ids every time it is asked, as a real model's are.
 
 Kill it while it waits for the release (Ctrl-C, or ``kill -9``) and run it again with the same
-``--thread``: LangGraph resumes the thread from its last checkpoint, the node runs again, the
-model is asked again and gives its tool call another id, and the outbox answers with the
-operation the first run recorded. The reference service sees one release.
+``--thread`` and the same request: ``invoke_thread`` sees that the thread has a step that did
+not end and resumes it from its last checkpoint instead of starting a new turn, the node runs
+again, the model is asked again and gives its tool call another id, and the outbox answers
+with the operation the first run recorded. The reference service sees one release.
+(``graph.invoke(None if graph.get_state(config).next else request, config)``, which this
+example used to do, misses a step whose writes were saved and whose checkpoint was not, and
+starts a new turn there: a second release.)
 
 Run it against the reference service and a stack:
 
@@ -55,7 +59,13 @@ from sqlalchemy import make_url
 
 from outbox import aio
 from outbox.db import create_async_engine, database_url
-from outbox.integrations.langgraph import outbox_tool
+from outbox.integrations.langgraph import (
+    ainvoke_thread,
+    athread_pending,
+    invoke_thread,
+    outbox_tool,
+    thread_pending,
+)
 
 TOOL = "deploy.create_release"
 
@@ -86,22 +96,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, url: str) -> tuple[dict[str, Any], bool]:
-    """The thread run (or resumed) with ``graph.invoke``: its final state, and whether it
-    was resumed."""
+    """The thread run or resumed with ``invoke_thread``: its final state, and whether it was
+    resumed."""
     tool = outbox_tool(TOOL, wait_s=args.wait)
     config: RunnableConfig = {"configurable": {"thread_id": args.thread}}
     with PostgresSaver.from_conn_string(_libpq_url(url)) as saver:
         saver.setup()
         script = _script(tool.name, args.target, args.version, args.json)
         graph = _graph(tool, script).compile(checkpointer=saver)
-        pending = bool(graph.get_state(config).next)
-        # A thread with a step still to run was interrupted: resume it from its checkpoint.
-        final = graph.invoke(None if pending else _request(args), config)
+        pending = thread_pending(graph, config)  # only to say so: invoke_thread decides
+        # Resumed if a step of the thread did not end (this process was killed in a turn),
+        # else a new turn with the request, which must be the one the killed run was given.
+        final: dict[str, Any] = invoke_thread(graph, _request(args), config)
     return final, pending
 
 
 async def _run_async(args: argparse.Namespace, url: str) -> tuple[dict[str, Any], bool]:
-    """:func:`_run` on asyncio: ``graph.ainvoke``, ``AsyncPostgresSaver``, ``outbox.aio``."""
+    """:func:`_run` on asyncio: ``ainvoke_thread``, ``AsyncPostgresSaver``, ``outbox.aio``."""
     engine = create_async_engine(url)
     try:
         tool = outbox_tool(TOOL, wait_s=args.wait, engine=engine)
@@ -110,8 +121,8 @@ async def _run_async(args: argparse.Namespace, url: str) -> tuple[dict[str, Any]
             await saver.setup()
             script = _script(tool.name, args.target, args.version, args.json)
             graph = _graph(tool, script, asynchronous=True).compile(checkpointer=saver)
-            pending = bool((await graph.aget_state(config)).next)
-            final = await graph.ainvoke(None if pending else _request(args), config)
+            pending = await athread_pending(graph, config)
+            final: dict[str, Any] = await ainvoke_thread(graph, _request(args), config)
     finally:
         await aio.close()  # the waits' shared listener, before the loop ends
         await engine.dispose()

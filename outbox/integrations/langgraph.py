@@ -17,6 +17,14 @@ the outbox tool, and the call's ordinal among this tool's calls in that node's
 execution. So a node that re-runs after a crash asks for the same operation and gets the
 first one back, whatever ids the model gave its tool calls this time.
 
+That holds when the thread is *resumed*. Run a thread with :func:`invoke_thread` (or
+:func:`ainvoke_thread`), never with ``graph.invoke(None if graph.get_state(config).next else
+input, config)``: a crash can leave a turn whose tasks' writes were saved and whose step was
+not checkpointed, ``next`` is then empty, and given its input again the thread starts a new
+turn whose calls come at later steps, under new keys, for a second effect. The step stays in
+the key: it is what tells the next turn's request, the same words asked again, from a replay
+of this one (docs/integrations.md, "Resuming a thread").
+
 The ordinal: under ``ToolNode``, the call's position among the same tool's calls in the
 model message that asked for it; called from a node of your own, the order of this
 tool's calls in that node's execution (as LangGraph numbers a node's ``interrupt()`` calls),
@@ -66,12 +74,27 @@ from outbox.contracts import CONTRACTS, ToolContract
 from outbox.db import create_async_engine, database_url, get_engine
 from outbox.errors import BudgetExceeded, IntentAlreadyDone, IntentConflict, InvalidIntent
 from outbox.integrations import _calls
+from outbox.integrations._langgraph_threads import (
+    ainvoke_thread,
+    athread_pending,
+    invoke_thread,
+    thread_pending,
+)
 from outbox.integrations.keys import durable_intent_key
 from outbox.models import Operation
 from outbox.reports import describe
 from outbox.states import State
 
-__all__ = ["CallIdentity", "OutboxTool", "default_intent_key", "outbox_tool"]
+__all__ = [
+    "CallIdentity",
+    "OutboxTool",
+    "ainvoke_thread",
+    "athread_pending",
+    "default_intent_key",
+    "invoke_thread",
+    "outbox_tool",
+    "thread_pending",
+]
 
 #: How long a call waits for the outcome before it answers with the operation as it is.
 DEFAULT_WAIT_S = 10.0

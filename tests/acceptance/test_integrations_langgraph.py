@@ -2,7 +2,12 @@
 model and a PostgresSaver on the test database: a run SIGKILLed after its enqueue committed
 and before LangGraph checkpointed the step resumes in a new process whose model gives other
 tool-call ids, and the reference service sees one effect; unsettled outcomes come back as
-answers, not errors. The same on asyncio: ``ainvoke``, an AsyncPostgresSaver, ``outbox.aio``."""
+answers, not errors. The same on asyncio: ``ainvoke``, an AsyncPostgresSaver, ``outbox.aio``.
+
+The canonical graph (model node, ToolNode, tools_condition) on a checkpoint store that takes
+a second per write (``tests/acceptance/langgraph_runner.py``), SIGKILLed at each moment of its
+first tool call and resumed with ``invoke_thread``: one effect per thread; resumed with the
+``get_state().next`` check instead, a second one (issue 31)."""
 
 from __future__ import annotations
 
@@ -41,10 +46,12 @@ from outbox.integrations import langgraph as adapter
 from outbox.integrations.langgraph import OutboxTool, outbox_tool
 from outbox.states import State
 from tests.acceptance.conftest import REPO
-from tests.processes import Services, wait_until
+from tests.acceptance.langgraph_runner import MARKER, PHASES
+from tests.processes import Service, Services, wait_until
 from tests.tool_configs import TOOL
 
 EXAMPLE = REPO / "examples" / "langgraph_agent.py"
+RUNNER = "tests.acceptance.langgraph_runner"
 
 
 @pytest.fixture
@@ -128,6 +135,130 @@ def test_a_run_killed_after_its_enqueue_resumes_with_new_tool_call_ids_and_one_e
     assert (report["operation_id"], report["outcome"]) == (str(op_id), "confirmed")
     assert _operations(engine) == [(op_id, intent_key)]
     assert service.effects_by_key() == {str(op_id): 1}
+
+
+#: What each phase leaves in the checkpointer: the latest checkpoint's step and the channels
+#: of its pending writes (``None``: no checkpoint yet). "writes-saved" is left out: whether
+#: the first checkpoint was saved before the kill is a race of two one-second writes.
+LEFT_BEHIND: dict[str, tuple[int, set[str]] | None] = {
+    "model-answered": None,
+    "intent-committed": None,
+    # The red team's state: the model's answer is in pending writes, get_state().next is ().
+    "writes-checkpointed": (0, {"messages", "branch:to:tools"}),
+    "waiting": (1, set()),
+}
+
+
+def _agent(services: Services, name: str, *args: str) -> Service:
+    """Start the canonical graph (``langgraph_runner``) as ``name``."""
+    env = {
+        **services.env,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    agent = Service(name, args, env, services.log_dir, module=RUNNER)
+    services.started.append(agent)
+    return agent
+
+
+def _killed_at(services: Services, runs: dict[str, list[str]]) -> None:
+    """Run each thread's first turn (``--die-at PHASE`` among its arguments) until it
+    SIGKILLs itself, all at once."""
+    agents = [
+        _agent(services, f"first-{thread}", "--thread", thread, "--target", thread, *args)
+        for thread, args in runs.items()
+    ]
+    for agent in agents:
+        assert agent.process.wait(90) == -signal.SIGKILL, agent.output()[-3000:]
+
+
+def _resumed(services: Services, runs: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+    """Each thread run again in a process of its own, all at once: what each answered."""
+    agents = {
+        thread: _agent(services, f"again-{thread}", "--thread", thread, "--target", thread, *args)
+        for thread, args in runs.items()
+    }
+    results: dict[str, dict[str, Any]] = {}
+    for thread, agent in agents.items():
+        assert agent.process.wait(90) == 0, agent.output()[-3000:]
+        [line] = [x for x in agent.output().splitlines() if x.startswith(MARKER)]
+        results[thread] = json.loads(line.removeprefix(MARKER))
+    return results
+
+
+def _left_behind(saver: PostgresSaver, thread: str) -> tuple[int, set[str]] | None:
+    saved = saver.get_tuple({"configurable": {"thread_id": thread}})
+    if saved is None:
+        return None
+    return saved.metadata["step"], {channel for _, channel, _ in saved.pending_writes or []}
+
+
+def _operations_of(engine: Engine, thread: str) -> list[Any]:
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                text("SELECT id, intent_key FROM outbox.operations WHERE intent_key LIKE :p"),
+                {"p": f"{thread}:%"},
+            )
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [[], ["--async"]], ids=["invoke_thread", "ainvoke_thread"])
+def test_a_graph_on_a_slow_checkpoint_store_killed_at_any_phase_resumes_to_one_effect(
+    engine: Engine,
+    service: DeployService,
+    services: Services,
+    saver: PostgresSaver,
+    mode: list[str],
+) -> None:
+    """The canonical graph (model node, ToolNode, PostgresSaver or AsyncPostgresSaver taking a
+    second per write, durability "async") SIGKILLed before its model's writes are saved, when
+    its intent commits, after the writes are saved, once they sit in a saved checkpoint's
+    pending writes, and while it waits for the outcome, then run again in a new process with
+    invoke_thread and the same input, gets its one operation back: one effect per thread."""
+    phases = {phase: f"{phase}-{uuid.uuid4().hex[:8]}" for phase in PHASES}
+    _killed_at(services, {thread: ["--die-at", phase, *mode] for phase, thread in phases.items()})
+    for phase, thread in phases.items():
+        assert len(_operations_of(engine, thread)) == (phase != "model-answered"), phase
+        if phase in LEFT_BEHIND:
+            assert _left_behind(saver, thread) == LEFT_BEHIND[phase], phase
+    services.start("relay", "relay")
+    services.start("worker", "worker", "-c", "1", "-P", "threads")
+
+    results = _resumed(services, dict.fromkeys(phases.values(), mode))
+
+    for phase, thread in phases.items():
+        operations = _operations_of(engine, thread)
+        assert [key for _, key in operations] == [f"{thread}:tools@2:{TOOL}:0"], phase
+        [(op_id, _)] = operations
+        [report] = results[thread]["reports"]
+        assert (report["operation_id"], report["outcome"]) == (str(op_id), "confirmed"), phase
+        assert [e.key for e in service.ledger() if e.target == thread] == [str(op_id)], phase
+
+
+@pytest.mark.slow
+def test_the_next_check_starts_a_new_turn_over_saved_writes_and_acts_twice(
+    engine: Engine, service: DeployService, services: Services, saver: PostgresSaver
+) -> None:
+    """The check the example used to teach (invoke(None) only if get_state().next) on a thread
+    killed while its model's answer sat in a saved checkpoint's pending writes starts a new
+    turn with the first input: its call comes two steps later, under a new key, and the
+    service releases twice (sync and async alike)."""
+    modes = {f"sync-{uuid.uuid4().hex[:8]}": [], f"async-{uuid.uuid4().hex[:8]}": ["--async"]}
+    _killed_at(services, {t: ["--die-at", "writes-checkpointed", *m] for t, m in modes.items()})
+    services.start("relay", "relay")
+    services.start("worker", "worker", "-c", "1", "-P", "threads")
+
+    _resumed(services, {thread: ["--resume", "next", *mode] for thread, mode in modes.items()})
+
+    for thread in modes:
+        keys = sorted(key for _, key in _operations_of(engine, thread))
+        assert keys == [f"{thread}:tools@2:{TOOL}:0", f"{thread}:tools@4:{TOOL}:0"]
+
+    def released_twice() -> bool:
+        return all(len([e for e in service.ledger() if e.target == t]) == 2 for t in modes)
+
+    wait_until(released_twice, timeout=30, what="both threads' two releases")
 
 
 def _tools_graph(tool: OutboxTool, saver: BaseCheckpointSaver[Any]) -> Any:

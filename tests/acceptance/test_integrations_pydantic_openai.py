@@ -5,7 +5,9 @@ The crash tests run the agent in a process of its own (``tests/acceptance/agent_
 while no relay runs, so the committed intent cannot be carried out before the test SIGKILLs
 the agent (after the intent's commit, before the framework has a result); the run then
 resumes in a new process with the same run identity while the scripted model mints another
-tool-call id, and the reference service's ledger must hold one effect. One stack (a worker,
+tool-call id, and the reference service's ledger must hold one effect; a conversation's later
+turn killed before its messages were saved is run again as the docs teach, to one effect.
+One stack (a worker,
 the reference service) serves the whole module; each test uses its own target.
 """
 
@@ -254,6 +256,86 @@ def test_openai_agents_run_killed_after_its_intent_commits_resumes_to_one_effect
     process whose model uses another tool-call id, ends with one effect and names the same
     operation."""
     _crash_and_resume(stack, "openai")
+
+
+def _a_later_turn_killed_and_resumed(stack: Stack, framework: str) -> str:
+    """A conversation kept as the docs teach (its messages saved when a turn ends) has a first
+    turn; its second turn is killed after the model's answer, once the tool's intent committed
+    and before the turn ended and was saved; the turn is run again exactly as before (the
+    same saved messages, prompt, conversation and turn). The operation's intent key."""
+    run_id, target = f"conv-{uuid.uuid4().hex[:8]}", f"project-{uuid.uuid4().hex[:8]}"
+    history = stack.log_dir / f"{run_id}.json"
+    common = {"run_id": run_id, "target": target, "history": str(history)}
+    first_turn = stack.agent(framework, call_id="unused", prompt="hello", turn="0", **common)
+    assert first_turn.process.wait(90) == 0, first_turn.output()[-3000:]
+    after_first_turn = history.read_bytes()
+    stack.stop_relay()
+    killed = stack.agent(framework, call_id="call-first", turn="1", **common)
+    wait_until(
+        lambda: bool(stack.operations(run_id)) or not killed.alive(),
+        timeout=60,
+        what="the committed intent",
+    )
+    assert killed.alive(), killed.output()[-3000:]
+    killed.kill()
+    assert history.read_bytes() == after_first_turn  # the killed turn was not saved
+    [planned] = stack.operations(run_id)
+
+    stack.start_relay()
+    resumed = stack.agent(framework, call_id="call-second", turn="1", **common)
+    assert resumed.process.wait(90) == 0, resumed.output()[-3000:]
+    answer = _answer(resumed)
+    assert (answer["outcome"], answer["operation_id"]) == ("confirmed", str(planned["id"]))
+    assert [op["id"] for op in stack.operations(run_id)] == [planned["id"]]
+    assert [effect.key for effect in stack.effects(target)] == [str(planned["id"])]
+    return str(planned["intent_key"])
+
+
+@pytest.mark.parametrize("framework", ["pydantic-sync", "pydantic-async"])
+def test_pydantic_ai_later_turn_killed_before_its_history_is_saved_resumes_to_one_effect(
+    stack: Stack, framework: str
+) -> None:
+    """A PydanticAI conversation whose history is saved at each turn's end, killed in its
+    second turn between the model's tool call and the save, run again with the saved history
+    and the same prompt: the model's response has the same position (response-1), so the call
+    finds its operation, and the service sees one effect."""
+    key = _a_later_turn_killed_and_resumed(stack, framework)
+    assert key.split(":")[1:] == ["response-1", TOOL, "0"]
+
+
+def test_openai_agents_later_turn_killed_before_its_input_list_is_saved_resumes_to_one_effect(
+    stack: Stack,
+) -> None:
+    """An OpenAI Agents SDK conversation whose input list is saved at each turn's end, killed in
+    its second turn between the model's tool call and the save, run again with the saved list,
+    the same message and the same turn (a fresh OutboxRun): the call finds its operation, and
+    the service sees one effect."""
+    key = _a_later_turn_killed_and_resumed(stack, "openai")
+    assert key.split(":")[1:] == ["turn-1", TOOL, "0"]
+
+
+def test_openai_agents_turns_counted_from_a_session_number_a_killed_turn_again_and_act_twice(
+    stack: Stack,
+) -> None:
+    """Turns numbered by the user messages in an SDK Session (what the docs used to suggest):
+    the SDK saves the message when the run starts, so a second turn killed after its intent
+    committed is numbered anew when run again, under a new key, and the service acts twice."""
+    run_id, target = f"conv-{uuid.uuid4().hex[:8]}", f"project-{uuid.uuid4().hex[:8]}"
+    common = {"run_id": run_id, "target": target, "session": str(stack.log_dir / f"{run_id}.db")}
+    first_turn = stack.agent("openai", call_id="unused", prompt="hello", **common)
+    assert first_turn.process.wait(90) == 0, first_turn.output()[-3000:]
+    stack.stop_relay()
+    killed = stack.agent("openai", call_id="call-first", **common)
+    wait_until(lambda: bool(stack.operations(run_id)), timeout=60, what="the committed intent")
+    killed.kill()
+
+    stack.start_relay()
+    again = stack.agent("openai", call_id="call-second", **common)
+    assert again.process.wait(90) == 0, again.output()[-3000:]
+
+    keys = sorted(str(op["intent_key"]).split(":")[1] for op in stack.operations(run_id))
+    assert keys == ["turn-1", "turn-2"]
+    wait_until(lambda: len(stack.effects(target)) == 2, timeout=30, what="both effects")
 
 
 def _echo(call: ModelCall) -> Any:
