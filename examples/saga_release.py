@@ -34,6 +34,10 @@ RELEASE, ROLLBACK = "deploy.create_release", "deploy.rollback_release"
 SETTLED = {SagaState.COMPLETED, SagaState.COMPENSATED, SagaState.CANCELLED, SagaState.NEEDS_HUMAN}
 
 
+#: Who asks: recorded as requested_by, and the agent whose saga key it is.
+AGENT = "examples/saga_release.py"
+
+
 def main() -> int:
     """Open the saga (or find it), wait until it settles, print it; 0 if it ended as asked."""
     parser = argparse.ArgumentParser(
@@ -51,7 +55,8 @@ def main() -> int:
     targets = [t for t in args.targets.split(",") if t]
 
     with Session(engine) as session, session.begin():  # the saga and its steps, or nothing
-        saga = outbox.saga(session, args.key, requested_by="examples/saga_release.py")
+        # The saga key is this agent's (agent= defaults to requested_by): read it back as it.
+        saga = outbox.saga(session, args.key, requested_by=AGENT)
         for target in targets:
             saga.step(
                 f"release-{target}",
@@ -72,7 +77,7 @@ def main() -> int:
     deadline = time.monotonic() + args.wait_s
     while True:
         with Session(engine) as session:
-            view = outbox.get_saga(session, args.key)
+            view = outbox.get_saga(session, args.key, agent=AGENT)
         assert view is not None  # noqa: S101 -- committed above
         if view.state in SETTLED or time.monotonic() > deadline:
             break

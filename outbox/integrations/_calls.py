@@ -158,9 +158,10 @@ def call_committed(
     metadata: Mapping[str, Any],
     wait_s: float,
     require_approval: bool = False,
+    agent: str | None = None,
 ) -> OperationReport:
-    """Commit the intent in its own transaction, wait up to ``wait_s`` for its outcome and
-    report it. Raises :class:`~outbox.InvalidIntent` (nothing written) and lets
+    """Commit the intent (the key ``agent``'s) in its own transaction, wait up to ``wait_s``
+    for its outcome and report it. Raises :class:`~outbox.InvalidIntent` (nothing written) and lets
     :class:`~outbox.IntentConflict` / :class:`~outbox.IntentAlreadyDone` /
     :class:`~outbox.BudgetExceeded` through."""
     op = enqueue_committed(
@@ -170,6 +171,7 @@ def call_committed(
         intent_key=intent_key,
         metadata=metadata,
         require_approval=require_approval,
+        agent=agent,
     )
     return settle(engine, op, wait_s)
 
@@ -183,6 +185,7 @@ def enqueue_committed(
     metadata: Mapping[str, Any] | None,
     require_approval: bool = False,
     requested_by: str | None = None,
+    agent: str | None = None,
 ) -> Operation:
     """:func:`outbox.enqueue` in a transaction of its own, committed when this returns."""
     with Session(engine) as session, session.begin():
@@ -195,6 +198,7 @@ def enqueue_committed(
             metadata=metadata,
             requested_by=requested_by,
             require_approval=require_approval,
+            agent=agent,
         )
 
 
@@ -207,6 +211,7 @@ async def enqueue_committed_async(
     metadata: Mapping[str, Any] | None,
     require_approval: bool = False,
     requested_by: str | None = None,
+    agent: str | None = None,
 ) -> Operation:
     """:func:`enqueue_committed` on an ``AsyncEngine`` (:func:`outbox.aio.enqueue`)."""
     async with AsyncSession(engine) as session, session.begin():
@@ -219,6 +224,7 @@ async def enqueue_committed_async(
             metadata=metadata,
             requested_by=requested_by,
             require_approval=require_approval,
+            agent=agent,
         )
 
 
@@ -256,6 +262,7 @@ async def call_committed_async(
     metadata: Mapping[str, Any],
     wait_s: float,
     require_approval: bool = False,
+    agent: str | None = None,
 ) -> OperationReport:
     """:func:`call_committed` on an ``AsyncEngine``, without blocking the event loop."""
     op = await enqueue_committed_async(
@@ -265,6 +272,7 @@ async def call_committed_async(
         intent_key=intent_key,
         metadata=metadata,
         require_approval=require_approval,
+        agent=agent,
     )
     if op.is_settled or wait_s <= 0:
         return report_of(op)

@@ -75,6 +75,9 @@ class OutboxRun:
 
     run_id: str
     turn: int | str = 0
+    #: The agent the run's intent keys belong to (``""``: the deployment's shared scope):
+    #: give each agent sharing a database its own.
+    agent: str = ""
     #: call id -> intent key, for the calls of this run seen so far.
     calls: dict[str, str] = field(default_factory=dict)
     #: (step, tool) -> how many calls have been given an ordinal.
@@ -91,6 +94,7 @@ class OutboxRun:
         return cls(
             run_id=str(data["run_id"]),
             turn=data.get("turn", 0),
+            agent=str(data.get("agent") or ""),
             calls={str(k): str(v) for k, v in dict(data.get("calls") or {}).items()},
             counts={str(k): int(v) for k, v in dict(data.get("counts") or {}).items()},
         )
@@ -256,6 +260,7 @@ class _Call:
                 metadata=metadata,
                 wait_s=wait,
                 require_approval=self.approval_required,
+                agent=run.agent,
             )
         return await asyncio.to_thread(
             _calls.call_committed,
@@ -266,6 +271,7 @@ class _Call:
             metadata=metadata,
             wait_s=wait,
             require_approval=self.approval_required,
+            agent=run.agent,
         )
 
 
@@ -344,7 +350,7 @@ def _operation_of(
             f"the call {call_id!r} was not asked about in this run (is this the run's OutboxRun?)",
             operation_id=None,
         )
-    op = api.find(session, key)
+    op = api.find(session, key, agent=run.agent)
     if op is None:
         raise OperationNotFound(f"no operation under intent key {key!r}", operation_id=None)
     arguments = _parse(str(getattr(item.raw_item, "arguments", "") or ""))

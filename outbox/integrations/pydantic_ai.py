@@ -121,6 +121,7 @@ def outbox_tool(
     ordinal: OrdinalFunction = call_ordinal,
     intent_key: KeyFunction = durable_intent_key,
     max_retries: int | None = None,
+    agent: str | None = None,
 ) -> Tool[Any]:
     """The outbox tool ``tool`` as a PydanticAI :class:`~pydantic_ai.Tool`.
 
@@ -128,12 +129,21 @@ def outbox_tool(
     loaded contract's (a free-form object when none); ``run_id``, ``step`` and ``ordinal`` are
     functions of the ``RunContext`` (defaults: :func:`conversation_run_id`, :func:`call_step`,
     :func:`call_ordinal`); ``intent_key`` builds the key from ``run_id=, step=, tool=,
-    ordinal=``. Raises ``ValueError`` for a tool this process knows not to exist.
+    ordinal=``. ``agent`` is the agent the keys belong to (default: the deployment's shared
+    scope): give each agent sharing a database its own. Raises ``ValueError`` for a tool this
+    process knows not to exist.
     """
     _calls.check_tool(tool)
     schema = _calls.parameters_schema(_calls.input_schema_of(tool, input_schema))
     call = _Call(
-        tool, engine, wait_s, run_id=run_id, step=step, ordinal=ordinal, intent_key=intent_key
+        tool,
+        engine,
+        wait_s,
+        run_id=run_id,
+        step=step,
+        ordinal=ordinal,
+        intent_key=intent_key,
+        agent=agent,
     )
     function: Callable[..., Any] = (
         call.run_async if isinstance(engine, AsyncEngine) else call.run_sync
@@ -201,8 +211,10 @@ class _Call:
         step: IdentityFunction,
         ordinal: OrdinalFunction,
         intent_key: KeyFunction,
+        agent: str | None = None,
     ) -> None:
         self.tool = tool
+        self.agent = agent
         self.engine = engine
         self.wait_s = wait_s
         self.run_id = run_id
@@ -235,6 +247,7 @@ class _Call:
                 intent_key=key,
                 metadata=metadata,
                 wait_s=self.wait_s,
+                agent=self.agent,
             )
         except (IntentConflict, IntentAlreadyDone, BudgetExceeded) as exc:
             return _calls.refusal(exc)
@@ -254,6 +267,7 @@ class _Call:
                 intent_key=key,
                 metadata=metadata,
                 wait_s=self.wait_s,
+                agent=self.agent,
             )
         except (IntentConflict, IntentAlreadyDone, BudgetExceeded) as exc:
             return _calls.refusal(exc)

@@ -1027,8 +1027,9 @@ def test_an_agent_declares_a_saga_and_the_same_declaration_again_finds_it(
 def test_a_saga_declared_otherwise_is_refused_naming_what_differs(
     agent: httpx.Client, other_agent: httpx.Client, engine: Engine, saga_tools: None
 ) -> None:
-    """The same key with other steps: 422 naming ``steps`` or the step's field; another
-    token's key: 409 saga-key-taken, its steps not shown. Nothing written."""
+    """The same key with other steps: 422 naming ``steps`` or the step's field, nothing
+    written; another agent's token with the key: a saga of its own (201), nothing of the
+    first's in it, and an operator names which with ``?agent=``."""
     assert agent.post("/v1/sagas", json={"saga_key": "s-decl", "steps": SAGA_STEPS}).is_success
     rows = _saga_rows(engine)
     fewer = agent.post("/v1/sagas", json={"saga_key": "s-decl", "steps": SAGA_STEPS[:2]})
@@ -1041,14 +1042,16 @@ def test_a_saga_declared_otherwise_is_refused_naming_what_differs(
         "steps[1].payload",
         ["steps[1].payload"],
     )
-    theirs = assert_problem(
-        other_agent.post("/v1/sagas", json={"saga_key": "s-decl", "steps": SAGA_STEPS[:1]}),
-        409,
-        "choose a key of your own",
-    )
-    assert theirs["type"] == "urn:agent-outbox:problem:saga-key-taken"
-    assert "release" not in json.dumps(theirs)
     assert _saga_rows(engine) == rows
+    mine = agent.get("/v1/sagas/s-decl").json()
+    theirs = other_agent.post("/v1/sagas", json={"saga_key": "s-decl", "steps": SAGA_STEPS[:1]})
+    assert theirs.status_code == 201, theirs.text
+    body = theirs.json()
+    assert (body["agent"], [s["name"] for s in body["steps"]]) == ("agent-b", ["release"])
+    for step in mine["steps"]:
+        assert step["operation_id"] not in theirs.text
+    assert other_agent.get("/v1/sagas/s-decl").json()["steps"] == body["steps"]
+    assert agent.get("/v1/sagas/s-decl").json()["steps"] == mine["steps"]
 
 
 @pytest.mark.parametrize(

@@ -240,7 +240,8 @@ def test_an_approval_tool_answers_at_once_and_status_waits_through_the_approval(
         async with Client(_stdio(stack.env)) as client:
             asked = await client.call_tool(MCP_APPROVED, _intent(key, "4.0.0"))
             with Session(stack.engine) as db, db.begin():
-                op = outbox.find(db, key)
+                # The stdio server's agent (OUTBOX_MCP_AGENT, "mcp" by default) owns the key.
+                op = outbox.find(db, key, agent=stack.env.get("OUTBOX_MCP_AGENT", "mcp"))
                 assert op is not None
                 outbox.approve(db, op.id, by="alice", payload_hash=op.payload_hash)
             checked = await client.call_tool("outbox_status", {"intent_key": key, "wait_s": 20})
@@ -420,6 +421,51 @@ def test_over_http_a_killed_server_then_the_same_key_is_one_effect(stack: Stack)
     assert (other.is_error, _report(other)["field"]) == (True, "payload.version")
     assert (_report(blind)["outcome"], blind.is_error) == ("needs_human", False)
     assert "Needs a person" in _text(blind)
+
+
+def test_over_http_two_agents_racing_one_key_each_get_their_own_effect(stack: Stack) -> None:
+    """Over streamable HTTP, two agents' tokens racing one intent_key (six calls each, at
+    once): one operation per agent, each confirmed once at the remote, every answer its own
+    agent's; a third token made for the first agent (a rotation) finds that agent's."""
+    first = _token(stack.engine, "agent-race-a", TokenScope.AGENT)
+    second = _token(stack.engine, "agent-race-b", TokenScope.AGENT)
+    with Session(stack.engine) as session, session.begin():
+        rotated = tokens.create_token(
+            session, name="agent-race-a-2", scope=TokenScope.AGENT, agent="agent-race-a"
+        ).token
+    _, url = _start_http(stack, "mcp-http-race")
+    key = "conversation-1/step-1"
+
+    async def calls(token: str) -> list[CallToolResult]:
+        async with _http_client(url, token) as client:
+            return list(
+                await asyncio.gather(
+                    *(client.call_tool(MCP_TOOL, _intent(key, "7.0.0")) for _ in range(6))
+                )
+            )
+
+    async def race() -> tuple[list[CallToolResult], list[CallToolResult], CallToolResult]:
+        mine, theirs = await asyncio.gather(calls(first), calls(second))
+        async with _http_client(url, rotated) as client:
+            again = await client.call_tool("outbox_status", {"intent_key": key})
+        return mine, theirs, again
+
+    mine, theirs, again = asyncio.run(race())
+    ids = [{_report(r)["operation_id"] for r in answers} for answers in (mine, theirs)]
+    assert [len(found) for found in ids] == [1, 1], [_text(r) for r in mine + theirs]
+    (a_id,), (b_id,) = ids
+    assert a_id != b_id
+    assert all(_report(r)["outcome"] == "confirmed" for r in mine + theirs)
+    assert not any(a_id in str(r.structured_content) or a_id in _text(r) for r in theirs)
+    assert _report(again)["operation_id"] == a_id
+    effects = stack.service.effects_by_key()
+    assert (effects[a_id], effects[b_id]) == (1, 1)
+    with stack.engine.connect() as conn:
+        agents = conn.execute(
+            text("SELECT agent FROM outbox.operations WHERE intent_key = :k ORDER BY agent"),
+            {"k": key},
+        ).scalars()
+        assert list(agents) == ["agent-race-a", "agent-race-b"]
 
 
 def _saga_step(name: str, target: str, version: Any) -> dict[str, Any]:

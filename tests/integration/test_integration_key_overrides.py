@@ -147,3 +147,65 @@ def test_langgraph_uses_a_key_function_of_ones_own(engine: Engine) -> None:
     assert first["outcome"] == "in_progress"
     assert {(i.node, i.step, i.ordinal) for i in identities} == {("tools", 1, 0)}
     assert "call_" not in repr(identities)
+
+
+def _agents_and_ids(engine: Engine) -> list[tuple[str, str]]:
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT agent, intent_key FROM outbox.operations ORDER BY agent"))
+        return [(row.agent, row.intent_key) for row in rows]
+
+
+def test_pydantic_ai_tools_of_two_agents_with_one_run_id_are_two_operations(
+    engine: Engine,
+) -> None:
+    """outbox_tool(agent=): two agents' runs under one run id ask for one key each in their
+    own scope, so two operations; neither answer names the other's."""
+
+    def run(agent: str) -> dict[str, Any]:
+        tool = pydantic_ai.outbox_tool(
+            TOOL, engine=engine, wait_s=0, run_id=lambda _ctx: "ticket-1", agent=agent
+        )
+
+        def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+            returned = [p for p in messages[-1].parts if isinstance(p, ToolReturnPart)]
+            if returned:
+                return ModelResponse(parts=[TextPart(json.dumps(returned[0].content))])
+            name = info.function_tools[0].name
+            return ModelResponse(parts=[ToolCallPart(name, ARGUMENTS, tool_call_id="c-1")])
+
+        result = asyncio.run(Agent(FunctionModel(respond), tools=[tool]).run("deploy"))
+        answer: dict[str, Any] = json.loads(result.output)
+        return answer
+
+    a, b = run("agent-a"), run("agent-b")
+    assert a["operation_id"] != b["operation_id"]
+    assert a["operation_id"] not in json.dumps(b)
+    key = f"ticket-1:response-0:{TOOL}:0"
+    assert _agents_and_ids(engine) == [("agent-a", key), ("agent-b", key)]
+
+
+def test_openai_agents_runs_of_two_agents_with_one_run_id_are_two_operations(
+    engine: Engine,
+) -> None:
+    """OutboxRun(agent=): two agents' turns under one run id are two operations."""
+    tool = openai_agents.outbox_function_tool(TOOL, engine=engine, wait_s=0)
+
+    def echo(call: ModelCall) -> Any:
+        outputs = [
+            i for i in call.input if isinstance(i, dict) and i.get("type") == "function_call_output"
+        ]
+        return [assistant_message(str(outputs[-1]["output"]))]
+
+    def run(agent: str) -> dict[str, Any]:
+        model = ScriptedModel(
+            [[function_call(tool.name, ARGUMENTS, call_id="c-1")], ModelStep.respond(echo)]
+        )
+        sdk_agent = SdkAgent(name="deployer", model=model, tools=[tool])
+        context = OutboxRun("ticket-2", turn=0, agent=agent)
+        result = asyncio.run(Runner.run(sdk_agent, "deploy", context=context))
+        answer: dict[str, Any] = json.loads(str(result.final_output))
+        return answer
+
+    a, b = run("agent-a"), run("agent-b")
+    assert a["operation_id"] != b["operation_id"]
+    assert [agent for agent, _key in _agents_and_ids(engine)] == ["agent-a", "agent-b"]
