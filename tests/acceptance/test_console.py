@@ -230,6 +230,27 @@ def test_search_finds_an_operation_by_intent_key_and_by_id(
     page.screenshot(path=shots / "not-found.png", full_page=True)
 
 
+def test_search_by_a_key_two_agents_used_lists_both_operations(
+    page: Page, server: ApiServer, engine: Engine, alice: str, shots: Path
+) -> None:
+    """An intent key two agents used names two operations: the search lists each with its
+    agent and links to it; the operation page names its agent."""
+    mine = make_operation(engine, State.NEEDS_HUMAN, intent_key="order-5/refund", agent="shop")
+    theirs = make_operation(engine, State.PLANNED, intent_key="order-5/refund", agent="crm")
+    sign_in(page, server, alice)
+    page.get_by_label("Search by id or intent key").fill("order-5/refund")
+    page.get_by_role("button", name="Find").click()
+    rows = page.get_by_role("row")
+    expect(rows).to_have_count(3)
+    expect(rows.nth(1)).to_contain_text("crm")
+    expect(rows.nth(2)).to_contain_text("shop")
+    page.screenshot(path=shots / "two-agents.png", full_page=True)
+    page.get_by_role("link", name=str(mine.id)).click()
+    expect(page).to_have_url(f"{server.url}/operations/{mine.id}")
+    expect(page.get_by_text("shop", exact=True)).to_be_visible()
+    assert str(theirs.id) not in page.content()
+
+
 def test_approve_from_the_operation_page_records_the_operator(
     page: Page, server: ApiServer, engine: Engine, alice: str, shots: Path
 ) -> None:
@@ -734,7 +755,7 @@ def test_the_sagas_page_and_a_compensated_sagas_timeline(
     expect(page.get_by_role("row")).to_have_count(2)
     page.screenshot(path=shots / "sagas.png", full_page=True)
     page.get_by_role("link", name="release-1.2.3").click()
-    expect(page).to_have_url(f"{server.url}/sagas/release-1.2.3")
+    expect(page).to_have_url(f"{server.url}/sagas/release-1.2.3?agent=agent-7")
     expect(page.locator("#saga-reason")).to_contain_text(
         "step announce was refused (failed); every confirmed step compensated"
     )
@@ -755,7 +776,7 @@ def test_the_sagas_page_and_a_compensated_sagas_timeline(
     steps.nth(2).get_by_role("link", name="failed").click()
     expect(page.get_by_role("heading", level=1)).to_contain_text("chat.post")
     page.get_by_role("link", name="release-1.2.3").click()
-    expect(page).to_have_url(f"{server.url}/sagas/release-1.2.3")
+    expect(page).to_have_url(f"{server.url}/sagas/release-1.2.3?agent=agent-7")
 
 
 def test_a_saga_held_by_an_undo_in_needs_human_links_to_it(

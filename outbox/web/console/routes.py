@@ -609,7 +609,7 @@ async def _saga_response(
 
 
 @router.post("/sagas/{key:path}/cancel")
-async def cancel_saga(request: Request, key: str, agent: str = "") -> Response:
+async def cancel_saga(request: Request, key: str) -> Response:
     """Cancel a running saga under the operator's name (actor ``operator``), with a reason;
     refused, nothing written, once it is no longer running."""
     operator = await _operator(request)
@@ -619,6 +619,9 @@ async def cancel_saga(request: Request, key: str, agent: str = "") -> Response:
     if form is None:
         return _forbidden(request, operator)
     reason = _text(form, "reason")
+    # Whose saga: the page's (each agent's same key is a saga of its own).
+    agent = form.get("agent")
+    agent = agent if isinstance(agent, str) else ""
 
     def cancel(sync: Executor) -> sagas.SagaView:
         return sagas.cancel_saga(
