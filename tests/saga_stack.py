@@ -47,6 +47,10 @@ TOOL_SETTINGS: dict[str, Any] = {
 }
 
 
+#: Who opens the sagas here: their requested_by, so the agent their keys belong to.
+AGENT = "agent-7"
+
+
 def tools_toml(url: str, **settings: Any) -> str:
     """The create tool and its undo, the rollback tool, on the reference service at ``url``."""
     chosen = {**TOOL_SETTINGS, **settings}
@@ -95,7 +99,7 @@ def open_saga(engine: Engine, key: str, steps: Sequence[Step]) -> list[Operation
     """Open saga ``key`` and add ``steps`` (each a release of the create tool), committed
     together; their operations, in order."""
     with Session(engine) as session, session.begin():
-        opened = outbox.saga(session, key, requested_by="agent-7")
+        opened = outbox.saga(session, key, requested_by=AGENT)
         return [
             opened.step(
                 step.name,
@@ -111,9 +115,9 @@ def open_saga(engine: Engine, key: str, steps: Sequence[Step]) -> list[Operation
 
 
 def view(engine: Engine, key: str) -> SagaView:
-    """The saga as read now."""
+    """The saga as read now (the agent's that opened it: :func:`open_saga`)."""
     with Session(engine) as session:
-        found = outbox.get_saga(session, key)
+        found = outbox.get_saga(session, key, agent=AGENT)
     assert found is not None, key
     return found
 
