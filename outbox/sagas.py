@@ -29,6 +29,7 @@ from uuid import UUID
 from outbox import api, sql, storable, transitions, webhooks
 from outbox.canonical import NotCanonicalizable, canonical_json
 from outbox.contracts import CONTRACTS
+from outbox.db import translated
 from outbox.errors import (
     IntentConflict,
     InvalidIntent,
@@ -236,6 +237,7 @@ class SagaPosition:
     key: str
 
 
+@translated
 def get_saga(session: Executor, saga_key: str) -> SagaView | None:
     """The saga with this key (its steps and their operations, its trail), or ``None``.
     Reads in the caller's transaction."""
@@ -245,6 +247,7 @@ def get_saga(session: Executor, saga_key: str) -> SagaView | None:
     return _view(row, sql.sagas.steps_of(session, saga_key), sql.sagas.events_of(session, saga_key))
 
 
+@translated
 def list_sagas(
     session: Executor,
     *,
@@ -361,6 +364,7 @@ class Saga:
     def __repr__(self) -> str:
         return f"Saga(key={self.key!r}, state={self.state.value!r})"
 
+    @translated
     def step(
         self,
         name: str,
@@ -405,6 +409,7 @@ class Saga:
         )
 
 
+@translated
 def saga(session: Executor, saga_key: str, *, requested_by: str | None = None) -> Saga:
     """Open the saga ``saga_key``, creating it ``running`` if it does not exist; joins the
     caller's transaction and never commits (the saga exists if and only if the caller
@@ -454,6 +459,7 @@ class DeclaredSaga:
 MAX_DECLARED_STEPS = 50
 
 
+@translated
 def declare_saga(
     session: Executor,
     saga_key: str,
@@ -550,7 +556,7 @@ class _StepRequest:
 
 
 def _add_step(session: Executor, saga_key: str, request: _StepRequest) -> Operation:
-    _check_step(request)
+    _check_step(session, request)
     row = sql.sagas.lock_saga(session, saga_key)
     if row is None:
         raise SagaNotFound(f"no saga {saga_key!r}", saga_key=saga_key)
@@ -638,7 +644,7 @@ def _check_key(saga_key: Any) -> None:
         )
 
 
-def _check_step(request: _StepRequest) -> None:
+def _check_step(session: Executor, request: _StepRequest) -> None:
     name = request.name
     if not isinstance(name, str) or not name.strip() or len(name) > MAX_STEP_NAME_LENGTH:
         raise InvalidIntent(
@@ -681,6 +687,10 @@ def _check_step(request: _StepRequest) -> None:
                 contract.input_schema,
                 json.loads(canonical),
                 unresolved=REMOTE_REF_PLACEHOLDER,
+            )
+        if not CONTRACTS.loaded:  # the tools the deployment published say, as for a step
+            api.check_published(
+                session, compensate.tool, canonical, unresolved=REMOTE_REF_PLACEHOLDER
             )
     except InvalidIntent as exc:
         raise type(exc)(
@@ -799,6 +809,7 @@ def advance(
     return Advanced(SagaState(row.state), tuple(decisions), tuple(moves))
 
 
+@translated
 def cancel_saga(
     session: Executor, saga_key: str, *, by: str, reason: str, actor: str = AGENT
 ) -> SagaView:

@@ -24,6 +24,7 @@ from outbox.cli.metrics import metrics_command
 from outbox.cli.output import PlainFormatter, environment_help, fail
 from outbox.cli.services import beat_command, relay_command, worker_command
 from outbox.cli.up import up_command
+from outbox.db import allow_embedded_start
 from outbox.errors import OutboxError
 
 app = typer.Typer(
@@ -56,6 +57,9 @@ def _root(
     ] = False,
 ) -> None:
     """A durable outbox for the consequential actions of AI agents."""
+    # The command line is where the embedded PostgreSQL may start (OUTBOX_DATABASE_URL unset):
+    # `outbox up`, `outbox demo`, `outbox db upgrade`... never a library call in an agent.
+    allow_embedded_start()
 
 
 app.add_typer(db.app, name="db")

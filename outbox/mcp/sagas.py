@@ -20,7 +20,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import aio
-from outbox.errors import BudgetExceeded, IntentConflict, OutboxError
+from outbox.errors import BudgetExceeded, DatabaseUnavailable, IntentConflict, OutboxError
 from outbox.mcp.calls import refused, unreachable
 from outbox.mcp.tools import ArgumentRefused
 from outbox.saga_rules import FINAL_SAGA_STATES, SagaState
@@ -294,10 +294,10 @@ class SagaCalls:
                 done = await aio.declare_saga(
                     conn, declaration.saga_key, declaration.steps, requested_by=caller
                 )
+        except (OperationalError, InterfaceError, DatabaseUnavailable):
+            return unreachable()
         except OutboxError as exc:  # refused: nothing was written
             return _refusal(exc, declaration.saga_key)
-        except (OperationalError, InterfaceError):
-            return unreachable()
         return saga_result(await self._settled(done.saga, self.wait_s))
 
     async def status(
@@ -316,7 +316,7 @@ class SagaCalls:
                     f"none of your sagas has saga_key {query.saga_key!r}", field="saga_key"
                 )
             found = await self._settled(found, min(query.wait_s, self.wait_s))
-        except (OperationalError, InterfaceError):
+        except (OperationalError, InterfaceError, DatabaseUnavailable):
             return unreachable()
         return saga_result(found)
 
@@ -332,7 +332,7 @@ class SagaCalls:
             await asyncio.sleep(min(POLL_S, left))
             try:
                 view = await self._read(view.key) or view
-            except (OperationalError, InterfaceError):
+            except (OperationalError, InterfaceError, DatabaseUnavailable):
                 return view  # recorded already: its report says how to check on it later
         return view
 
