@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from outbox import __version__
-from outbox.cli import db, dev, guards, operators, ops, sagas, tokens, webhooks
+from outbox.cli import db, dev, guards, operators, ops, sagas, tokens, tools, webhooks
 from outbox.cli.apiserver import api_command
 from outbox.cli.chaos import chaos_command
 from outbox.cli.demo import demo_command
@@ -70,6 +70,7 @@ app.add_typer(tokens.app, name="tokens")
 app.add_typer(operators.app, name="operators")
 app.add_typer(guards.app, name="guards")
 app.add_typer(sagas.app, name="sagas")
+app.add_typer(tools.app, name="tools")
 app.command("enqueue", no_args_is_help=True)(enqueue_command)
 app.command("demo")(demo_command)
 app.command("relay")(relay_command)
