@@ -50,8 +50,7 @@ MAX_INTENT_KEY_LENGTH = 255
 _INSERT_TRIES = 3
 
 
-@translated
-def enqueue(
+def enqueue(  # its errors are translated by enqueue_intent: one layer on the hot path
     session: Executor,
     *,
     tool: str,
