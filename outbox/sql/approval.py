@@ -79,7 +79,13 @@ def get_policy(executor: Executor, tool: str) -> ToolPolicy | None:
 
 
 _PUBLISHED = text(
-    "SELECT tool, approval_required, approval_ttl_s, input_schema FROM outbox.tool_policies"
+    # The schema read through the row's JSON, not by name: on a database not yet upgraded to
+    # 0023 an agent's enqueue still checks the tool names (no schema: NULL) instead of
+    # failing with SchemaNotReady before the operator has run `outbox db upgrade`.
+    """
+    SELECT tool, approval_required, approval_ttl_s, to_jsonb(p) -> 'input_schema' AS input_schema
+    FROM outbox.tool_policies AS p
+    """
 )
 
 
