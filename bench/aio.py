@@ -15,8 +15,11 @@ against the sync API's, side by side in one run.
   cost against its sync one), and the same INSERT through SQLAlchemy's ``Connection`` and
   ``AsyncConnection`` (the floor of an API that joins the caller's SQLAlchemy transaction).
 
+``--publish`` publishes the tool's contract (with an ``input_schema``) first, as a started
+worker does, so every enqueue checks the tool and the payload against it (outbox.published).
+
 Usage: python bench/aio.py [--url postgresql://...] [--rounds 3] [--ops 2000] [--waiters 200]
-[--smoke]
+[--publish] [--smoke]
 """
 
 from __future__ import annotations
@@ -43,11 +46,19 @@ from sqlalchemy.orm import Session
 from throwaway import throwaway_database
 
 from outbox import aio, api, listener, transitions
+from outbox.approval import publish_policies_committed
+from outbox.contracts import ToolContract
 from outbox.db import create_async_engine, create_engine
 from outbox.states import Actor, State
 
 Rate = Mapping[str, tuple[float, str]]
 TOOL = "deploy.create_release"
+#: What ``--publish`` declares: the payload the bench enqueues matches it.
+SCHEMA = {
+    "type": "object",
+    "required": ["version", "run"],
+    "properties": {"version": {"type": "string"}, "run": {"type": "string"}},
+}
 #: The ticker's sleep: it measures how much later than this it wakes.
 TICK_S = 0.005
 #: How long the ticker runs alone first: the lag this machine gives an idle loop.
@@ -320,6 +331,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_common_arguments(parser)
     parser.add_argument("--ops", type=int, default=2000, help="enqueues per rate case")
     parser.add_argument("--waiters", type=int, default=200, help="concurrent waiters")
+    parser.add_argument(
+        "--publish",
+        action="store_true",
+        help="publish the tool's contract with an input_schema first, as a started worker "
+        "does: every enqueue then checks the tool and its payload (outbox.published)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.rounds, args.ops, args.waiters = 1, 100, 20
@@ -331,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         db_url = stack.enter_context(throwaway_database(args.url))
         engine = create_engine(db_url, pool_size=4)
         stack.callback(engine.dispose)
+        if args.publish:
+            publish_policies_committed(engine, [ToolContract(name=TOOL, input_schema=SCHEMA)])
         spawn = multiprocessing.get_context("spawn")
         ready, stop = spawn.Event(), spawn.Event()
         settler = spawn.Process(target=_settle, args=(db_url, ready, stop), daemon=True)

@@ -33,6 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from outbox import api, approval, listener, sagas
 from outbox.api import Intent, _as_uuid
+from outbox.db import database_errors
 from outbox.errors import OperationNotFound, WaitTimeout
 from outbox.models import Executor, Operation
 from outbox.resolve import resolve as _resolve
@@ -75,10 +76,13 @@ T = TypeVar("T")
 
 
 async def _run(session: AsyncExecutor, call: Callable[[Executor], T]) -> T:
-    """``call(sync twin of session)`` in the caller's transaction, on its async connection."""
-    if isinstance(session, AsyncSession):
+    """``call(sync twin of session)`` in the caller's transaction, on its async connection;
+    a connection that cannot be made or a schema that is missing raise the typed errors the
+    sync API raises (:func:`outbox.db.database_errors`), here too where the session connects."""
+    with database_errors():
+        if isinstance(session, AsyncSession):
+            return await session.run_sync(call)
         return await session.run_sync(call)
-    return await session.run_sync(call)
 
 
 async def enqueue(
@@ -111,7 +115,9 @@ async def enqueue(
 
     The payload must be a JSON object; it is canonicalised (RFC 8785) and its sha256 stored,
     and it never changes afterwards. Malformed input raises :class:`~outbox.InvalidIntent`
-    naming the field. The rules are :func:`outbox.enqueue`'s, run by it.
+    naming the field. The rules are :func:`outbox.enqueue`'s, run by it: an unknown tool or a
+    payload its published ``input_schema`` refuses is refused once the deployment has
+    published its tools (``outbox tools publish``, or a worker's start), writing nothing.
 
     A tool that requires approval (its ``approval = "required"``), or ``require_approval=True``
     here (a call may tighten its tool's policy, never loosen it), creates the operation in
@@ -275,6 +281,18 @@ async def wait(
     seconds, and :class:`~outbox.OperationNotFound`.
     """
     op_id = _as_uuid(operation_id)
+    with database_errors():
+        return await _wait(op_id, timeout, engine, poll_interval, through_approval=through_approval)
+
+
+async def _wait(
+    op_id: UUID,
+    timeout: float,
+    engine: AsyncEngine | str | None,
+    poll_interval: float,
+    *,
+    through_approval: bool,
+) -> Operation:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

@@ -7,6 +7,7 @@ caller's behalf, except :func:`wait`, which uses its own connection and writes n
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import time
@@ -21,7 +22,8 @@ from outbox import budgets, sql, transitions, webhooks
 from outbox.canonical import NotCanonicalizable, canonical_json, intent_hash, payload_hash
 from outbox.config import get_settings
 from outbox.contracts import CONTRACTS
-from outbox.db import get_engine
+from outbox.db import get_engine, translated
+from outbox.differences import differing_paths
 from outbox.errors import (
     BudgetExceeded,
     IntentAlreadyDone,
@@ -34,6 +36,7 @@ from outbox.errors import (
 )
 from outbox.models import Executor, IntentKey, Operation, PrunedIntent
 from outbox.payloads import check_payload
+from outbox.published import PUBLISHED
 from outbox.states import State
 
 #: Dotted names of letters, digits, ``_`` and ``-``: ``deploy.create_release``.
@@ -51,7 +54,7 @@ SHARED_AGENT = ""
 _INSERT_TRIES = 3
 
 
-def enqueue(
+def enqueue(  # its errors are translated by enqueue_intent: one layer on the hot path
     session: Executor,
     *,
     tool: str,
@@ -87,6 +90,16 @@ def enqueue(
     The payload must be a JSON object; it is canonicalised (RFC 8785) and its sha256 stored,
     and it never changes afterwards. Malformed input raises :class:`InvalidIntent` naming
     the field.
+
+    The tool must be one the deployment knows: this process's loaded tools, if it loaded any;
+    else, once any tool is published (each worker publishes its tools' contracts when it
+    starts; ``outbox tools publish`` does it without starting one, for a tool whose workers
+    have not started yet), one of those. An unknown tool raises :class:`InvalidIntent`
+    (``field="tool"``) and a payload its tool's ``input_schema`` refuses
+    :class:`~outbox.errors.PayloadInvalid` (``field="payload.amount"``), writing nothing.
+    Nothing published at all (a fresh database, no worker started), any tool is accepted.
+    A database without the schema raises :class:`~outbox.errors.SchemaNotReady`, one that
+    cannot be reached :class:`~outbox.errors.DatabaseUnavailable`.
 
     The operation is created ``awaiting_approval`` (never published or sent until a person
     approves it: :func:`outbox.approve`) when ``require_approval`` is true or its tool
@@ -136,6 +149,7 @@ class Enqueued:
     created: bool
 
 
+@translated
 def enqueue_intent(
     session: Executor, intent: Intent, *, announce_approval: bool = True
 ) -> Enqueued:
@@ -147,7 +161,7 @@ def enqueue_intent(
     ``approval_requested`` webhook of an operation created awaiting approval: a saga's held
     step is announced when the saga releases it (:mod:`outbox.sagas`).
     """
-    one = _check(intent)
+    one = _check(session, intent)
     intent_key, tool, target = intent.intent_key, one.tool, one.target
     for _ in range(_INSERT_TRIES):
         created = sql.intents.insert_intent(
@@ -173,7 +187,13 @@ def enqueue_intent(
         # A generated key is the new operation's id and cannot collide, so intent_key is set.
         existing = sql.intents.find_operation(session, str(intent_key), agent=one.agent)
         if existing is not None:
-            _check_same_intent(existing, tool=tool, target=target, digest=one.payload_hash)
+            _check_same_intent(
+                existing,
+                tool=tool,
+                target=target,
+                digest=one.payload_hash,
+                canonical=one.canonical_payload,
+            )
             return Enqueued(existing, created=False)
         # Not live: pruned, or (rarely) its row was deleted between the two statements, in
         # which case the prune's trigger wrote the pruned intent in the same transaction.
@@ -240,6 +260,7 @@ def _columns(checked: Sequence[_Checked]) -> _Columns:
     }
 
 
+@translated
 def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation]:
     """Record many intents in the caller's transaction, in one round trip; in input order.
 
@@ -261,7 +282,7 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
                 field="intents",
             )
         try:
-            checked.append(_check(intent))
+            checked.append(_check(session, intent))
         except InvalidIntent as exc:
             # The same class and identifiers (field, size, limit...), the position added.
             raise type(exc)(f"intent #{position}: {exc}", **vars(exc)) from None
@@ -302,7 +323,13 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
                     agent=one.agent,
                     differences=(),
                 )
-            _check_same_intent(found, tool=one.tool, target=one.target, digest=one.payload_hash)
+            _check_same_intent(
+                found,
+                tool=one.tool,
+                target=one.target,
+                digest=one.payload_hash,
+                canonical=one.canonical_payload,
+            )
     unnamed = {
         id(one): inserted[position] for position, one in enumerate(unique) if one.intent_key is None
     }
@@ -362,7 +389,7 @@ def _insert_budgeted(
     ).operations
 
 
-def _check(intent: Intent) -> _Checked:
+def _check(session: Executor, intent: Intent) -> _Checked:
     _check_tool(intent.tool)
     _check_target(intent.target)
     _check_intent_key(intent.intent_key)
@@ -374,6 +401,8 @@ def _check(intent: Intent) -> _Checked:
     contract = CONTRACTS.get(intent.tool)
     if contract is not None and contract.input_schema is not None:
         check_payload(intent.tool, contract.input_schema, json.loads(canonical))
+    if not CONTRACTS.loaded:
+        check_published(session, intent.tool, canonical)
     return _Checked(
         intent_key=intent.intent_key,
         agent=intent.scope,
@@ -421,20 +450,66 @@ def _unique_keys(checked: list[_Checked]) -> list[_Checked]:
     return unique
 
 
+@translated
 def known_tool(session: Executor, tool: str) -> bool:
     """Whether this deployment knows ``tool``: this process's loaded tools say so, or, in a
     process that loads none (an agent's, the HTTP API's by default), ``outbox.tool_policies``
-    does, where every worker writes its tools when it starts. Reads in the caller's txn."""
+    does, where every worker writes its tools when it starts (and ``outbox tools publish``).
+    Reads in the caller's txn (:data:`outbox.published.PUBLISHED`: a kept snapshot says yes,
+    only a fresh read says no)."""
     if CONTRACTS.loaded:
         return CONTRACTS.get(tool) is not None
-    return sql.approval.get_policy(session, tool) is not None
+    found = PUBLISHED.lookup(session, tool)
+    if found.policy is None and found.cached:
+        found = PUBLISHED.lookup(session, tool, fresh=True)
+    return found.policy is not None
 
 
+def check_published(
+    session: Executor, tool: str, canonical: bytes, *, unresolved: str | None = None
+) -> None:
+    """Refuse, in a process that loads no tools, a tool the deployment has not published
+    (:class:`InvalidIntent`, ``field="tool"``) and a payload its published ``input_schema``
+    refuses (:class:`PayloadInvalid` naming the path), once any tool is published; nothing
+    published at all, accept. ``canonical``: the payload's canonical JSON; ``unresolved`` as
+    :func:`outbox.payloads.check_payload`. A refusal is always decided on a fresh read of
+    ``outbox.tool_policies`` (in the caller's transaction), never on a kept snapshot."""
+    found = PUBLISHED.lookup(session, tool)
+    while True:
+        if not found.any:
+            return
+        try:
+            if found.policy is None:
+                raise _unpublished(tool, found.policies)
+            if found.input_schema is not None:
+                payload = json.loads(canonical)
+                check_payload(tool, found.input_schema, payload, unresolved=unresolved)
+        except InvalidIntent:
+            if not found.cached:
+                raise
+            found = PUBLISHED.lookup(session, tool, fresh=True)
+        else:
+            return
+
+
+def _unpublished(tool: str, published: Mapping[str, object]) -> InvalidIntent:
+    close = difflib.get_close_matches(tool, list(published), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return InvalidIntent(
+        f"unknown tool {tool!r}: no worker of this deployment has published it{hint} "
+        f"(published tools: {', '.join(sorted(published))}; a tool is known once a worker "
+        "that loads it has started, or after `outbox tools publish`); nothing was written",
+        field="tool",
+    )
+
+
+@translated
 def get(session: Executor, operation_id: UUID | str) -> Operation | None:
     """The operation with this id, or ``None``. Reads in the caller's transaction."""
     return sql.intents.get_operation(session, _as_uuid(operation_id))
 
 
+@translated
 def find(session: Executor, intent_key: str, *, agent: str = SHARED_AGENT) -> Operation | None:
     """The operation ``agent`` recorded under ``intent_key``, or ``None``: the ``agent`` it
     was enqueued for (:func:`enqueue`'s ``agent``, else its ``requested_by``; default: the
@@ -442,12 +517,14 @@ def find(session: Executor, intent_key: str, *, agent: str = SHARED_AGENT) -> Op
     return sql.intents.find_operation(session, intent_key, agent=agent)
 
 
+@translated
 def find_every_agents(session: Executor, intent_key: str) -> list[Operation]:
     """Every agent's operation recorded under ``intent_key``, by agent: an operator's search
     (an agent reads its own with :func:`find`). Reads in the caller's transaction."""
     return sql.intents.find_every_agents(session, intent_key)
 
 
+@translated
 def cancel(session: Executor, operation_id: UUID | str, *, reason: str | None = None) -> Operation:
     """Withdraw a ``planned`` or ``awaiting_approval`` operation that no attempt can have
     reached the remote with.
@@ -472,6 +549,7 @@ def cancel(session: Executor, operation_id: UUID | str, *, reason: str | None = 
     return transitions.apply(session, move).operation
 
 
+@translated
 def wait(
     operation_id: UUID | str,
     timeout: float = 30.0,
@@ -488,7 +566,8 @@ def wait(
     Sleeps on PostgreSQL ``LISTEN`` (a settled move sends a ``NOTIFY`` for an operation that
     someone waits for: ``outbox.waiters``), re-reading the row at most every
     ``poll_interval`` seconds in case a notification is missed: no busy loop.
-    Uses its own connection from ``engine`` (default: the configured database) and writes
+    Uses its own connection from ``engine`` (default: the configured database; never a newly
+    started embedded server: :func:`outbox.db.database_url`) and writes
     nothing but its own ``outbox.waiters`` row, removed when it returns. Raises
     :class:`WaitTimeout` (carrying the operation as last seen) after ``timeout`` seconds,
     and :class:`OperationNotFound`.
@@ -639,8 +718,16 @@ def _refuse_pruned(pruned: PrunedIntent, *, tool: str, target: str, digest: str)
 
 
 def _check_same_intent(
-    existing: Operation | PrunedIntent, *, tool: str, target: str, digest: str
+    existing: Operation | PrunedIntent,
+    *,
+    tool: str,
+    target: str,
+    digest: str,
+    canonical: str | None = None,
 ) -> None:
+    """Raise :class:`IntentConflict` unless ``existing`` is this intent; its message names
+    the payload's own fields that differ when both payloads are at hand (``canonical``: the
+    new one's canonical JSON; a pruned intent kept no payload)."""
     differences = tuple(
         name
         for name, same in (
@@ -653,12 +740,25 @@ def _check_same_intent(
     if differences:
         operation_id = existing.id if isinstance(existing, Operation) else existing.operation_id
         pruned = "" if isinstance(existing, Operation) else " (finished and pruned)"
+        fields = _differing_fields(existing, differences, canonical)
         raise IntentConflict(
             f"intent key conflict: {existing.intent_key!r} already names operation "
-            f"{operation_id}{pruned} with a different {', '.join(differences)}; "
+            f"{operation_id}{pruned} with a different {', '.join(fields)}; "
             "nothing was written",
             intent_key=existing.intent_key,
             agent=existing.agent,
             operation_id=operation_id,
             differences=differences,
+            fields=fields,
         )
+
+
+def _differing_fields(
+    existing: Operation | PrunedIntent, differences: tuple[str, ...], canonical: str | None
+) -> tuple[str, ...]:
+    """``differences`` with ``payload`` replaced by the payload's paths that differ
+    (``payload.amount``), when the existing operation's payload and the new one are known."""
+    if "payload" not in differences or canonical is None or not isinstance(existing, Operation):
+        return differences
+    paths = differing_paths(existing.payload, json.loads(canonical))
+    return tuple(name for name in differences if name != "payload") + tuple(paths or ["payload"])

@@ -25,6 +25,7 @@ from sqlalchemy import Connection, Engine
 from outbox import sql, transitions
 from outbox.api import _as_uuid
 from outbox.contracts import ToolContract
+from outbox.db import translated
 from outbox.errors import (
     AlreadyDecided,
     ApprovalMismatch,
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 
+@translated
 def approve(
     session: Executor,
     op_id: UUID | str,
@@ -88,6 +90,7 @@ def approve(
     return moved.operation
 
 
+@translated
 def reject(session: Executor, op_id: UUID | str, *, by: str, reason: str) -> Operation:
     """Refuse an ``awaiting_approval`` operation: it moves to ``cancelled`` and is never sent.
 
@@ -147,9 +150,12 @@ def expire_due_and_commit(conn: Connection, *, limit: int = 500) -> ExpiryResult
 
 
 def publish_policies_committed(engine: Engine, contracts: Iterable[ToolContract]) -> int:
-    """Write each tool's approval policy to ``outbox.tool_policies`` and commit: ``enqueue``
-    in any process (one that loads no tools too) reads it there. Returns how many tools."""
-    policies = [ToolPolicy(c.name, c.approval_required, c.approval_ttl_s) for c in contracts]
+    """Write each tool's approval policy and ``input_schema`` to ``outbox.tool_policies`` and
+    commit: ``enqueue`` in any process (one that loads no tools too) reads them there, refusing
+    an unknown tool and a payload the schema refuses. Returns how many tools."""
+    policies = [
+        ToolPolicy(c.name, c.approval_required, c.approval_ttl_s, c.input_schema) for c in contracts
+    ]
     with engine.begin() as conn:
         sql.approval.upsert_policies(conn, policies)
     return len(policies)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import ParamSpec, TypeVar
 
 import psycopg.errors
 import sqlalchemy
@@ -40,12 +41,39 @@ def redact(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+#: Whether this process may start the embedded PostgreSQL when no URL is configured: only the
+#: command line (the composition root) says so (:func:`allow_embedded_start`). A library call
+#: (``enqueue``, ``wait``...) in an agent's process never starts a server as a side effect: one
+#: left running in the agent's working directory, with no schema, was all it got.
+_embedded_start = False
+
+
+def allow_embedded_start() -> None:
+    """Let :func:`database_url` start the embedded PostgreSQL in this process when
+    ``OUTBOX_DATABASE_URL`` is unset (the ``outbox`` command and its Celery app call it)."""
+    global _embedded_start  # noqa: PLW0603 -- one process-wide switch, set once by the CLI
+    _embedded_start = True
+
+
 def database_url(settings: Settings | None = None) -> str:
-    """The configured database URL, or the embedded server's (started if needed)."""
+    """The configured database URL; else the embedded server's: started if this process may
+    (:func:`allow_embedded_start`: the command line), else only if it runs already (``outbox
+    up``, ``outbox demo`` or ``outbox db upgrade`` started it). Otherwise raises
+    :class:`DatabaseUnavailable` naming ``OUTBOX_DATABASE_URL``, starting nothing."""
     settings = settings or get_settings()
     if settings.database_url is not None:
         return normalize_url(settings.database_url.get_secret_value())
-    return embedded.ensure_running(settings.home)
+    if _embedded_start:
+        return embedded.ensure_running(settings.home)
+    running = embedded.running_url(settings.home)
+    if running is None:
+        raise DatabaseUnavailable(
+            "OUTBOX_DATABASE_URL is not set and no embedded PostgreSQL runs under "
+            f"{settings.home} (OUTBOX_HOME): set OUTBOX_DATABASE_URL (or pass an engine), or "
+            "start the embedded server with `outbox up` or `outbox db upgrade`; a library "
+            "call never starts one"
+        )
+    return running
 
 
 #: libpq's TCP settings that bound how long a connection to a silent server (a network
@@ -141,23 +169,56 @@ def get_engine(url: str | None = None) -> Engine:
     return _engine_for(url or database_url())
 
 
+#: What PostgreSQL says when the outbox's schema is missing, or older than this code: a
+#: table, function, column or schema of ours that is not there.
+_SCHEMA_MISSING = (
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.UndefinedFunction,
+    psycopg.errors.UndefinedColumn,
+    psycopg.errors.InvalidSchemaName,
+)
+
+
 @contextmanager
-def database_errors(url: str) -> Iterator[None]:
-    """Turn driver errors that a user can fix into the outbox's typed errors."""
+def database_errors(url: str | None = None) -> Iterator[None]:
+    """Turn driver errors that a user can fix into the outbox's typed errors:
+    :class:`DatabaseUnavailable` (cannot connect, or the connection was lost) and
+    :class:`SchemaNotReady` (a table, function or column of the outbox is missing: not
+    migrated, or not to this release's revision). ``url`` names the database in the message."""
+    where = f"at {redact(url)}" if url is not None else ""
     try:
         yield
     except OperationalError as exc:
         if exc.connection_invalidated or _is_connect_error(exc):
             raise DatabaseUnavailable(
-                f"cannot reach the database at {redact(url)}: {_first_line(exc.orig)}"
+                f"cannot reach the database{' ' + where if where else ''}: {_first_line(exc.orig)}"
             ) from exc
         raise
     except ProgrammingError as exc:
-        if isinstance(exc.orig, psycopg.errors.UndefinedTable | psycopg.errors.InvalidSchemaName):
+        if isinstance(exc.orig, _SCHEMA_MISSING):
             raise SchemaNotReady(
-                f"the outbox schema is missing in {redact(url)}; run `outbox db upgrade`"
+                f"the outbox schema is missing or out of date in "
+                f"{redact(url) if url is not None else 'this database'} "
+                f"({_first_line(exc.orig)}); run `outbox db upgrade`"
             ) from exc
         raise
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def translated(function: Callable[P, R]) -> Callable[P, R]:
+    """``function`` raising :func:`database_errors`' typed errors: the seam of the agent API
+    (``enqueue``, ``get``, ``wait``, sagas...), where a database without the schema would
+    otherwise surface as a driver's ``ProgrammingError``."""
+
+    @functools.wraps(function)
+    def with_typed_errors(*args: P.args, **kwargs: P.kwargs) -> R:
+        with database_errors():
+            return function(*args, **kwargs)
+
+    return with_typed_errors
 
 
 def _is_connect_error(exc: DBAPIError) -> bool:

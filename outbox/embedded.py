@@ -87,6 +87,16 @@ def status(home: Path) -> EmbeddedStatus:
     return EmbeddedStatus(pgdata, True, info.pid, info.get_uri(driver="psycopg"))
 
 
+def running_url(home: Path) -> str | None:
+    """The URL of the embedded server of ``home`` if it runs, else ``None`` (also without the
+    ``[embedded]`` extra). Starts nothing and creates nothing."""
+    try:
+        found = status(home)
+    except DatabaseUnavailable:  # the extra is not installed: no server of ours can run
+        return None
+    return found.url if found.running else None
+
+
 def stop(home: Path, *, timeout_s: int = 60) -> EmbeddedStatus:
     """Stop the embedded server of ``home`` if it runs; return its status from before.
 

@@ -83,13 +83,16 @@ class IntentConflict(OutboxError):
     ``intent_key`` is the reused key, ``agent`` the agent it belongs to (the caller's: no
     other agent's operation is ever compared), ``operation_id`` the existing operation, and
     ``differences`` the names of the fields that differ (a subset of ``tool``, ``target``,
-    ``payload``). Nothing was written.
+    ``payload``); ``fields`` names them as the message does, down to the payload's own
+    fields when the existing payload was at hand (``payload.amount``; else ``payload``).
+    Nothing was written.
     """
 
     intent_key: str
     agent: str = ""
     operation_id: object
     differences: tuple[str, ...]
+    fields: tuple[str, ...] = ()
 
 
 class IntentAlreadyDone(OutboxError):

@@ -22,6 +22,7 @@ from uuid import UUID
 from outbox import sql, transitions
 from outbox.api import _as_uuid
 from outbox.contracts import CONTRACTS, ToolContract
+from outbox.db import translated
 from outbox.errors import (
     OperationBusy,
     OperationNotFound,
@@ -46,6 +47,7 @@ _NOT_RESOLVABLE_HINTS = {
 }
 
 
+@translated
 def resolve(
     session: Executor,
     op_id: UUID | str,

@@ -29,6 +29,7 @@ from uuid import UUID
 from outbox import api, sql, storable, transitions, webhooks
 from outbox.canonical import NotCanonicalizable, canonical_json
 from outbox.contracts import CONTRACTS
+from outbox.db import translated
 from outbox.errors import (
     IntentConflict,
     InvalidIntent,
@@ -248,6 +249,7 @@ class SagaPosition:
     agent: str = ""
 
 
+@translated
 def get_saga(session: Executor, saga_key: str, *, agent: str = api.SHARED_AGENT) -> SagaView | None:
     """``agent``'s saga with this key (its steps and their operations, its trail), or
     ``None``: the agent it was opened for (:func:`saga`'s ``agent``, else its
@@ -259,12 +261,14 @@ def get_saga(session: Executor, saga_key: str, *, agent: str = api.SHARED_AGENT)
     return _view(row, sql.sagas.steps_of(session, ref), sql.sagas.events_of(session, ref))
 
 
+@translated
 def agents_of_saga_key(session: Executor, saga_key: str) -> list[str]:
     """The agents that have a saga under ``saga_key``, by name: an operator's search (each
     agent's same key is a saga of its own). Reads in the caller's transaction."""
     return sql.sagas.agents_of_key(session, saga_key)
 
 
+@translated
 def list_sagas(
     session: Executor,
     *,
@@ -386,6 +390,7 @@ class Saga:
     def __repr__(self) -> str:
         return f"Saga(key={self.key!r}, state={self.state.value!r})"
 
+    @translated
     def step(
         self,
         name: str,
@@ -430,6 +435,7 @@ class Saga:
         )
 
 
+@translated
 def saga(
     session: Executor,
     saga_key: str,
@@ -489,6 +495,7 @@ class DeclaredSaga:
 MAX_DECLARED_STEPS = 50
 
 
+@translated
 def declare_saga(
     session: Executor,
     saga_key: str,
@@ -580,7 +587,7 @@ class _StepRequest:
 
 
 def _add_step(session: Executor, ref: SagaRef, request: _StepRequest) -> Operation:
-    _check_step(request)
+    _check_step(session, request)
     saga_key = ref.key
     row = sql.sagas.lock_saga(session, ref)
     if row is None:
@@ -688,7 +695,7 @@ def _check_key(saga_key: Any) -> None:
         )
 
 
-def _check_step(request: _StepRequest) -> None:
+def _check_step(session: Executor, request: _StepRequest) -> None:
     name = request.name
     if not isinstance(name, str) or not name.strip() or len(name) > MAX_STEP_NAME_LENGTH:
         raise InvalidIntent(
@@ -731,6 +738,10 @@ def _check_step(request: _StepRequest) -> None:
                 contract.input_schema,
                 json.loads(canonical),
                 unresolved=REMOTE_REF_PLACEHOLDER,
+            )
+        if not CONTRACTS.loaded:  # the tools the deployment published say, as for a step
+            api.check_published(
+                session, compensate.tool, canonical, unresolved=REMOTE_REF_PLACEHOLDER
             )
     except InvalidIntent as exc:
         raise type(exc)(
@@ -855,6 +866,7 @@ def advance(
     return Advanced(SagaState(row.state), tuple(decisions), tuple(moves))
 
 
+@translated
 def cancel_saga(
     session: Executor,
     saga_key: str,

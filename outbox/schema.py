@@ -203,9 +203,11 @@ pruned_intents = Table(
     Index("ix_pruned_intents_resolved_at", "resolved_at"),
 )
 
-#: Each tool's approval policy (migration 0012), upserted by every process that loads the tools
-#: (workers, relay, beat): ``enqueue`` reads it in its INSERT, since an agent process usually
-#: loads no tools. A tool not found here requires no approval (unless the call asks for one).
+#: Each tool's approval policy (migration 0012) and payload schema (0024), upserted by every
+#: process that loads the tools (workers, relay, beat) and by ``outbox tools publish``:
+#: ``enqueue`` reads the policy in its INSERT, since an agent process usually loads no tools,
+#: and refuses a tool not found here, or a payload its ``input_schema`` refuses, once any tool
+#: is (outbox/published.py). A tool not found here requires no approval (unless the call asks).
 tool_policies = Table(
     "tool_policies",
     metadata,
@@ -213,6 +215,8 @@ tool_policies = Table(
     Column("approval_required", Boolean, nullable=False),
     Column("approval_ttl_s", Double, nullable=False),
     _timestamp("updated_at", nullable=False, now=True),
+    # The JSON Schema every payload must match; NULL: the tool declares none.
+    Column("input_schema", JSONB),
     CheckConstraint("approval_ttl_s > 0", name="ttl_positive"),
 )
 

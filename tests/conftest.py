@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from outbox import embedded, migrate
 from outbox.db import create_engine
+from outbox.published import PUBLISHED
 from outbox.tools import close_thread_loop
 from outbox.workers.app import BROKER_MESSAGE_TABLE
 
@@ -136,6 +137,8 @@ def engine(_session_engine: Engine) -> Engine:
         )
         if conn.execute(text("SELECT to_regclass(:t)"), {"t": BROKER_MESSAGE_TABLE}).scalar():
             conn.execute(text(f"DELETE FROM {BROKER_MESSAGE_TABLE}"))
+    # The tools an earlier test published are gone with the table: so is this process's copy.
+    PUBLISHED.clear()
     return _session_engine
 
 

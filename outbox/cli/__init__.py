@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from outbox import __version__
-from outbox.cli import db, dev, guards, operators, ops, sagas, tokens, webhooks
+from outbox.cli import db, dev, guards, operators, ops, sagas, tokens, tools, webhooks
 from outbox.cli.apiserver import api_command
 from outbox.cli.chaos import chaos_command
 from outbox.cli.demo import demo_command
@@ -24,6 +24,7 @@ from outbox.cli.metrics import metrics_command
 from outbox.cli.output import PlainFormatter, environment_help, fail
 from outbox.cli.services import beat_command, relay_command, worker_command
 from outbox.cli.up import up_command
+from outbox.db import allow_embedded_start
 from outbox.errors import OutboxError
 
 app = typer.Typer(
@@ -56,6 +57,9 @@ def _root(
     ] = False,
 ) -> None:
     """A durable outbox for the consequential actions of AI agents."""
+    # The command line is where the embedded PostgreSQL may start (OUTBOX_DATABASE_URL unset):
+    # `outbox up`, `outbox demo`, `outbox db upgrade`... never a library call in an agent.
+    allow_embedded_start()
 
 
 app.add_typer(db.app, name="db")
@@ -66,6 +70,7 @@ app.add_typer(tokens.app, name="tokens")
 app.add_typer(operators.app, name="operators")
 app.add_typer(guards.app, name="guards")
 app.add_typer(sagas.app, name="sagas")
+app.add_typer(tools.app, name="tools")
 app.command("enqueue", no_args_is_help=True)(enqueue_command)
 app.command("demo")(demo_command)
 app.command("relay")(relay_command)

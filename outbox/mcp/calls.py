@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import aio, sql
 from outbox.errors import (
     BudgetExceeded,
+    DatabaseUnavailable,
     IntentAlreadyDone,
     IntentConflict,
     InvalidIntent,
@@ -69,7 +70,7 @@ class Calls:
             return _already_done(exc)
         except BudgetExceeded as exc:  # nothing written; the budget, window and what is left
             return refused(str(exc), field="budget")
-        except (OperationalError, InterfaceError):
+        except (OperationalError, InterfaceError, DatabaseUnavailable):
             # The commit's outcome may be unknown: the same key again is the safe retry.
             return unreachable()
         return report_result(report_of(await self._settled(op, self.wait_s)))
@@ -94,7 +95,7 @@ class Calls:
             if op is None:
                 return refused(f"none of your operations has {named}", field=field)
             op = await self._settled(op, min(query.wait_s, self.wait_s), through_approval=True)
-        except (OperationalError, InterfaceError):
+        except (OperationalError, InterfaceError, DatabaseUnavailable):
             return unreachable()
         return report_result(report_of(op))
 
@@ -108,7 +109,7 @@ class Calls:
             return refused(str(exc), field=exc.field)
         try:
             found = await self.own_operations(caller, state=query.state, limit=query.limit)
-        except (OperationalError, InterfaceError):
+        except (OperationalError, InterfaceError, DatabaseUnavailable):
             return unreachable()
         reports = [report_of(op).to_dict() for op in found]
         lines = [
@@ -180,7 +181,7 @@ class Calls:
         except WaitTimeout as exc:
             last = exc.operation
             return last if isinstance(last, Operation) else op
-        except (OperationalError, InterfaceError):
+        except (OperationalError, InterfaceError, DatabaseUnavailable):
             return op  # recorded already: its report says how to check on it later
 
 
@@ -190,10 +191,8 @@ def _conflict(
     """The conflict in words for a model, naming each field (down to the payload's own
     fields) that differs from what the key was first used for (the caller's own key: no
     other agent's operation is ever compared)."""
-    fields = [name for name in exc.differences if name != "payload"]
-    if "payload" in exc.differences:
-        paths = differing_paths(existing.payload, intent.payload) if existing else []
-        fields += paths or ["payload"]
+    # The core names the payload's own fields (payload.amount) when it had both payloads.
+    fields = list(exc.fields or exc.differences)
     named = ", ".join(fields) or "the input"
     verb = "differs" if len(fields) <= 1 else "differ"
     return ArgumentRefused(
@@ -203,28 +202,6 @@ def _conflict(
         "intent_key; if it is the same action, send exactly the same input again.",
         field=fields[0] if fields else "intent_key",
     )
-
-
-def differing_paths(old: Any, new: Any, prefix: str = "payload") -> list[str]:
-    """The dotted paths at which two JSON values differ (``payload.amount``,
-    ``payload.items.0``): where both are objects (or both arrays of one length), the
-    members that differ; else the path itself."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        paths: list[str] = []
-        for name in sorted(set(old) | set(new), key=str):
-            if name not in old or name not in new:
-                paths.append(f"{prefix}.{name}")
-            else:
-                paths += differing_paths(old[name], new[name], f"{prefix}.{name}")
-        return paths
-    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        return [
-            path
-            for index, (a, b) in enumerate(zip(old, new, strict=True))
-            for path in differing_paths(a, b, f"{prefix}.{index}")
-        ]
-    same = old == new and type(old) is type(new)
-    return [] if same else [prefix]
 
 
 def report_of(op: Operation) -> OperationReport:

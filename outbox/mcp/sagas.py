@@ -20,7 +20,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import aio
-from outbox.errors import BudgetExceeded, IntentConflict, OutboxError
+from outbox.errors import BudgetExceeded, DatabaseUnavailable, IntentConflict, OutboxError
 from outbox.mcp.auth import Caller
 from outbox.mcp.calls import refused, unreachable
 from outbox.mcp.tools import ArgumentRefused
@@ -299,10 +299,10 @@ class SagaCalls:
                     requested_by=caller.name,
                     agent=caller.agent,
                 )
+        except (OperationalError, InterfaceError, DatabaseUnavailable):
+            return unreachable()
         except OutboxError as exc:  # refused: nothing was written
             return _refusal(exc, declaration.saga_key)
-        except (OperationalError, InterfaceError):
-            return unreachable()
         return saga_result(await self._settled(done.saga, self.wait_s))
 
     async def status(
@@ -321,7 +321,7 @@ class SagaCalls:
                     f"none of your sagas has saga_key {query.saga_key!r}", field="saga_key"
                 )
             found = await self._settled(found, min(query.wait_s, self.wait_s))
-        except (OperationalError, InterfaceError):
+        except (OperationalError, InterfaceError, DatabaseUnavailable):
             return unreachable()
         return saga_result(found)
 
@@ -337,7 +337,7 @@ class SagaCalls:
             await asyncio.sleep(min(POLL_S, left))
             try:
                 view = await self._read(view.key, view.agent) or view
-            except (OperationalError, InterfaceError):
+            except (OperationalError, InterfaceError, DatabaseUnavailable):
                 return view  # recorded already: its report says how to check on it later
         return view
 

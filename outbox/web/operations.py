@@ -184,8 +184,8 @@ def require_known_tool(
         raise Problem(
             422,
             f"unknown tool {tool!r}: no worker of this deployment has registered it (a tool "
-            "is known once a worker that loads it has started, or when the API loads the "
-            "tools: OUTBOX_CONFIG / OUTBOX_TOOLS)",
+            "is known once a worker that loads it has started, after `outbox tools publish`, "
+            "or when the API loads the tools: OUTBOX_CONFIG / OUTBOX_TOOLS)",
             slug="unknown-tool",
             field=field,
         )

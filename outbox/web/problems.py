@@ -42,6 +42,7 @@ from outbox.errors import (
     ResolutionRefused,
     SagaNotFound,
     SagaNotRunning,
+    SchemaNotReady,
     StaleResolution,
     TransitionError,
 )
@@ -106,6 +107,7 @@ _ANSWERS: tuple[tuple[type[OutboxError], int, str], ...] = (
     (SagaNotFound, 404, "saga-not-found"),
     (SagaNotRunning, 409, "saga-not-running"),
     (DatabaseUnavailable, 503, "unavailable"),
+    (SchemaNotReady, 503, "schema-not-ready"),
     (TransitionError, 409, "refused"),
 )
 # The error's identifiers a program may need, copied as extension members when set.

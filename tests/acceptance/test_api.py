@@ -69,8 +69,10 @@ def server(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture
 def known_tool(engine: Engine) -> str:
-    """A tool the deployment knows, as a worker that loads it would have written it."""
-    publish_policies_committed(engine, [ToolContract(name=TOOL)])
+    """A tool the deployment knows, as a worker that loads it would have written it (with the
+    sagas' undo tool: an unpublished one is refused once any tool is published)."""
+    published = {TOOL, "deploy.delete_release", "lb.point", "chat.post"}  # THREE's tools
+    publish_policies_committed(engine, [ToolContract(name=name) for name in sorted(published)])
     return TOOL
 
 

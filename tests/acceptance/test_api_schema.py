@@ -55,7 +55,9 @@ def operator_token(_session_engine: Engine) -> str:
     """An operator token (it may call every route), a known tool, operations in the states a
     decision can meet, and a saga, so that generated requests reach past the 404s and lists
     are not empty."""
-    publish_policies_committed(_session_engine, [ToolContract(name="deploy.create_release")])
+    # The saga's tools, its undo tools too: an unpublished one is refused.
+    published = ("chat.post", "deploy.create_release", "deploy.delete_release", "lb.point")
+    publish_policies_committed(_session_engine, [ToolContract(name=n) for n in published])
     for state in (State.AWAITING_APPROVAL, State.NEEDS_HUMAN, State.PLANNED, State.CONFIRMED):
         make_operation(_session_engine, state)
     compensated_saga(_session_engine, "s-fuzzed")

@@ -14,6 +14,7 @@ import pytest
 
 from outbox.dev.service import DeployService
 from tests import saga_stack
+from tests.acceptance.conftest import run_outbox
 from tests.conftest import REPO
 from tests.processes import Services
 
@@ -51,6 +52,11 @@ def test_the_saga_example_completes_or_undoes_both_releases_once(
 ) -> None:
     """Completed: two releases, no rollback. Refused last step: the two releases rolled
     back, the second first; the same key again changes nothing at the service."""
+    # Both tools published before anything starts, as docs/tools.md's deploy order says: the
+    # example may enqueue before the worker has published them (and an earlier test's
+    # published tools, left in the shared database, would make the rollback tool unknown).
+    published = run_outbox("tools", "publish", env=stack_env)
+    assert published.code == 0, published.stderr
     services.start("worker", "worker", "-c", "4", "-P", "threads")
     services.start("relay", "relay")
     services.start("beat", "beat")

@@ -116,7 +116,7 @@ def test_the_tools_policy_in_the_database_makes_enqueue_require_approval(engine:
     """A tool whose published policy requires approval gets it without the call asking, with
     the tool's TTL, and a call cannot loosen it."""
     contract = ToolContract(name=TOOL, approval_required=True, approval_ttl_s=600)
-    approval.publish_policies_committed(engine, [contract])
+    approval.publish_policies_committed(engine, [contract, ToolContract(name="deploy.other")])
     op = enqueue(engine, require_approval=False)
     stored = reload(engine, op.id)
     assert stored.state is State.AWAITING_APPROVAL
@@ -130,7 +130,9 @@ def test_the_tools_policy_in_the_database_makes_enqueue_require_approval(engine:
 
 def test_enqueue_many_reads_each_tools_policy(engine: Engine) -> None:
     """In a batch, each intent waits for approval if its tool or its call requires it."""
-    approval.publish_policies_committed(engine, [ToolContract(name=TOOL, approval_required=True)])
+    approval.publish_policies_committed(
+        engine, [ToolContract(name=TOOL, approval_required=True), ToolContract(name="deploy.other")]
+    )
     with Session(engine) as session, session.begin():
         ops = outbox.enqueue_many(
             session,

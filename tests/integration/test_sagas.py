@@ -612,15 +612,18 @@ def test_a_compensation_its_checks_refuse_needs_a_human(engine: Engine) -> None:
 
 
 def require_approval(engine: Engine, tool: str, ttl_s: float = 3600) -> None:
-    """Record ``tool``'s policy: approval required (as a starting worker would)."""
+    """Record the sagas' tools' policies, ``tool``'s requiring approval (as a starting worker
+    would: it publishes every tool it loads, and an unpublished one is then refused)."""
+    tools = {"deploy.create_release", "deploy.delete_release", "lb.point", "chat.post", tool}
     with engine.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO outbox.tool_policies (tool, approval_required, approval_ttl_s)"
-                " VALUES (:tool, true, :ttl)"
-            ),
-            {"tool": tool, "ttl": ttl_s},
-        )
+        for name in sorted(tools):
+            conn.execute(
+                text(
+                    "INSERT INTO outbox.tool_policies (tool, approval_required, approval_ttl_s)"
+                    " VALUES (:tool, :required, :ttl)"
+                ),
+                {"tool": name, "required": name == tool, "ttl": ttl_s},
+            )
 
 
 def test_a_held_step_approved_early_stays_held(engine: Engine) -> None:

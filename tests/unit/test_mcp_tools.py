@@ -13,8 +13,8 @@ from mcp_types import CallToolResult
 
 from outbox.contracts import ContractTable, ToolContract
 from outbox.db import create_async_engine
+from outbox.differences import differing_paths
 from outbox.mcp import McpContext, create_server
-from outbox.mcp.calls import differing_paths
 from outbox.mcp.tools import (
     INTENT_KEY_ADVICE,
     ArgumentRefused,
