@@ -39,8 +39,12 @@ def service() -> Iterator[DeployService]:
 
 
 @pytest.fixture
-def stack_env(database_url: str, service: DeployService, tmp_path: Path) -> dict[str, str]:
-    """Both tools on the service, short timeouts, the database broker."""
+def stack_env(
+    database_url: str, engine: Engine, service: DeployService, tmp_path: Path
+) -> dict[str, str]:
+    """Both tools on the service, short timeouts, the database broker, on a database emptied
+    first (``engine``): an operation an earlier module left planned would otherwise be sent
+    to this test's service by its worker."""
     return saga_stack.stack_env(database_url, None, tmp_path, service.url)
 
 
