@@ -69,6 +69,13 @@ def enqueue_command(
     requested_by: Annotated[
         str | None, typer.Option(help="Who asked for it (an agent or user name).")
     ] = None,
+    agent: Annotated[
+        str | None,
+        typer.Option(
+            help="The agent whose intent key it is (default: --requested-by, else the shared "
+            "scope): another agent's same key is another operation."
+        ),
+    ] = None,
     require_approval: Annotated[
         bool,
         typer.Option(
@@ -96,6 +103,7 @@ def enqueue_command(
             metadata=_read_json(metadata, "--metadata") if metadata is not None else None,
             requested_by=requested_by,
             require_approval=require_approval,
+            agent=agent,
         )
     if as_json:
         print_json(op.to_dict())

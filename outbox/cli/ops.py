@@ -336,6 +336,18 @@ def _resolve_hint(op: Operation) -> str:
     fence = f"--expect-attempts {op.attempts} --payload-hash {op.payload_hash}"
     sign = '--by "YOUR NAME" --note "WHAT YOU CHECKED"'
     base = f"outbox ops resolve {op.id}"
+    if op.attempts == 0:
+        # Never sent (its tool unknown to the worker, say): nothing can have applied, so
+        # "applied" is not offered.
+        return "\n".join(
+            [
+                "",
+                "it was never sent (no attempt), so nothing can have applied; pick one and "
+                "fill in --by and --note:",
+                f"  fail it:   {base} --not-applied {sign} {fence}",
+                f"  send it:   {base} --not-applied --replay {sign} {fence}",
+            ]
+        )
     return "\n".join(
         [
             "",

@@ -70,6 +70,22 @@ def test_reused_key_with_another_payload_is_a_conflict(outbox_cli: CLI) -> None:
     assert len(outbox_cli("ops", "list", "--json").json()) == 1
 
 
+def test_one_key_for_two_agents_is_two_operations_and_show_asks_which(outbox_cli: CLI) -> None:
+    """`enqueue --agent` scopes the key: two agents' same key prints two ids; `ops show KEY`
+    then names both agents and asks for the id (one line, exit 1); by id it shows the agent."""
+    a = _enqueue(outbox_cli, '{"version": "1"}', "--key", "K", "--agent", "shop", "--json")
+    b = _enqueue(outbox_cli, '{"version": "1"}', "--key", "K", "--agent", "crm", "--json")
+    assert (a.code, b.code) == (0, 0), (a.stderr, b.stderr)
+    assert a.json()["id"] != b.json()["id"]
+    assert (a.json()["agent"], b.json()["agent"]) == ("shop", "crm")
+    which = outbox_cli("ops", "show", "K")
+    assert which.code == 1
+    _assert_one_line_error(which.stderr, "2 operations", "agent crm", "agent shop", "give the id")
+    shown = outbox_cli("ops", "show", a.json()["id"])
+    assert shown.code == 0, shown.stderr
+    assert "agent: shop" in shown.stdout
+
+
 def test_show_prints_the_operation_with_its_events(outbox_cli: CLI) -> None:
     """`ops show --json` prints the operation and its events, each with states, actor and time."""
     op = _enqueue(outbox_cli, '{"v": 1}', "--json").json()

@@ -268,6 +268,20 @@ def test_the_human_queue_lists_age_and_reason(outbox_cli: CLI, engine: Engine) -
     assert (body["id"], body["state"], body["reason"]) == (str(stuck.id), "needs_human", REASON)
 
 
+def test_show_of_an_operation_never_sent_offers_no_applied(outbox_cli: CLI, engine: Engine) -> None:
+    """An operation escalated before any attempt (its tool unknown to the worker) cannot
+    have applied: `ops show` says so and offers only to fail it or send it."""
+    op = make_operation(engine, State.PLANNED, tool="billing.chrage")
+    escalated = move(engine, op, State.NEEDS_HUMAN, Actor.DISPATCHER, reason="not registered")
+    assert escalated.attempts == 0
+    shown = outbox_cli("ops", "show", str(op.id))
+    assert shown.code == 0, shown.stderr
+    assert "never sent" in shown.stdout
+    lines = [line for line in shown.stdout.splitlines() if "outbox ops resolve" in line]
+    assert len(lines) == 2
+    assert not any("--applied" in line for line in lines)
+
+
 def test_show_prints_the_commands_to_copy_and_they_work(outbox_cli: CLI, engine: Engine) -> None:
     """`ops show` of a waiting operation prints fenced resolve commands; one, filled in, works."""
     op = waiting(engine)
