@@ -312,7 +312,9 @@ class _Agent(threading.Thread):
                         payload={"version": f"1.{i // 100}.{i % 100}"},
                         intent_key=key,
                     )
-            except DBAPIError:
+            # enqueue raises DatabaseUnavailable while PostgreSQL is down; the COMMIT, the
+            # driver's own error: either way nothing may be known, and the same key is safe.
+            except (DBAPIError, DatabaseUnavailable):
                 self.errors += 1
                 self.stopping.wait(0.5)
                 continue
