@@ -601,6 +601,35 @@ def test_the_command_serves_until_signalled_and_exits_0(
     assert (code, rest, errors) == (0, "", "")
 
 
+def test_ctrl_c_stops_the_command_even_when_started_with_sigint_ignored() -> None:
+    """A service started with SIGINT ignored (a shell's background job; a parent that ignored
+    it when it forked) still stops on SIGINT, and exits 0."""
+
+    def ignore_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    process = subprocess.Popen(
+        [*DEV_COMMAND, "deploy-service", "--port", "0"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=ignore_sigint,  # noqa: PLW1509 -- a signal disposition, no threads involved
+    )
+    try:
+        assert process.stdout is not None
+        assert " listening on " in process.stdout.readline()
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=15) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [

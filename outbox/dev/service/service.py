@@ -249,7 +249,11 @@ def serve(service: DeployService, announce: Callable[[str], None]) -> None:
     ``announce`` receives the one-line description once the service listens. Raises
     :class:`DeployServiceError` when it cannot start.
     """
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # SIGINT too, explicitly: a process started with SIGINT ignored (a shell's background job,
+    # a parent that ignored it when it forked) keeps it ignored, and Ctrl-C would never stop it.
+    previous = {
+        signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGINT)
+    }
     try:
         service.start()
         announce(service.describe())
@@ -259,4 +263,5 @@ def serve(service: DeployService, announce: Callable[[str], None]) -> None:
         pass
     finally:
         service.stop()
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
