@@ -318,7 +318,7 @@ def _enqueue_for(address: tuple[str, int], token: str, seconds: float) -> list[f
 def _signin_cases(server: Server, token: str, burst: int, seconds: float) -> list[Case]:
     """The agent's enqueue quiet, then during a sign-in burst of ``burst`` threads."""
 
-    def latencies(kind: str, found: list[float]) -> Rate:
+    def latencies(kind: str, found: list[float]) -> dict[str, tuple[float, str]]:
         return {
             f"enqueue p50, {kind}": (percentile(found, 50) * 1000, "ms"),
             f"enqueue p99, {kind}": (percentile(found, 99) * 1000, "ms"),
