@@ -1,0 +1,135 @@
+"""What the console's sign-in runs on, apart from the agents' requests: its password checks
+(argon2id) on threads of their own, bounded; its own small database pool; its counters.
+
+argon2 holds a core (and its lanes' threads) for about a tenth of a second per check. Run on
+the threads the agents' requests share (anyio's), a burst of sign-ins, unknown names
+included (they cost what a wrong password does), queued behind them and took the CPU: an
+agent's enqueue went from milliseconds to seconds. Here each ``outbox api`` process checks at
+most ``threads`` passwords at once, on a small ThreadPoolExecutor whose threads run at a
+lower CPU priority (Linux's per-thread nice, inherited by argon2's lane threads); at most
+``queue`` more sign-ins wait for one, and any beyond are refused at once (:class:`Busy`),
+before they read anything from the database.
+
+Its queries (the throttle, the account) run on an engine of their own with
+:data:`POOL_SIZE` connections, so that a burst cannot take the connections the agents'
+requests need; a sign-in that waits longer than :data:`POOL_TIMEOUT_S` for one is refused
+like a busy one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+from prometheus_client import CollectorRegistry, Counter
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox.signins import Throttle
+
+__all__ = ["NICE", "POOL_SIZE", "Busy", "PasswordChecks", "SigninMetrics", "Signins"]
+
+T = TypeVar("T")
+
+#: How much nicer than the agents' requests a hashing thread is. At nice 10 the scheduler
+#: gives a nice-0 thread about nine times its share when both want a core: during a burst of
+#: 40 sign-ins an agent's enqueue p99 stays near its quiet value (docs/performance.md, change
+#: 31), where at nice 0 it was about 150 times it.
+NICE = 10
+#: Connections of the sign-in's own pool, per process (no overflow).
+POOL_SIZE = 2
+#: Longest wait for one of them before the sign-in is refused (503) instead.
+POOL_TIMEOUT_S = 5.0
+#: What a refused sign-in is told to wait, in seconds (Retry-After).
+BUSY_RETRY_AFTER_S = 2
+
+
+class Busy(Exception):
+    """Every password-checking thread is busy and the queue is full: refused at once."""
+
+
+def _lower_priority() -> None:
+    """Make the calling thread (a hashing thread) nicer; on Linux nice is per thread."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            current = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), current + NICE)
+
+
+class PasswordChecks:
+    """A bounded executor for argon2: ``threads`` at work, ``queue`` waiting, no more.
+
+    :meth:`admitted` is entered on the event loop's thread only (a plain counter, no lock).
+    """
+
+    def __init__(self, *, threads: int, queue: int) -> None:
+        self.capacity = threads + queue
+        self.taken = 0
+        self._pool = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="outbox-argon2", initializer=_lower_priority
+        )
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """A place among the ``threads + queue`` sign-ins in progress, held for the whole
+        sign-in; :class:`Busy` at once when there is none."""
+        if self.taken >= self.capacity:
+            raise Busy
+        self.taken += 1
+        try:
+            yield
+        finally:
+            self.taken -= 1
+
+    async def run(self, check: Callable[..., T], *args: object) -> T:
+        """``check(*args)`` on a hashing thread (one admitted sign-in's)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, check, *args)
+
+    def warm(self, make: Callable[[], object]) -> None:
+        """Run ``make`` (the dummy hash) on a hashing thread now, not at the first sign-in."""
+        self._pool.submit(make)
+
+    def close(self) -> None:
+        """Stop the threads (waiting for the checks under way)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class SigninMetrics:
+    """The sign-in's counters, on ``/metrics`` with the request metrics. No label says whether
+    a name is an account's: a guesser reading ``/metrics`` learns nothing from them."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.password_checks = Counter(
+            "outbox_console_password_checks_total",
+            "Console passwords checked with argon2id (a known name's hash or, for an unknown "
+            "name, a dummy one: the same cost).",
+            registry=registry,
+        )
+        self.refused = Counter(
+            "outbox_console_signins_refused_total",
+            "Console sign-ins refused before any password check, by why: throttled (too many "
+            "failures for the name or the address) or busy (the password checks are full).",
+            ["reason"],
+            registry=registry,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Signins:
+    """The sign-in's throttle, password checks, engine and counters (``app.state``)."""
+
+    throttle: Throttle
+    checks: PasswordChecks
+    engine: AsyncEngine
+    metrics: SigninMetrics
+
+    async def close(self) -> None:
+        """Stop the hashing threads and close the pool (the app's shutdown)."""
+        self.checks.close()
+        await self.engine.dispose()
