@@ -21,7 +21,8 @@ agent: one agent client enqueues one after another for ``--signin-seconds``, onc
 server quiet and once while ``--signin-burst`` threads (default 40) each POST /signin again
 and again, every attempt with a cookie and CSRF token of its own (GET /signin), an unknown
 name, a 1 KiB password and a fresh client address (127.x.y.z: the per-address throttle never
-stops them, as it would not stop a burst from many hosts). Rows: the agent's enqueue p50/p99
+stops them, as it would not stop a burst from many hosts); after a refusal (429, 503) a
+client waits its Retry-After, unless ``--signin-flood``. Rows: the agent's enqueue p50/p99
 quiet and during the burst, their ratio (target: p99 within 2x of quiet), the sign-ins
 answered per second and how many got 5xx or no answer.
 
@@ -222,11 +223,14 @@ BURST_PASSWORD = "x" * 1024
 
 class SigninBurst:
     """``threads`` clients signing in again and again with unknown names, each attempt from a
-    fresh 127.x.y.z address, until stopped; what the server answered, by status."""
+    fresh 127.x.y.z address, until stopped (after a refusal, each waits what its Retry-After
+    says, unless ``flood``); what the server answered, by status."""
 
-    def __init__(self, address: tuple[str, int], threads: int) -> None:
+    def __init__(self, address: tuple[str, int], threads: int, *, flood: bool = False) -> None:
         self.address = address
         self.threads = threads
+        #: Retry at once after a refusal (429, 503) instead of waiting its Retry-After.
+        self.flood = flood
         self.answers: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -239,7 +243,7 @@ class SigninBurst:
             n = self._next
         return f"127.{1 + (n >> 16) % 254}.{(n >> 8) & 255}.{n & 255 or 1}"
 
-    def _attempt(self) -> str:
+    def _attempt(self) -> tuple[str, float]:
         conn = http.client.HTTPConnection(
             *self.address, timeout=120, source_address=(self._source(), 0)
         )
@@ -250,7 +254,7 @@ class SigninBurst:
             cookie = (form.getheader("set-cookie") or "").split(";", 1)[0]
             token = _CSRF.search(page)
             if form.status != 200 or token is None:
-                return f"GET {form.status}"
+                return f"GET {form.status}", 0.0
             body = urllib.parse.urlencode(
                 {"name": f"nobody-{uuid.uuid4().hex}", "password": BURST_PASSWORD, "csrf": token[1]}
             )
@@ -262,17 +266,20 @@ class SigninBurst:
             )
             answer = conn.getresponse()
             answer.read()
-            return str(answer.status)
+            wait = answer.getheader("retry-after") if answer.status in (429, 503) else None
+            return str(answer.status), float(wait or 0)
         except (OSError, http.client.HTTPException) as exc:
-            return type(exc).__name__
+            return type(exc).__name__, 0.0
         finally:
             conn.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            found = self._attempt()
+            found, wait = self._attempt()
             with self._lock:
                 self.answers[found] += 1
+            if wait and not self.flood:
+                self._stop.wait(wait)  # a refusal's Retry-After, as a client honours it
 
     def __enter__(self) -> SigninBurst:
         self._running = [threading.Thread(target=self._run) for _ in range(self.threads)]
@@ -315,7 +322,9 @@ def _enqueue_for(address: tuple[str, int], token: str, seconds: float) -> list[f
     return latencies
 
 
-def _signin_cases(server: Server, token: str, burst: int, seconds: float) -> list[Case]:
+def _signin_cases(
+    server: Server, token: str, burst: int, seconds: float, *, flood: bool
+) -> list[Case]:
     """The agent's enqueue quiet, then during a sign-in burst of ``burst`` threads."""
 
     def latencies(kind: str, found: list[float]) -> dict[str, tuple[float, str]]:
@@ -329,7 +338,7 @@ def _signin_cases(server: Server, token: str, burst: int, seconds: float) -> lis
         return latencies("quiet", _enqueue_for(server.address, token, seconds))
 
     def during() -> Rate:
-        with SigninBurst(server.address, burst) as running:
+        with SigninBurst(server.address, burst, flood=flood) as running:
             time.sleep(min(2.0, seconds / 5))  # the burst under way before the agent starts
             began = time.perf_counter()
             found = _enqueue_for(server.address, token, seconds)
@@ -462,6 +471,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=10.0,
         help="how long the agent enqueues, quiet and during the burst (--mode signin)",
     )
+    parser.add_argument(
+        "--signin-flood",
+        action="store_true",
+        help="the sign-in clients retry at once after a refusal (a request flood) instead of "
+        "waiting its Retry-After",
+    )
     parser.add_argument("--quick", action="store_true", help="one round of 500 per case")
     args = parser.parse_args(argv)
     if args.quick:
@@ -492,7 +507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases = _cases(bench, clients, database) if args.mode != "signin" else []
         if args.mode != "enqueue":
             first = servers[workers[0]]
-            cases += _signin_cases(first, token, args.signin_burst, args.signin_seconds)
+            cases += _signin_cases(
+                first, token, args.signin_burst, args.signin_seconds, flood=args.signin_flood
+            )
         run_rounds(args.rounds, cases, results)
     kinds = [_api_kind(count, workers) for count in workers] if args.mode != "signin" else []
     for kind in kinds:

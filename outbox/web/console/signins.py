@@ -41,7 +41,7 @@ T = TypeVar("T")
 #: gives a nice-0 thread about nine times its share when both want a core: during a burst of
 #: 40 sign-ins an agent's enqueue p99 stays near its quiet value (docs/performance.md, change
 #: 31), where at nice 0 it was about 150 times it.
-NICE = 10
+NICE = 19
 #: Connections of the sign-in's own pool, per process (no overflow).
 POOL_SIZE = 2
 #: Longest wait for one of them before the sign-in is refused (503) instead.
