@@ -37,10 +37,10 @@ __all__ = ["NICE", "POOL_SIZE", "Busy", "PasswordChecks", "SigninMetrics", "Sign
 
 T = TypeVar("T")
 
-#: How much nicer than the agents' requests a hashing thread is. At nice 10 the scheduler
-#: gives a nice-0 thread about nine times its share when both want a core: during a burst of
-#: 40 sign-ins an agent's enqueue p99 stays near its quiet value (docs/performance.md, change
-#: 31), where at nice 0 it was about 150 times it.
+#: How much nicer than the agents' requests a hashing thread is (19: the lowest priority;
+#: argon2's lane threads, which it starts for every check, inherit it). Measured with
+#: bench/api.py --mode signin (docs/performance.md, change 31), a burst of 40 sign-ins took an
+#: agent's enqueue p99 to 2.8x its quiet value with these threads at nice 10, 2.0x at 19.
 NICE = 19
 #: Connections of the sign-in's own pool, per process (no overflow).
 POOL_SIZE = 2
