@@ -24,7 +24,8 @@ name, a 1 KiB password and a fresh client address (127.x.y.z: the per-address th
 stops them, as it would not stop a burst from many hosts); after a refusal (429, 503) a
 client waits its Retry-After, unless ``--signin-flood``. Rows: the agent's enqueue p50/p99
 quiet and during the burst, their ratio (target: p99 within 2x of quiet), the sign-ins
-answered per second and how many got 5xx or no answer.
+answered and the passwords checked (401) per second, how many were refused as busy (503)
+and how many got another 5xx or no answer.
 
 Usage: python bench/api.py [--url postgresql://...] [--rounds 3] [--ops 2000]
 [--clients 1,8] [--workers 1,2] [--mode enqueue|signin|both] [--signin-burst 40]
@@ -346,11 +347,15 @@ def _signin_cases(
         answered = running.answers
         say(f"sign-in answers during the burst: {dict(sorted(answered.items()))}")
         failed = sum(
-            n for status, n in answered.items() if not status.isdigit() or int(status) >= 500
+            n
+            for status, n in answered.items()
+            if not status.isdigit() or (int(status) >= 500 and status != "503")
         )
         return latencies("burst", found) | {
             "sign-ins answered/s, burst": (sum(answered.values()) / elapsed, "/s"),
-            "sign-ins 5xx or unanswered, burst": (float(failed), "n"),
+            "passwords checked (401)/s, burst": (answered["401"] / elapsed, "/s"),
+            "sign-ins refused busy (503), burst": (float(answered["503"]), "n"),
+            "sign-ins 500 or unanswered, burst": (float(failed), "n"),
         }
 
     section = f"sign-in burst of {burst}"
