@@ -213,8 +213,8 @@ async def signin(request: Request) -> Response:
     address = _address(request)
     own = _signins(request)
     try:
-        with own.checks.admitted():
-            return await _check_signin(request, own, name=name, password=password)
+        with own.checks.admitted() as slot:
+            return await _check_signin(request, own, slot, name=name, password=password)
     except (signins.Busy, PoolTimeout):  # no thread nor connection for it soon
         own.metrics.refused.labels(reason="busy").inc()
         log.warning(
@@ -236,7 +236,7 @@ async def signin(request: Request) -> Response:
 
 
 async def _check_signin(
-    request: Request, own: signins.Signins, *, name: str, password: str
+    request: Request, own: signins.Signins, slot: signins.Slot, *, name: str, password: str
 ) -> Response:
     address = _address(request)
     throttle = own.throttle
@@ -267,7 +267,7 @@ async def _check_signin(
         return response
     # argon2 holds the CPU for a while: on the sign-in's own threads, not the loop's or the
     # agents'; the attempt is already counted as a failure (the reservation).
-    check = await own.checks.run(operators.check_password, account, password)
+    check = await own.checks.run(slot, operators.check_password, account, password)
     own.metrics.password_checks.inc()
     found = check.operator
     if found is None:

@@ -33,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.signins import Throttle
 
-__all__ = ["NICE", "POOL_SIZE", "Busy", "PasswordChecks", "SigninMetrics", "Signins"]
+__all__ = ["NICE", "POOL_SIZE", "Busy", "PasswordChecks", "SigninMetrics", "Signins", "Slot"]
 
 T = TypeVar("T")
 
@@ -62,10 +62,21 @@ def _lower_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), current + NICE)
 
 
+class Slot:
+    """One admitted sign-in's place; once its check is submitted, the check's thread gives it
+    back when done (not the request: a client that hangs up cannot leave work uncounted)."""
+
+    __slots__ = ("handed",)
+
+    def __init__(self) -> None:
+        self.handed = False
+
+
 class PasswordChecks:
     """A bounded executor for argon2: ``threads`` at work, ``queue`` waiting, no more.
 
-    :meth:`admitted` is entered on the event loop's thread only (a plain counter, no lock).
+    :meth:`admitted` and :meth:`run` are called on the event loop's thread only (a plain
+    counter, no lock; the threads give places back through the loop).
     """
 
     def __init__(self, *, threads: int, queue: int) -> None:
@@ -75,21 +86,36 @@ class PasswordChecks:
             max_workers=threads, thread_name_prefix="outbox-argon2", initializer=_lower_priority
         )
 
+    def _give_back(self) -> None:
+        self.taken -= 1
+
     @contextlib.contextmanager
-    def admitted(self) -> Iterator[None]:
-        """A place among the ``threads + queue`` sign-ins in progress, held for the whole
-        sign-in; :class:`Busy` at once when there is none."""
+    def admitted(self) -> Iterator[Slot]:
+        """A place among the ``threads + queue`` sign-ins in progress, held until the sign-in
+        ends or, once its check is submitted, until the check ends; :class:`Busy` at once
+        when there is none."""
         if self.taken >= self.capacity:
             raise Busy
         self.taken += 1
+        slot = Slot()
         try:
-            yield
+            yield slot
         finally:
-            self.taken -= 1
+            if not slot.handed:
+                self._give_back()
 
-    async def run(self, check: Callable[..., T], *args: object) -> T:
-        """``check(*args)`` on a hashing thread (one admitted sign-in's)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, check, *args)
+    async def run(self, slot: Slot, check: Callable[..., T], *args: object) -> T:
+        """``check(*args)`` on a hashing thread, for the sign-in admitted with ``slot``."""
+        loop = asyncio.get_running_loop()
+        submitted = self._pool.submit(check, *args)
+        slot.handed = True
+
+        def done(_: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to count
+                loop.call_soon_threadsafe(self._give_back)
+
+        submitted.add_done_callback(done)
+        return await asyncio.wrap_future(submitted)
 
     def warm(self, make: Callable[[], object]) -> None:
         """Run ``make`` (the dummy hash) on a hashing thread now, not at the first sign-in."""
