@@ -96,12 +96,6 @@ def signed_in(request: Request) -> SignedIn | None:
         return None
 
 
-def signed_in_name(request: Request) -> str | None:
-    """The operator name the session cookie says is signed in (not checked: for log lines)."""
-    found = signed_in(request)
-    return found.name if found is not None else None
-
-
 def sign_in(request: Request, name: str, session_id: UUID) -> None:
     """Start session ``session_id`` for ``name``: a fresh CSRF token, so none seen before
     sign-in lives on."""
