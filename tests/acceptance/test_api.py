@@ -606,6 +606,22 @@ def test_resolve_applied_confirms_it_under_if_match(operator: httpx.Client, engi
     assert last.detail["by"] == "ops-alice"
 
 
+def test_resolving_an_operation_awaiting_approval_is_409_saying_approve_or_reject(
+    operator: httpx.Client, engine: Engine
+) -> None:
+    """resolve on an operation awaiting approval is a 409 problem naming approve and reject,
+    and nothing is written."""
+    op = make_operation(engine, State.AWAITING_APPROVAL)
+    events_before = event_count(engine, op.id)
+    verdict = {"applied": True, "remote_ref": "rel-1", "note": "n"}
+    refused = operator.post(f"/v1/operations/{op.id}/resolve", json=verdict)
+    problem = assert_problem(refused, 409, "awaiting_approval", f"/v1/operations/{op.id}/approve")
+    assert f"--payload-hash {op.payload_hash}" in problem["detail"]
+    assert "/reject" in problem["detail"]
+    assert reload(engine, op.id) == op
+    assert event_count(engine, op.id) == events_before
+
+
 def _refused_until_the_horizon_passes(
     operator: httpx.Client, engine: Engine, op_id: UUID, verdict: dict[str, Any]
 ) -> None:
