@@ -80,6 +80,9 @@ def create_app(
         docs_url="/docs",
         redoc_url=None,
         lifespan=lifespan,
+        # operationId: the route's function name (create_operation, approve_operation…), the
+        # names a client generated from the document gives its calls (docs/api.md).
+        generate_unique_id_function=lambda route: route.name,
     )
     app.state.outbox = ctx
     app.state.tokens = TokenCache(settings.api_token_cache)
