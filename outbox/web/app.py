@@ -88,7 +88,9 @@ def create_app(
     app.state.tokens = TokenCache(settings.api_token_cache)
     problems.install(app)
     app.include_router(operations.router)
+    app.include_router(operations.operator_router)
     app.include_router(sagas.router)
+    app.include_router(sagas.operator_router)
     app.include_router(health.router)
     metrics = RequestMetrics()
 
