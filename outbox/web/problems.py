@@ -273,11 +273,23 @@ def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
+#: The component every error response's schema refers to (ProblemOut's title).
+PROBLEM_SCHEMA = "Problem"
+
+
 def problem_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     """``schema`` (FastAPI's OpenAPI document) with every error response as
-    ``application/problem+json`` of the Problem schema, FastAPI's own 422 included."""
+    ``application/problem+json`` of the Problem schema, FastAPI's own 422 included.
+
+    FastAPI publishes :class:`ProblemOut` under its class name; the document publishes it as
+    ``Problem`` instead, the one name every error response refers to (so every ``$ref``
+    resolves: tests/acceptance/test_api_schema.py walks them)."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    problem = {"$ref": "#/components/schemas/Problem"}
+    components.pop(ProblemOut.__name__, None)
+    components[PROBLEM_SCHEMA] = ProblemOut.model_json_schema(
+        ref_template="#/components/schemas/{model}"
+    )
+    problem = {"$ref": f"#/components/schemas/{PROBLEM_SCHEMA}"}
     for path in schema.get("paths", {}).values():
         for operation in path.values():
             for status, response in operation.get("responses", {}).items():
