@@ -37,6 +37,7 @@ from outbox.errors import (
 from outbox.models import Executor, IntentKey, Operation, PrunedIntent
 from outbox.payloads import check_payload
 from outbox.published import PUBLISHED
+from outbox.segments import dot_segment_refusal, has_dot_segment
 from outbox.states import State
 
 #: Dotted names of letters, digits, ``_`` and ``-``: ``deploy.create_release``.
@@ -639,6 +640,8 @@ def _check_target(target: Any) -> None:
             f"target is {len(target)} characters; at most {MAX_TARGET_LENGTH} are allowed",
             field="target",
         )
+    if has_dot_segment(target):
+        raise InvalidIntent(dot_segment_refusal("target"), field="target")
 
 
 def _check_intent_key(intent_key: Any) -> None:
@@ -652,6 +655,8 @@ def _check_intent_key(intent_key: Any) -> None:
             f"{MAX_INTENT_KEY_LENGTH} are allowed",
             field="intent_key",
         )
+    if has_dot_segment(intent_key):
+        raise InvalidIntent(dot_segment_refusal("intent_key"), field="intent_key")
 
 
 def _check_agent(intent: Intent) -> None:

@@ -44,6 +44,7 @@ from outbox.logs import Action as LogAction
 from outbox.models import Executor, Operation, SagaRef, WebhookEvent, iso_utc, json_fields
 from outbox.payloads import check_payload
 from outbox.saga_rules import FINAL_SAGA_STATES, Decision, Kind, SagaState, StepFacts, decide
+from outbox.segments import dot_segment_refusal, has_dot_segment
 from outbox.sql.sagas import SagaRow, StepRow
 from outbox.states import State
 
@@ -693,6 +694,9 @@ def _check_key(saga_key: Any) -> None:
             f"saga_key is {len(saga_key)} characters; at most {MAX_SAGA_KEY_LENGTH} are allowed",
             field="saga_key",
         )
+    if has_dot_segment(saga_key):
+        # The key is a path segment of the console's and the API's links and forms.
+        raise InvalidSagaRequest(dot_segment_refusal("saga_key"), field="saga_key")
 
 
 def _check_step(session: Executor, request: _StepRequest) -> None:
@@ -702,6 +706,8 @@ def _check_step(session: Executor, request: _StepRequest) -> None:
             f"step name must be a non-empty string of at most {MAX_STEP_NAME_LENGTH} characters",
             field="name",
         )
+    if has_dot_segment(name):  # it is part of its operation's intent key
+        raise InvalidIntent(dot_segment_refusal("step name"), field="name")
     if not isinstance(request.pivot, bool):
         raise InvalidIntent("pivot must be True or False", field="pivot")
     group = request.group
