@@ -2,6 +2,8 @@
 is `.` or `..` in any encoding is refused where it enters, naming the field, by the Python
 API (sync and async) and the MCP server, and nothing is written."""
 
+# ruff: noqa: F811 -- test_http_tool.py's fixtures, imported, are the tests' parameters
+
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +13,7 @@ import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,9 +32,17 @@ from outbox.db import create_async_engine
 from outbox.errors import InvalidIntent, InvalidSagaRequest
 from outbox.mcp import McpContext, create_server
 from outbox.sagas import StepSpec
+from outbox.tools import Applied, Inconclusive, Rejected, run_dispatch, run_lookup
 from outbox.tools.base import ToolCall
 from outbox.tools.http.tool import render_url
 from tests.factories import event_count, operation_count
+from tests.integration.test_http_tool import (  # noqa: F401 -- its fixtures, used here
+    Remote,
+    closed_loop,
+    http_tool,
+    make_call,
+    remote,
+)
 
 TOOL, MCP_TOOL = "deploy.create_release", "deploy_create_release"
 PAYLOAD = {"version": "1.2.3"}
@@ -261,3 +272,23 @@ def test_a_url_built_from_accepted_values_reaches_the_templates_path(
     parts = _path_reached(whatwg_remote, target, intent_key)
     assert len(parts) == 5, parts
     assert (parts[0], parts[1], parts[3]) == ("", "accounts", "refunds"), parts
+
+
+@pytest.mark.parametrize("target", ["..", "%2E", "a/../b"])
+def test_a_recorded_dot_segment_target_is_never_sent(
+    remote: Remote, tmp_path: Path, target: str
+) -> None:
+    """An operation recorded before enqueue refused dot segments, its target one, is Rejected
+    at dispatch and Inconclusive at lookup without a request; a dotted value of a placeholder
+    the URL does not use (the intent key here) changes nothing."""
+    tool_ = http_tool(tmp_path, remote.port)
+    dispatched = run_dispatch(tool_, make_call(target=target))
+    assert isinstance(dispatched, Rejected)
+    assert dispatched.reason.startswith("target has a '.' or '..' path segment")
+    assert dispatched.reason.endswith("nothing was sent")
+    looked_up = run_lookup(tool_, make_call(target=target))
+    assert isinstance(looked_up, Inconclusive)
+    assert looked_up.reason.endswith("the lookup was not sent")
+    assert remote.seen == []
+    assert isinstance(run_dispatch(tool_, make_call(intent_key="..")), Applied)
+    assert [seen.path for seen in remote.seen] == ["/projects/project-a/releases"]
