@@ -9,9 +9,12 @@ from __future__ import annotations
 import base64
 import json
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import Engine
 
 from tests.acceptance.test_api import (  # noqa: F401 -- the module's server and clients
@@ -28,6 +31,11 @@ from tests.integration.test_sagas import open_saga
 pytestmark = pytest.mark.slow
 
 AT = "2026-01-01T00:00:00+00:00"
+#: Any text, with lone surrogates, NUL, separators and dots often (st.text() drops
+#: surrogates, even from its alphabet: a list of characters joined keeps them).
+TEXT = st.lists(st.characters() | st.sampled_from(["\ud800", "\udfff", "\x00", "/", "%", "."])).map(
+    "".join
+)
 STEP = {"name": "release", "tool": "deploy.create_release", "target": "a", "payload": {}}
 
 
@@ -110,3 +118,31 @@ def test_a_saga_key_with_a_slash_round_trips_through_the_api(
     open_saga(engine, "harmless/x", [])
     read = operator.get("/v1/sagas/harmless%2Fx")
     assert (read.status_code, read.json()["key"]) == (200, "harmless/x")
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(key=TEXT, agent=TEXT, when=st.sampled_from([AT, "2026-01-01", "x"]))
+def test_any_text_in_a_saga_cursor_is_a_page_or_a_400(
+    operator: httpx.Client, key: str, agent: str, when: str
+) -> None:
+    """Whatever text a saga cursor's JSON holds (surrogates, NUL, anything), the list is a
+    page or a 400 invalid-cursor, never a 5xx."""
+    answer = operator.get("/v1/sagas", params={"cursor": _cursor([when, key, agent])})
+    assert answer.status_code in (200, 400), answer.text
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(key=TEXT.filter(bool), agent=st.none() | TEXT)
+def test_any_text_as_a_saga_key_or_agent_parameter_is_answered_without_a_5xx(
+    operator: httpx.Client, key: str, agent: str | None
+) -> None:
+    """Any text as the saga key of the path (encoded as one segment) or as ?agent= is
+    answered with a saga, a 404 or a 400, never a 422 or a 5xx."""
+    path = quote(key, safe="", errors="surrogatepass")
+    query = "" if agent is None else "?agent=" + quote(agent, safe="", errors="surrogatepass")
+    answer = operator.get(f"/v1/sagas/{path}{query}")
+    assert answer.status_code in (200, 400, 404), answer.text
