@@ -1002,7 +1002,7 @@ def test_an_agent_declares_a_saga_and_the_same_declaration_again_finds_it(
     body = {"saga_key": "team-a/release 1.2.3", "steps": SAGA_STEPS}
     created = agent.post("/v1/sagas", json=body)
     assert created.status_code == 201, created.text
-    assert created.headers["location"] == "/v1/sagas/team-a/release%201.2.3"
+    assert created.headers["location"] == "/v1/sagas/team-a%2Frelease%201.2.3"
     saga = created.json()
     assert (saga["key"], saga["state"], saga["requested_by"]) == (
         "team-a/release 1.2.3",
