@@ -456,7 +456,8 @@ def saga(
     steps' operations are the agent's too. ``requested_by`` is recorded on a new saga and
     given to its steps' operations (budgets may count by it). :class:`InvalidSagaRequest`
     for a malformed key (``field`` ``saga_key``: a non-empty string of at most 160
-    characters) or agent.
+    characters, no ``.`` or ``..`` path segment in any encoding (:mod:`outbox.segments`),
+    no NUL or lone surrogate) or agent.
     """
     _check_key(saga_key)
     ref = SagaRef(saga_key, _agent(agent, requested_by))
