@@ -47,7 +47,7 @@ from outbox.errors import (
     TransitionError,
 )
 from outbox.logs import Action
-from outbox.web.models import ProblemOut
+from outbox.web.models import UNSTORABLE_TEXT, ProblemOut
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,16 @@ async def _invalid(request: Request, exc: Exception) -> JSONResponse:
             f"the body is not valid JSON: {malformed.get('ctx', {}).get('error', 'malformed')}",
             slug="malformed-json",
         ).response(request)
+    unencodable = next((e for e in exc.errors() if _unencodable_parameter(e)), None)
+    if unencodable is not None:
+        named = _error(unencodable)
+        return Problem(
+            400,
+            f"{named['field']}: {named['message']}",
+            slug="unencodable-parameter",
+            field=named["field"],
+            errors=[named],
+        ).response(request)
     first = errors[0] if errors else {"field": None, "message": "invalid request"}
     where = f"{first['field']}: " if first["field"] else ""
     return Problem(
@@ -202,6 +212,22 @@ async def _invalid(request: Request, exc: Exception) -> JSONResponse:
         field=first["field"],
         errors=errors,
     ).response(request)
+
+
+def _unencodable_parameter(error: Mapping[str, Any]) -> bool:
+    """A path or query parameter whose text PostgreSQL cannot store (a NUL, a lone
+    surrogate): the URL itself is malformed, a 400 (issue 32), where such text in a body is
+    a value the API refuses, a 422."""
+    location: Sequence[Any] = error.get("loc", ())
+    return (
+        error.get("type") == UNSTORABLE_TEXT
+        and bool(location)
+        and location[0]
+        in (
+            "path",
+            "query",
+        )
+    )
 
 
 def _error(error: Mapping[str, Any]) -> dict[str, Any]:

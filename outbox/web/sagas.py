@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from outbox import api, sagas
 from outbox.models import ApiToken, TokenScope
 from outbox.saga_rules import SagaState
+from outbox.storable import unstorable_text
 from outbox.web.auth import Caller, CallerRoute, OperatorRoute
 from outbox.web.context import context
 from outbox.web.models import SagaCancelRequest, SagaDeclareRequest, SagaList, SagaOut, Text
@@ -101,7 +102,9 @@ async def declare_saga(request: Request, caller: Caller, body: SagaDeclareReques
     done = await run_in_threadpool(record)
     if done.created:
         return JSONResponse(
-            done.saga.to_dict(), 201, headers={"Location": f"/v1/sagas/{quote(body.saga_key)}"}
+            done.saga.to_dict(),
+            201,
+            headers={"Location": f"/v1/sagas/{quote(body.saga_key, safe='')}"},
         )
     return JSONResponse(done.saga.to_dict())
 
@@ -110,7 +113,7 @@ async def declare_saga(request: Request, caller: Caller, body: SagaDeclareReques
     "/sagas/{key:path}",
     response_model=SagaOut,
     summary="Read one saga: its state and why, its steps in order, its audit trail",
-    responses=documented(401, 404, 409, 422),
+    responses=documented(400, 401, 404, 409, 422),
 )
 async def get_saga(
     request: Request,
@@ -234,6 +237,9 @@ def _decode_cursor(cursor: str) -> sagas.SagaPosition:
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
         raise invalid from None
     texts = (key, agent)
-    if not all(isinstance(t, str) and "\x00" not in t for t in texts) or when.tzinfo is None:
+    # Text PostgreSQL cannot store (a NUL, a lone surrogate "\ud800") is no cursor either.
+    if not all(isinstance(t, str) and unstorable_text(t) is None for t in texts):
+        raise invalid
+    if when.tzinfo is None:
         raise invalid
     return sagas.SagaPosition(when, key, agent)
