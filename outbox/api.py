@@ -37,7 +37,9 @@ from outbox.errors import (
 from outbox.models import Executor, IntentKey, Operation, PrunedIntent
 from outbox.payloads import check_payload
 from outbox.published import PUBLISHED
+from outbox.segments import dot_segment_refusal, has_dot_segment
 from outbox.states import State
+from outbox.storable import unstorable_text
 
 #: Dotted names of letters, digits, ``_`` and ``-``: ``deploy.create_release``.
 TOOL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*(\.[A-Za-z][A-Za-z0-9_-]*)*")
@@ -514,6 +516,8 @@ def find(session: Executor, intent_key: str, *, agent: str = SHARED_AGENT) -> Op
     """The operation ``agent`` recorded under ``intent_key``, or ``None``: the ``agent`` it
     was enqueued for (:func:`enqueue`'s ``agent``, else its ``requested_by``; default: the
     shared scope). Reads in the caller's transaction."""
+    if unstorable_text([intent_key, agent]) is not None:
+        return None  # no operation can be stored under it (a NUL, a lone surrogate)
     return sql.intents.find_operation(session, intent_key, agent=agent)
 
 
@@ -521,6 +525,8 @@ def find(session: Executor, intent_key: str, *, agent: str = SHARED_AGENT) -> Op
 def find_every_agents(session: Executor, intent_key: str) -> list[Operation]:
     """Every agent's operation recorded under ``intent_key``, by agent: an operator's search
     (an agent reads its own with :func:`find`). Reads in the caller's transaction."""
+    if unstorable_text(intent_key) is not None:
+        return []
     return sql.intents.find_every_agents(session, intent_key)
 
 
@@ -631,6 +637,10 @@ def _check_tool(tool: Any) -> None:
         raise InvalidIntent(f"unknown tool {tool!r}; registered tools: {known}", field="tool")
 
 
+#: Text PostgreSQL cannot store, refused naming the field (a UnicodeEncodeError before).
+_UNSTORABLE = "{} holds a character PostgreSQL cannot store (NUL or a lone surrogate)"
+
+
 def _check_target(target: Any) -> None:
     if not isinstance(target, str) or not target.strip():
         raise InvalidIntent("target must be a non-empty string", field="target")
@@ -639,6 +649,10 @@ def _check_target(target: Any) -> None:
             f"target is {len(target)} characters; at most {MAX_TARGET_LENGTH} are allowed",
             field="target",
         )
+    if unstorable_text(target) is not None:
+        raise InvalidIntent(_UNSTORABLE.format("target"), field="target")
+    if has_dot_segment(target):
+        raise InvalidIntent(dot_segment_refusal("target"), field="target")
 
 
 def _check_intent_key(intent_key: Any) -> None:
@@ -652,6 +666,10 @@ def _check_intent_key(intent_key: Any) -> None:
             f"{MAX_INTENT_KEY_LENGTH} are allowed",
             field="intent_key",
         )
+    if unstorable_text(intent_key) is not None:
+        raise InvalidIntent(_UNSTORABLE.format("intent_key"), field="intent_key")
+    if has_dot_segment(intent_key):
+        raise InvalidIntent(dot_segment_refusal("intent_key"), field="intent_key")
 
 
 def _check_agent(intent: Intent) -> None:

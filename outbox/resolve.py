@@ -15,12 +15,13 @@ still land after a person said it never would.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from uuid import UUID
 
 from outbox import sql, transitions
 from outbox.api import _as_uuid
+from outbox.approval import approve_command, reject_command
 from outbox.contracts import CONTRACTS, ToolContract
 from outbox.db import translated
 from outbox.errors import (
@@ -37,13 +38,23 @@ from outbox.states import Actor, State
 #: The states an operator may resolve (DESIGN.md, "Allowed transitions": operator).
 RESOLVABLE_STATES = frozenset({State.UNKNOWN, State.NEEDS_HUMAN})
 
-# What to tell an operator who tries to resolve an operation in another state.
-_NOT_RESOLVABLE_HINTS = {
-    State.PLANNED: "it is waiting to be sent; cancel it with `outbox ops cancel` if it must not be",
-    State.SENT: "a dispatcher is sending it now; wait for its outcome",
-    State.CONFIRMED: "it is terminal: nothing may move it again",
-    State.FAILED: "it is terminal: nothing may move it again",
-    State.CANCELLED: "it is terminal: nothing may move it again",
+# What to tell an operator who tries to resolve an operation in another state: one entry for
+# every state outside RESOLVABLE_STATES (tests/integration/test_resolve.py checks each).
+_TERMINAL = "it is terminal: nothing may move it again"
+_NOT_RESOLVABLE_HINTS: Mapping[State, Callable[[Operation], str]] = {
+    State.PLANNED: lambda _op: (
+        "it is waiting to be sent; cancel it with `outbox ops cancel` if it must not be"
+    ),
+    State.SENT: lambda _op: "a dispatcher is sending it now; wait for its outcome",
+    State.CONFIRMED: lambda _op: _TERMINAL,
+    State.FAILED: lambda _op: _TERMINAL,
+    State.CANCELLED: lambda _op: _TERMINAL,
+    State.AWAITING_APPROVAL: lambda op: (
+        "it waits for a person's approval and was never sent, so there is no outcome to "
+        f"record: approve it with `{approve_command(op)}` or reject it with "
+        f"`{reject_command(op)}` (over HTTP: POST /v1/operations/{op.id}/approve with its "
+        "payload_hash, or /reject with a reason)"
+    ),
 }
 
 
@@ -177,7 +188,7 @@ def _check_resolvable(current: Operation) -> None:
         raise ResolutionRefused(
             f"operation {current.id} is {current.state.value} at attempt {current.attempts}; "
             f"only unknown or needs_human operations can be resolved "
-            f"({_NOT_RESOLVABLE_HINTS[current.state]}); nothing was changed",
+            f"({_NOT_RESOLVABLE_HINTS[current.state](current)}); nothing was changed",
             operation_id=current.id,
         )
 

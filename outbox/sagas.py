@@ -44,8 +44,10 @@ from outbox.logs import Action as LogAction
 from outbox.models import Executor, Operation, SagaRef, WebhookEvent, iso_utc, json_fields
 from outbox.payloads import check_payload
 from outbox.saga_rules import FINAL_SAGA_STATES, Decision, Kind, SagaState, StepFacts, decide
+from outbox.segments import dot_segment_refusal, has_dot_segment
 from outbox.sql.sagas import SagaRow, StepRow
 from outbox.states import State
+from outbox.storable import unstorable_text
 
 __all__ = [
     "Compensate",
@@ -254,6 +256,8 @@ def get_saga(session: Executor, saga_key: str, *, agent: str = api.SHARED_AGENT)
     """``agent``'s saga with this key (its steps and their operations, its trail), or
     ``None``: the agent it was opened for (:func:`saga`'s ``agent``, else its
     ``requested_by``; default: the shared scope). Reads in the caller's transaction."""
+    if not _storable(saga_key, agent):
+        return None  # no saga can be stored under it
     ref = SagaRef(saga_key, agent)
     row = sql.sagas.get_saga(session, ref)
     if row is None:
@@ -265,7 +269,7 @@ def get_saga(session: Executor, saga_key: str, *, agent: str = api.SHARED_AGENT)
 def agents_of_saga_key(session: Executor, saga_key: str) -> list[str]:
     """The agents that have a saga under ``saga_key``, by name: an operator's search (each
     agent's same key is a saga of its own). Reads in the caller's transaction."""
-    return sql.sagas.agents_of_key(session, saga_key)
+    return sql.sagas.agents_of_key(session, saga_key) if _storable(saga_key) else []
 
 
 @translated
@@ -452,7 +456,8 @@ def saga(
     steps' operations are the agent's too. ``requested_by`` is recorded on a new saga and
     given to its steps' operations (budgets may count by it). :class:`InvalidSagaRequest`
     for a malformed key (``field`` ``saga_key``: a non-empty string of at most 160
-    characters) or agent.
+    characters, no ``.`` or ``..`` path segment in any encoding (:mod:`outbox.segments`),
+    no NUL or lone surrogate) or agent.
     """
     _check_key(saga_key)
     ref = SagaRef(saga_key, _agent(agent, requested_by))
@@ -685,6 +690,12 @@ def _agent(agent: str | None, requested_by: str | None) -> str:
     return scope
 
 
+def _storable(*texts: object) -> bool:
+    """Whether PostgreSQL can compare these: a NUL or a lone surrogate (from JSON's
+    ``"\\ud800"``, over MCP) cannot be stored, so nothing is found under it."""
+    return all(unstorable_text(t) is None for t in texts)
+
+
 def _check_key(saga_key: Any) -> None:
     if not isinstance(saga_key, str) or not saga_key.strip():
         raise InvalidSagaRequest("saga_key must be a non-empty string", field="saga_key")
@@ -693,6 +704,14 @@ def _check_key(saga_key: Any) -> None:
             f"saga_key is {len(saga_key)} characters; at most {MAX_SAGA_KEY_LENGTH} are allowed",
             field="saga_key",
         )
+    if not _storable(saga_key):
+        raise InvalidSagaRequest(
+            "saga_key holds a character PostgreSQL cannot store (NUL or a lone surrogate)",
+            field="saga_key",
+        )
+    if has_dot_segment(saga_key):
+        # The key is a path segment of the console's and the API's links and forms.
+        raise InvalidSagaRequest(dot_segment_refusal("saga_key"), field="saga_key")
 
 
 def _check_step(session: Executor, request: _StepRequest) -> None:
@@ -702,6 +721,8 @@ def _check_step(session: Executor, request: _StepRequest) -> None:
             f"step name must be a non-empty string of at most {MAX_STEP_NAME_LENGTH} characters",
             field="name",
         )
+    if has_dot_segment(name):  # it is part of its operation's intent key
+        raise InvalidIntent(dot_segment_refusal("step name"), field="name")
     if not isinstance(request.pivot, bool):
         raise InvalidIntent("pivot must be True or False", field="pivot")
     group = request.group
@@ -891,7 +912,7 @@ def cancel_saga(
     who = _required_text(by, "by")
     why = _required_text(reason, "reason")
     ref = SagaRef(saga_key, agent)
-    row = sql.sagas.lock_saga(session, ref)
+    row = sql.sagas.lock_saga(session, ref) if _storable(saga_key, agent) else None
     if row is None:
         raise SagaNotFound(f"no saga {saga_key!r}", saga_key=saga_key)
     if row.state != SagaState.RUNNING:

@@ -83,12 +83,17 @@ def create_app(
         docs_url="/docs",
         redoc_url=None,
         lifespan=lifespan,
+        # operationId: the route's function name (create_operation, approve_operation…), the
+        # names a client generated from the document gives its calls (docs/api.md).
+        generate_unique_id_function=lambda route: route.name,
     )
     app.state.outbox = ctx
     app.state.tokens = TokenCache(settings.api_token_cache)
     problems.install(app)
     app.include_router(operations.router)
+    app.include_router(operations.operator_router)
     app.include_router(sagas.router)
+    app.include_router(sagas.operator_router)
     app.include_router(health.router)
     metrics = RequestMetrics()
 

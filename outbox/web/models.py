@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from uuid import UUID
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from outbox.models import Event, Operation
 from outbox.saga_rules import SagaState
@@ -22,14 +23,21 @@ from outbox.storable import unstorable_text
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 
+#: The validation error type of text PostgreSQL cannot store.
+UNSTORABLE_TEXT = "unstorable_text"
+
+
 def _storable(value: Any) -> Any:
     """Refuse what PostgreSQL cannot store (a NUL, a lone surrogate), naming it: a 422, not
     an error from the database."""
     found = unstorable_text(value)
     if found is not None:
         shown = found.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
-        raise ValueError(
-            f"holds a character PostgreSQL cannot store (NUL or a lone surrogate): {shown[:80]!r}"
+        # A type of its own: in a path or query parameter it is a 400, not a 422 (problems.py).
+        raise PydanticCustomError(
+            UNSTORABLE_TEXT,
+            "holds a character PostgreSQL cannot store (NUL or a lone surrogate): {shown}",
+            {"shown": repr(shown[:80])},
         )
     return value
 

@@ -2,8 +2,9 @@
 
 Each handler runs the Python API (:mod:`outbox.api`, :mod:`outbox.approval`,
 :func:`outbox.resolve`) unchanged on the request's own connection (``run_sync``, as
-:mod:`outbox.aio` does), in one transaction that also checks the token: the same rules and
-the same errors, answered as problem documents (:mod:`outbox.web.problems`). The enqueue, the
+:mod:`outbox.aio` does), in one transaction, once its route has authenticated the caller
+(:mod:`outbox.web.auth`, before the request is parsed): the same rules and the same errors,
+answered as problem documents (:mod:`outbox.web.problems`). The enqueue, the
 hot path, runs in a worker thread on a sync connection instead: psycopg's sync transaction
 costs about half the CPU of its async one (bench/api.py, docs/performance.md). The token's
 name is the identity recorded: ``requested_by`` of what it enqueues, the decider of what it
@@ -34,7 +35,7 @@ from outbox.models import ApiToken, Operation, TokenScope
 from outbox.resolve import resolve
 from outbox.states import State
 from outbox.storable import unstorable_text
-from outbox.web.auth import Token, authorize, authorize_sync, may_read
+from outbox.web.auth import Caller, CallerRoute, OperatorRoute, may_read
 from outbox.web.context import ApiContext, context
 from outbox.web.models import (
     ApproveRequest,
@@ -49,7 +50,10 @@ from outbox.web.models import (
 )
 from outbox.web.problems import Problem, documented
 
-router = APIRouter(prefix="/v1", tags=["operations"])
+# Every route authenticates its caller before reading the request (outbox.web.auth); the
+# decisions only an operator's.
+router = APIRouter(prefix="/v1", tags=["operations"], route_class=CallerRoute)
+operator_router = APIRouter(prefix="/v1", tags=["operations"], route_class=OperatorRoute)
 
 IfMatch = Annotated[
     str | None,
@@ -92,7 +96,7 @@ def _not_found(operation_id: UUID) -> Problem:
 )
 async def create_operation(
     request: Request,
-    token: Token,
+    caller: Caller,
     body: EnqueueRequest,
     idempotency_key: Annotated[
         str | None,
@@ -110,7 +114,6 @@ async def create_operation(
 
     def record() -> api.Enqueued:
         with ctx.sync_engine.begin() as conn:
-            caller = authorize_sync(conn, request, token)
             require_known_tool(ctx, conn, body.tool)
             intent = api.Intent(
                 tool=body.tool,
@@ -203,7 +206,7 @@ def require_known_tool(
 )
 async def get_operation(
     request: Request,
-    token: Token,
+    caller: Caller,
     operation_id: UUID,
     wait: Annotated[
         float,
@@ -223,7 +226,6 @@ async def get_operation(
     first); its ETag names its state and attempts. An agent reads only its own."""
     ctx = context(request)
     async with ctx.engine.begin() as conn:
-        caller = await authorize(conn, request, token)
         op = await conn.run_sync(lambda sync: api.get(sync, operation_id))
     if op is None or not may_read(caller, op):
         raise _not_found(operation_id)
@@ -253,7 +255,7 @@ def _settled(op: Operation, *, through_approval: bool) -> bool:
 )
 async def list_operations(
     request: Request,
-    token: Token,
+    caller: Caller,
     *,
     intent_key: Annotated[
         Text | None, Query(description="Only those with this key (one per agent).")
@@ -274,7 +276,6 @@ async def list_operations(
     before = _decode_cursor(cursor) if cursor is not None else None
     ctx = context(request)
     async with ctx.engine.begin() as conn:
-        caller = await authorize(conn, request, token)
         own = agent if caller.scope is TokenScope.OPERATOR else caller.agent
         found = await conn.run_sync(
             lambda sync: sql.web.page_operations(
@@ -315,11 +316,10 @@ def _decode_cursor(cursor: str) -> UUID:
     summary="An operation's audit trail, oldest first",
     responses=documented(401, 404, 422),
 )
-async def list_events(request: Request, token: Token, operation_id: UUID) -> JSONResponse:
+async def list_events(request: Request, caller: Caller, operation_id: UUID) -> JSONResponse:
     """Every state change of the operation: who made it, why, when."""
     ctx = context(request)
     async with ctx.engine.begin() as conn:
-        caller = await authorize(conn, request, token)
         op = await conn.run_sync(lambda sync: api.get(sync, operation_id))
         if op is None or not may_read(caller, op):
             raise _not_found(operation_id)
@@ -338,15 +338,15 @@ Decision = Callable[[Connection, ApiToken, int | None], Operation]
 
 async def _decide(
     request: Request,
-    token: Token,
+    caller: ApiToken,
     operation_id: UUID,
     if_match: str | None,
     decide: Decision,
 ) -> JSONResponse:
-    """Lock the row, compare it with If-Match, run ``decide(sync_conn, caller, attempts)``."""
+    """Lock the row, compare it with If-Match, run ``decide(sync_conn, caller, attempts)``
+    (the caller is an operator: an :class:`OperatorRoute` checked it)."""
     ctx = context(request)
     async with ctx.engine.begin() as conn:
-        caller: ApiToken = await authorize(conn, request, token, operator_only=True)
         current = await conn.run_sync(lambda sync: sql.web.lock_operation(sync, operation_id))
         if current is None:
             raise _not_found(operation_id)
@@ -378,7 +378,7 @@ def _check_if_match(header: str | None, current: Operation) -> int | None:
     )
 
 
-@router.post(
+@operator_router.post(
     "/operations/{operation_id}/cancel",
     response_model=OperationOut,
     summary="Cancel a planned operation (or one awaiting approval)",
@@ -386,7 +386,7 @@ def _check_if_match(header: str | None, current: Operation) -> int | None:
 )
 async def cancel_operation(
     request: Request,
-    token: Token,
+    caller: Caller,
     operation_id: UUID,
     if_match: IfMatch = None,
     body: CancelRequest | None = None,
@@ -398,10 +398,10 @@ async def cancel_operation(
         reason = f"cancelled by {caller.name}" + (f": {why}" if why else "")
         return api.cancel(sync, operation_id, reason=reason)
 
-    return await _decide(request, token, operation_id, if_match, decide)
+    return await _decide(request, caller, operation_id, if_match, decide)
 
 
-@router.post(
+@operator_router.post(
     "/operations/{operation_id}/approve",
     response_model=OperationOut,
     summary="Approve an operation awaiting approval, bound to its payload hash",
@@ -409,7 +409,7 @@ async def cancel_operation(
 )
 async def approve_operation(
     request: Request,
-    token: Token,
+    caller: Caller,
     operation_id: UUID,
     body: ApproveRequest,
     if_match: IfMatch = None,
@@ -422,10 +422,10 @@ async def approve_operation(
             sync, operation_id, by=caller.name, payload_hash=body.payload_hash, note=body.note
         )
 
-    return await _decide(request, token, operation_id, if_match, decide)
+    return await _decide(request, caller, operation_id, if_match, decide)
 
 
-@router.post(
+@operator_router.post(
     "/operations/{operation_id}/reject",
     response_model=OperationOut,
     summary="Reject an operation awaiting approval: it is cancelled, never sent",
@@ -433,7 +433,7 @@ async def approve_operation(
 )
 async def reject_operation(
     request: Request,
-    token: Token,
+    caller: Caller,
     operation_id: UUID,
     body: RejectRequest,
     if_match: IfMatch = None,
@@ -443,10 +443,10 @@ async def reject_operation(
     def decide(sync: Connection, caller: ApiToken, _seen: int | None) -> Operation:
         return approval.reject(sync, operation_id, by=caller.name, reason=body.reason)
 
-    return await _decide(request, token, operation_id, if_match, decide)
+    return await _decide(request, caller, operation_id, if_match, decide)
 
 
-@router.post(
+@operator_router.post(
     "/operations/{operation_id}/resolve",
     response_model=OperationOut,
     summary="Record an operator's verdict on an unknown or needs_human operation",
@@ -454,7 +454,7 @@ async def reject_operation(
 )
 async def resolve_operation(
     request: Request,
-    token: Token,
+    caller: Caller,
     operation_id: UUID,
     body: ResolveRequest,
     if_match: IfMatch = None,
@@ -476,4 +476,4 @@ async def resolve_operation(
             force=body.force,
         )
 
-    return await _decide(request, token, operation_id, if_match, decide)
+    return await _decide(request, caller, operation_id, if_match, decide)

@@ -47,7 +47,7 @@ from outbox.errors import (
     TransitionError,
 )
 from outbox.logs import Action
-from outbox.web.models import ProblemOut
+from outbox.web.models import UNSTORABLE_TEXT, ProblemOut
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,16 @@ async def _invalid(request: Request, exc: Exception) -> JSONResponse:
             f"the body is not valid JSON: {malformed.get('ctx', {}).get('error', 'malformed')}",
             slug="malformed-json",
         ).response(request)
+    unencodable = next((e for e in exc.errors() if _unencodable_parameter(e)), None)
+    if unencodable is not None:
+        named = _error(unencodable)
+        return Problem(
+            400,
+            f"{named['field']}: {named['message']}",
+            slug="unencodable-parameter",
+            field=named["field"],
+            errors=[named],
+        ).response(request)
     first = errors[0] if errors else {"field": None, "message": "invalid request"}
     where = f"{first['field']}: " if first["field"] else ""
     return Problem(
@@ -202,6 +212,22 @@ async def _invalid(request: Request, exc: Exception) -> JSONResponse:
         field=first["field"],
         errors=errors,
     ).response(request)
+
+
+def _unencodable_parameter(error: Mapping[str, Any]) -> bool:
+    """A path or query parameter whose text PostgreSQL cannot store (a NUL, a lone
+    surrogate): the URL itself is malformed, a 400 (issue 32), where such text in a body is
+    a value the API refuses, a 422."""
+    location: Sequence[Any] = error.get("loc", ())
+    return (
+        error.get("type") == UNSTORABLE_TEXT
+        and bool(location)
+        and location[0]
+        in (
+            "path",
+            "query",
+        )
+    )
 
 
 def _error(error: Mapping[str, Any]) -> dict[str, Any]:
@@ -273,11 +299,23 @@ def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
+#: The component every error response's schema refers to (ProblemOut's title).
+PROBLEM_SCHEMA = "Problem"
+
+
 def problem_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     """``schema`` (FastAPI's OpenAPI document) with every error response as
-    ``application/problem+json`` of the Problem schema, FastAPI's own 422 included."""
+    ``application/problem+json`` of the Problem schema, FastAPI's own 422 included.
+
+    FastAPI publishes :class:`ProblemOut` under its class name; the document publishes it as
+    ``Problem`` instead, the one name every error response refers to (so every ``$ref``
+    resolves: tests/acceptance/test_api_schema.py walks them)."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    problem = {"$ref": "#/components/schemas/Problem"}
+    components.pop(ProblemOut.__name__, None)
+    components[PROBLEM_SCHEMA] = ProblemOut.model_json_schema(
+        ref_template="#/components/schemas/{model}"
+    )
+    problem = {"$ref": f"#/components/schemas/{PROBLEM_SCHEMA}"}
     for path in schema.get("paths", {}).values():
         for operation in path.values():
             for status, response in operation.get("responses", {}).items():

@@ -24,13 +24,17 @@ from starlette.concurrency import run_in_threadpool
 from outbox import api, sagas
 from outbox.models import ApiToken, TokenScope
 from outbox.saga_rules import SagaState
-from outbox.web.auth import Token, authorize, authorize_sync
+from outbox.storable import unstorable_text
+from outbox.web.auth import Caller, CallerRoute, OperatorRoute
 from outbox.web.context import context
 from outbox.web.models import SagaCancelRequest, SagaDeclareRequest, SagaList, SagaOut, Text
 from outbox.web.operations import require_known_tool
 from outbox.web.problems import Problem, documented
 
-router = APIRouter(prefix="/v1", tags=["sagas"])
+# Every route authenticates its caller before reading the request (outbox.web.auth); the
+# cancel only an operator's.
+router = APIRouter(prefix="/v1", tags=["sagas"], route_class=CallerRoute)
+operator_router = APIRouter(prefix="/v1", tags=["sagas"], route_class=OperatorRoute)
 
 #: Most sagas one list answers.
 MAX_SAGAS = 500
@@ -54,7 +58,7 @@ AgentQuery = Annotated[
         **documented(400, 401, 409, 413, 415, 422, 429),
     },
 )
-async def declare_saga(request: Request, token: Token, body: SagaDeclareRequest) -> JSONResponse:
+async def declare_saga(request: Request, caller: Caller, body: SagaDeclareRequest) -> JSONResponse:
     """``outbox.declare_saga`` under the token's name, in one transaction: 201 with the new
     saga; 200 with it as it is now for the same key and the same steps (retry freely); 422
     naming what differs for the same key with other steps (``steps``, ``steps[1].payload``).
@@ -84,7 +88,6 @@ async def declare_saga(request: Request, token: Token, body: SagaDeclareRequest)
 
     def record() -> sagas.DeclaredSaga:
         with ctx.sync_engine.begin() as conn:
-            caller = authorize_sync(conn, request, token)
             for index, step in enumerate(body.steps):
                 require_known_tool(ctx, conn, step.tool, field=f"steps[{index}].tool")
                 if step.compensate is not None:
@@ -99,7 +102,9 @@ async def declare_saga(request: Request, token: Token, body: SagaDeclareRequest)
     done = await run_in_threadpool(record)
     if done.created:
         return JSONResponse(
-            done.saga.to_dict(), 201, headers={"Location": f"/v1/sagas/{quote(body.saga_key)}"}
+            done.saga.to_dict(),
+            201,
+            headers={"Location": f"/v1/sagas/{quote(body.saga_key, safe='')}"},
         )
     return JSONResponse(done.saga.to_dict())
 
@@ -108,18 +113,17 @@ async def declare_saga(request: Request, token: Token, body: SagaDeclareRequest)
     "/sagas/{key:path}",
     response_model=SagaOut,
     summary="Read one saga: its state and why, its steps in order, its audit trail",
-    responses=documented(401, 404, 409, 422),
+    responses=documented(400, 401, 404, 409, 422),
 )
 async def get_saga(
     request: Request,
-    token: Token,
+    caller: Caller,
     key: Annotated[Text, Path(description="The saga key.")],
     agent: AgentQuery = None,
 ) -> JSONResponse:
     """The saga as it is; an agent reads only its own agent's (else 404)."""
     ctx = context(request)
     async with ctx.engine.begin() as conn:
-        caller = await authorize(conn, request, token)
         found = await conn.run_sync(
             lambda sync: sagas.get_saga(sync, key, agent=_agent_of(sync, caller, key, agent))
         )
@@ -151,7 +155,7 @@ def _agent_of(conn: Connection, caller: ApiToken, key: str, asked: str | None) -
     return agents[0] if agents else api.SHARED_AGENT
 
 
-@router.post(
+@operator_router.post(
     "/sagas/{key:path}/cancel",
     response_model=SagaOut,
     summary="Cancel a running saga: its unsent steps are cancelled, its confirmed ones undone",
@@ -159,7 +163,7 @@ def _agent_of(conn: Connection, caller: ApiToken, key: str, asked: str | None) -
 )
 async def cancel_saga(
     request: Request,
-    token: Token,
+    caller: Caller,
     key: Annotated[Text, Path(description="The saga key.")],
     body: SagaCancelRequest,
     agent: AgentQuery = None,
@@ -170,7 +174,6 @@ async def cancel_saga(
     finished, compensates already or waits for a person; nothing is written then."""
     ctx = context(request)
     async with ctx.engine.begin() as conn:
-        caller = await authorize(conn, request, token, operator_only=True)
         done = await conn.run_sync(
             lambda sync: sagas.cancel_saga(
                 sync,
@@ -192,7 +195,7 @@ async def cancel_saga(
 )
 async def list_sagas(
     request: Request,
-    token: Token,
+    caller: Caller,
     *,
     state: Annotated[SagaState | None, Query(description="Only sagas in this state.")] = None,
     agent: AgentQuery = None,
@@ -206,7 +209,6 @@ async def list_sagas(
     after = _decode_cursor(cursor) if cursor is not None else None
     ctx = context(request)
     async with ctx.engine.begin() as conn:
-        caller = await authorize(conn, request, token)
         # An operator reads every saga (or one agent's); an agent its own agent's.
         mine = agent if caller.scope is TokenScope.OPERATOR else caller.agent
         found = await conn.run_sync(
@@ -235,6 +237,9 @@ def _decode_cursor(cursor: str) -> sagas.SagaPosition:
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
         raise invalid from None
     texts = (key, agent)
-    if not all(isinstance(t, str) and "\x00" not in t for t in texts) or when.tzinfo is None:
+    # Text PostgreSQL cannot store (a NUL, a lone surrogate "\ud800") is no cursor either.
+    if not all(isinstance(t, str) and unstorable_text(t) is None for t in texts):
+        raise invalid
+    if when.tzinfo is None:
         raise invalid
     return sagas.SagaPosition(when, key, agent)

@@ -334,6 +334,102 @@ def test_an_unknown_or_revoked_token_is_401(server: ApiServer, engine: Engine) -
     assert_problem(httpx.get(url, headers=_bearer("obx_" + "a" * 43)), 401, "unknown or revoked")
 
 
+#: The /v1 routes only an operator token may call (outbox.web.auth.OperatorRoute).
+OPERATOR_ROUTES = {
+    "POST /v1/operations/{operation_id}/cancel",
+    "POST /v1/operations/{operation_id}/approve",
+    "POST /v1/operations/{operation_id}/reject",
+    "POST /v1/operations/{operation_id}/resolve",
+    "POST /v1/sagas/{key}/cancel",
+}
+
+#: Request bodies no route accepts: not JSON at all, and JSON of no route's shape.
+MALFORMED_BODIES = (b'{"tool": ', b'{"unexpected": [1]}')
+
+
+def malformed_requests(server: ApiServer) -> Iterator[tuple[str, httpx.Request]]:
+    """For every /v1 operation of the served OpenAPI document, requests that are wrong in
+    everything but the credentials: an invalid path parameter, every query parameter invalid,
+    no Idempotency-Key, a malformed body (each of MALFORMED_BODIES)."""
+    document = httpx.get(f"{server.url}/openapi.json").json()
+    for path, operations in document["paths"].items():
+        if not path.startswith("/v1/"):
+            continue
+        for method, operation in operations.items():
+            # A NUL is refused in every text member (outbox.web.models.Text).
+            url = server.url + path.replace("{operation_id}", "not-a-uuid").replace("{key}", "k%00")
+            query = {
+                parameter["name"]: "not-valid\x00"
+                for parameter in operation.get("parameters", [])
+                if parameter["in"] == "query"
+            }
+            bodies = MALFORMED_BODIES if "requestBody" in operation else (None,)
+            for body in bodies:
+                request = httpx.Request(
+                    method.upper(),
+                    url,
+                    params=query,
+                    content=body,
+                    headers={"Content-Type": "application/json"} if body else {},
+                )
+                yield f"{method.upper()} {path}", request
+
+
+def _send(request: httpx.Request, token: str | None) -> httpx.Response:
+    if token is not None:
+        request.headers["Authorization"] = f"Bearer {token}"
+    with httpx.Client(timeout=30) as client:
+        return client.send(request)
+
+
+@pytest.mark.parametrize("credentials", ["none", "unknown", "revoked"])
+def test_credentials_are_checked_before_the_request_is_parsed(
+    server: ApiServer, engine: Engine, credentials: str
+) -> None:
+    """Without a live token, every /v1 route answers 401 with the challenge, however malformed
+    its path, query and body, which an operator's token shows are refused otherwise."""
+    operator = make_token(engine, "ops-checker", TokenScope.OPERATOR)
+    token = {"none": None, "unknown": "obx_" + "a" * 43}.get(credentials)
+    if credentials == "revoked":
+        token = make_token(engine, "short-lived", TokenScope.AGENT)
+        with Session(engine) as session, session.begin():
+            tokens.revoke_token(session, "short-lived")
+    requests = list(malformed_requests(server))
+    assert len({route for route, _ in requests}) >= 12
+    wrong = []
+    for route, request in requests:
+        refused = _send(request, token)
+        if (refused.status_code, refused.headers.get("www-authenticate", "")[:6]) != (
+            401,
+            "Bearer",
+        ):
+            wrong.append((route, request.content, refused.status_code, refused.text[:120]))
+        else:
+            assert_problem(refused, 401, "bearer token")
+        malformed = _send(request, operator).status_code
+        assert malformed in {400, 422}, (route, request.content, malformed)
+    assert wrong == []
+
+
+def test_an_agent_token_on_an_operator_route_is_403_before_the_request_is_parsed(
+    server: ApiServer, engine: Engine
+) -> None:
+    """An agent's token gets 403 from every operator-only route however malformed the request,
+    and the routes it may call answer the same request with 400 or 422."""
+    agent = make_token(engine, "agent-x", TokenScope.AGENT)
+    requests = list(malformed_requests(server))
+    assert {route for route, _ in requests} >= OPERATOR_ROUTES
+    wrong = []
+    for route, request in requests:
+        answer = _send(request, agent)
+        expected = {403} if route in OPERATOR_ROUTES else {400, 422}
+        if answer.status_code not in expected:
+            wrong.append((route, request.content, answer.status_code, answer.text[:120]))
+        elif answer.status_code == 403:
+            assert_problem(answer, 403, "agent scope")
+    assert wrong == []
+
+
 def test_an_agent_token_cannot_decide(agent: httpx.Client, engine: Engine) -> None:
     """An agent's approve, reject, resolve and cancel are 403; nothing changes."""
     op = make_operation(engine, State.AWAITING_APPROVAL)
@@ -604,6 +700,22 @@ def test_resolve_applied_confirms_it_under_if_match(operator: httpx.Client, engi
     last = events_of(engine, op.id)[-1]
     assert last.detail is not None
     assert last.detail["by"] == "ops-alice"
+
+
+def test_resolving_an_operation_awaiting_approval_is_409_saying_approve_or_reject(
+    operator: httpx.Client, engine: Engine
+) -> None:
+    """resolve on an operation awaiting approval is a 409 problem naming approve and reject,
+    and nothing is written."""
+    op = make_operation(engine, State.AWAITING_APPROVAL)
+    events_before = event_count(engine, op.id)
+    verdict = {"applied": True, "remote_ref": "rel-1", "note": "n"}
+    refused = operator.post(f"/v1/operations/{op.id}/resolve", json=verdict)
+    problem = assert_problem(refused, 409, "awaiting_approval", f"/v1/operations/{op.id}/approve")
+    assert f"--payload-hash {op.payload_hash}" in problem["detail"]
+    assert "/reject" in problem["detail"]
+    assert reload(engine, op.id) == op
+    assert event_count(engine, op.id) == events_before
 
 
 def _refused_until_the_horizon_passes(
@@ -1002,7 +1114,7 @@ def test_an_agent_declares_a_saga_and_the_same_declaration_again_finds_it(
     body = {"saga_key": "team-a/release 1.2.3", "steps": SAGA_STEPS}
     created = agent.post("/v1/sagas", json=body)
     assert created.status_code == 201, created.text
-    assert created.headers["location"] == "/v1/sagas/team-a/release%201.2.3"
+    assert created.headers["location"] == "/v1/sagas/team-a%2Frelease%201.2.3"
     saga = created.json()
     assert (saga["key"], saga["state"], saga["requested_by"]) == (
         "team-a/release 1.2.3",
@@ -1097,11 +1209,12 @@ def test_a_saga_key_over_its_limit_is_a_422_naming_it(
 
 
 def test_saga_reads_refuse_bad_input_as_problems(server: ApiServer, operator: httpx.Client) -> None:
-    """An unknown key is 404, a bad state or limit 422, no token 401: problem documents."""
+    """An unknown key is 404, a bad state or limit 422, a NUL in the key 400 (issue 32), no
+    token 401: problem documents."""
     assert_problem(operator.get("/v1/sagas/no-such-saga"), 404, "no saga")
     assert_problem(operator.get("/v1/sagas", params={"state": "done"}), 422)
     assert_problem(operator.get("/v1/sagas", params={"limit": 0}), 422)
-    assert_problem(operator.get("/v1/sagas/a%00b"), 422)
+    assert_problem(operator.get("/v1/sagas/a%00b"), 400)
     assert_problem(httpx.get(f"{server.url}/v1/sagas", timeout=30), 401)
 
 

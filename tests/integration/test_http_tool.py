@@ -404,10 +404,15 @@ def test_requests_go_through_the_proxy_the_environment_names(
         _env_proxy.cache_clear()
 
 
-def test_dot_segments_in_a_target_stay_in_place(remote: Remote, tmp_path: Path) -> None:
-    """A target of '..' is encoded, so it cannot move the request to another path."""
-    run_dispatch(http_tool(tmp_path, remote.port), make_call(target=".."))
-    assert remote.seen[0].path == "/projects/%2E%2E/releases"
+def test_dots_in_a_target_stay_in_place(remote: Remote, tmp_path: Path) -> None:
+    """A target of '...' or 'a/..b' (dots, no dot segment) is one encoded segment; a '..'
+    target is never sent (tests/integration/test_dot_segments.py)."""
+    for target in ("...", "a/..b"):
+        run_dispatch(http_tool(tmp_path, remote.port), make_call(target=target))
+    assert [seen.path for seen in remote.seen] == [
+        "/projects/.../releases",
+        "/projects/a%2F..b/releases",
+    ]
 
 
 # --- HTTP lookup -----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import sql, transitions
+from outbox.approval import approve_command, reject_command
 from outbox.contracts import CONTRACTS, ToolContract
 from outbox.errors import (
     OperationBusy,
@@ -22,7 +23,7 @@ from outbox.errors import (
 )
 from outbox.locks import operation_lock_key
 from outbox.models import Operation
-from outbox.resolve import resolve, waiting_reasons
+from outbox.resolve import RESOLVABLE_STATES, resolve, waiting_reasons
 from outbox.states import Actor, State
 from tests.factories import (
     age,
@@ -149,9 +150,11 @@ def test_replay_plans_the_same_operation_again(engine: Engine) -> None:
     assert last.detail["replay"] is True
 
 
-@pytest.mark.parametrize(
-    "state", [State.PLANNED, State.SENT, State.CONFIRMED, State.FAILED, State.CANCELLED]
-)
+#: Every state of outbox/states.py that resolve refuses: a state added there is tested here.
+OTHER_STATES = sorted(set(State) - RESOLVABLE_STATES)
+
+
+@pytest.mark.parametrize("state", OTHER_STATES)
 def test_other_states_are_refused_and_nothing_is_written(engine: Engine, state: State) -> None:
     """Every verdict on an operation outside unknown and needs_human is refused, writing nothing."""
     op = make_operation(engine, state, tool=TOOL)
@@ -166,6 +169,22 @@ def test_other_states_are_refused_and_nothing_is_written(engine: Engine, state: 
             committed_resolve(engine, op.id, **verdict)
         assert refused.value.operation_id == op.id
         assert not isinstance(refused.value, StaleResolution)
+    assert_untouched(engine, op, events_before)
+
+
+def test_resolving_an_operation_awaiting_approval_names_the_approve_and_reject_commands(
+    engine: Engine,
+) -> None:
+    """A verdict on an operation awaiting approval is refused with the exact approve and reject
+    commands, writing nothing."""
+    op = make_operation(engine, State.AWAITING_APPROVAL, tool=TOOL)
+    events_before = event_count(engine, op.id)
+    with pytest.raises(ResolutionRefused, match="waits for a person's approval") as refused:
+        committed_resolve(engine, op.id, applied=True, remote_ref="rel-1")
+    message = str(refused.value)
+    assert approve_command(op) in message
+    assert reject_command(op) in message
+    assert (refused.value.field, refused.value.retry_after_s) == (None, None)
     assert_untouched(engine, op, events_before)
 
 

@@ -17,7 +17,9 @@ it authoritative:
 A request is never sent twice: aiohttp's resend of an idempotent method (PUT, DELETE) after a
 kept-alive connection drops is turned off, redirects are not followed, cookies are refused.
 The URL is sent as rendered (``encoded=True``): a template must be written percent-encoded,
-and a placeholder's value is encoded as one segment, so no URL normalisation moves it.
+and a placeholder's value is encoded as one segment; a value with a dot segment (``..``,
+``%2E``…, which WHATWG parsers resolve however encoded) is refused at enqueue, and not sent if
+an older row holds one, so no URL normalisation moves it.
 
 Header values (``headers``, and ``env_headers`` read from the environment at load) are
 secrets: they are never logged nor put in an error message or a ``repr``.

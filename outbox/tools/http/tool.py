@@ -10,6 +10,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from string import Formatter
 from typing import Any
 from urllib.parse import quote
 
@@ -18,6 +19,7 @@ from yarl import URL
 
 from outbox import storable
 from outbox.errors import SendDeadlinePassed
+from outbox.segments import dot_segment_refusal, has_dot_segment
 from outbox.tools.base import Tool, ToolCall
 from outbox.tools.http.spec import KEY_IN_USE, HttpToolSpec, host_allowed
 from outbox.tools.http.transport import NEVER_SENT, SENDING, Answer, http_client, send
@@ -49,6 +51,10 @@ class HttpTool(Tool):
 
     async def dispatch(self, call: ToolCall) -> DispatchResult:
         """Send the request once (body: the payload as JSON) and classify the answer."""
+        dotted = dot_segment_placeholder(self.spec.url, call)
+        if dotted is not None:
+            # Recorded before enqueue refused it: no encoding keeps it from moving the path.
+            return Rejected(f"{dot_segment_refusal(dotted)}; nothing was sent")
         url = render_url(self.spec.url, call)
         if not self._host_allowed(url):
             # Refused before any connection: provably not sent, and never sendable.
@@ -82,6 +88,9 @@ class HttpTool(Tool):
         """Ask ``lookup_url`` whether the operation's effect exists (GET, no body)."""
         if self.spec.lookup_url is None:
             return Inconclusive(f"tool {self.name!r} has no lookup_url")
+        dotted = dot_segment_placeholder(self.spec.lookup_url, call)
+        if dotted is not None:
+            return Inconclusive(f"{dot_segment_refusal(dotted)}; the lookup was not sent")
         url = render_url(self.spec.lookup_url, call)
         if not self._host_allowed(url):
             return Inconclusive(f"{self._host_refusal(url)}; the lookup was not sent")
@@ -186,6 +195,17 @@ def render_url(template: str, call: ToolCall) -> URL:
         intent_key=_encode(call.intent_key),
     )
     return URL(rendered, encoded=True)
+
+
+def dot_segment_placeholder(template: str, call: ToolCall) -> str | None:
+    """The placeholder of ``template`` whose value has a dot segment (:mod:`outbox.segments`),
+    or ``None``. ``enqueue`` refuses such values; an operation recorded before it did may
+    still hold one, and WHATWG remotes resolve ``%2E%2E`` as ``..`` however it is encoded."""
+    values = {"target": call.target, "intent_key": call.intent_key}
+    for _, field, _, _ in Formatter().parse(template):
+        if field in values and has_dot_segment(values[field]):
+            return field
+    return None
 
 
 def resolve_ref(document: Any, path: str) -> str | None:

@@ -45,6 +45,7 @@ from outbox.saga_rules import SagaState
 from outbox.signins import Refusal, Reservation
 from outbox.web.console import session, signins, views
 from outbox.web.context import context
+from outbox.web.models import Text
 from outbox.web.problems import from_core
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,17 @@ def _when(moment: datetime | None) -> str:
     return "-" if moment is None else iso_utc(moment)
 
 
+def _segment(value: object) -> str:
+    """``value`` as one URL path segment or query value, every reserved character encoded,
+    ``/`` included: Jinja's ``urlencode`` keeps ``/``, so a saga key ``a/../b`` made a link
+    to saga ``b`` once the browser resolved the ``..`` (issue 32). Dot segments are refused
+    at creation (:mod:`outbox.segments`); a key from before stays one segment here."""
+    return quote(str(value), safe="")
+
+
 templates.env.filters["age"] = _age
 templates.env.filters["when"] = _when
+templates.env.filters["segment"] = _segment
 
 
 def _signins(request: Request) -> signins.Signins:
@@ -333,7 +343,7 @@ async def queue(request: Request) -> Response:
 
 
 @router.get("/search", response_class=HTMLResponse)
-async def search(request: Request, q: str = "") -> Response:
+async def search(request: Request, q: Text = "") -> Response:
     """Go to the operation whose id or intent key is ``q``; list them when agents share the
     key (each agent's same key is another operation)."""
     operator = await _operator(request)
@@ -624,7 +634,7 @@ async def sagas_page(request: Request, state: str = "") -> Response:
 
 
 @router.get("/sagas/{key:path}", response_class=HTMLResponse)
-async def saga_page(request: Request, key: str, agent: str | None = None) -> Response:
+async def saga_page(request: Request, key: Text, agent: Text | None = None) -> Response:
     """One saga (``?agent=`` names whose, when several agents use the key): its state and
     why, its steps as a timeline, what waits for a person, its audit trail, and (running)
     the cancel form."""
@@ -660,7 +670,7 @@ async def _saga_response(
 
 
 @router.post("/sagas/{key:path}/cancel")
-async def cancel_saga(request: Request, key: str) -> Response:
+async def cancel_saga(request: Request, key: Text) -> Response:
     """Cancel a running saga under the operator's name (actor ``operator``), with a reason;
     refused, nothing written, once it is no longer running."""
     operator = await _operator(request)
