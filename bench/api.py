@@ -16,8 +16,20 @@ Rates (operations per second), p50 and p99 latency of one call, and the ratio AP
 per round (target: at least 0.5x). Everything shares this machine's cores: PostgreSQL, the
 server and the clients.
 
+``--mode signin`` (or ``both``) measures instead what a burst of console sign-ins does to an
+agent: one agent client enqueues one after another for ``--signin-seconds``, once with the
+server quiet and once while ``--signin-burst`` threads (default 40) each POST /signin again
+and again, every attempt with a cookie and CSRF token of its own (GET /signin), an unknown
+name, a 1 KiB password and a fresh client address (127.x.y.z: the per-address throttle never
+stops them, as it would not stop a burst from many hosts); after a refusal (429, 503) a
+client waits its Retry-After, unless ``--signin-flood``. Rows: the agent's enqueue p50/p99
+quiet and during the burst, their ratio (target: p99 within 2x of quiet), the sign-ins
+answered and the passwords checked (401) per second, how many were refused as busy (503)
+and how many got another 5xx or no answer.
+
 Usage: python bench/api.py [--url postgresql://...] [--rounds 3] [--ops 2000]
-[--clients 1,8] [--workers 1,2] [--quick] [--smoke]
+[--clients 1,8] [--workers 1,2] [--mode enqueue|signin|both] [--signin-burst 40]
+[--signin-seconds 10] [--quick] [--smoke]
 """
 
 from __future__ import annotations
@@ -33,7 +45,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +217,154 @@ class ApiBench:
         return _in_threads(clients, self.ops, worker)
 
 
+_CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+#: The red team's sign-in: an unknown name and a 1 KiB password.
+BURST_PASSWORD = "x" * 1024
+
+
+class SigninBurst:
+    """``threads`` clients signing in again and again with unknown names, each attempt from a
+    fresh 127.x.y.z address, until stopped (after a refusal, each waits what its Retry-After
+    says, unless ``flood``); what the server answered, by status."""
+
+    def __init__(self, address: tuple[str, int], threads: int, *, flood: bool = False) -> None:
+        self.address = address
+        self.threads = threads
+        #: Retry at once after a refusal (429, 503) instead of waiting its Retry-After.
+        self.flood = flood
+        self.answers: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._next = 0
+        self._running: list[threading.Thread] = []
+
+    def _source(self) -> str:
+        with self._lock:
+            self._next += 1
+            n = self._next
+        return f"127.{1 + (n >> 16) % 254}.{(n >> 8) & 255}.{n & 255 or 1}"
+
+    def _attempt(self) -> tuple[str, float]:
+        conn = http.client.HTTPConnection(
+            *self.address, timeout=120, source_address=(self._source(), 0)
+        )
+        try:
+            conn.request("GET", "/signin")
+            form = conn.getresponse()
+            page = form.read().decode()
+            cookie = (form.getheader("set-cookie") or "").split(";", 1)[0]
+            token = _CSRF.search(page)
+            if form.status != 200 or token is None:
+                return f"GET {form.status}", 0.0
+            body = urllib.parse.urlencode(
+                {"name": f"nobody-{uuid.uuid4().hex}", "password": BURST_PASSWORD, "csrf": token[1]}
+            )
+            conn.request(
+                "POST",
+                "/signin",
+                body=body,
+                headers={"Cookie": cookie, "Content-Type": "application/x-www-form-urlencoded"},
+            )
+            answer = conn.getresponse()
+            answer.read()
+            wait = answer.getheader("retry-after") if answer.status in (429, 503) else None
+            return str(answer.status), float(wait or 0)
+        except (OSError, http.client.HTTPException) as exc:
+            return type(exc).__name__, 0.0
+        finally:
+            conn.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            found, wait = self._attempt()
+            with self._lock:
+                self.answers[found] += 1
+            if wait and not self.flood:
+                self._stop.wait(wait)  # a refusal's Retry-After, as a client honours it
+
+    def __enter__(self) -> SigninBurst:
+        self._running = [threading.Thread(target=self._run) for _ in range(self.threads)]
+        for thread in self._running:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for thread in self._running:
+            thread.join()
+
+
+def _enqueue_for(address: tuple[str, int], token: str, seconds: float) -> list[float]:
+    """One agent enqueueing one after another for ``seconds``: each call's latency."""
+    body = json.dumps({"tool": TOOL, "target": "project-a", "payload": {"version": "1.2.3"}})
+    conn = http.client.HTTPConnection(*address, timeout=120)
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+    try:
+        while time.perf_counter() < deadline:
+            began = time.perf_counter()
+            conn.request(
+                "POST",
+                "/v1/operations",
+                body=body,
+                headers={
+                    "Authorization": f"Bearer {token}",
+                    "Idempotency-Key": str(uuid.uuid4()),
+                    "Content-Type": "application/json",
+                },
+            )
+            answer = conn.getresponse()
+            answer.read()
+            if answer.status != 201:
+                raise RuntimeError(f"POST /v1/operations answered {answer.status}")
+            latencies.append(time.perf_counter() - began)
+    finally:
+        conn.close()
+    return latencies
+
+
+def _signin_cases(
+    server: Server, token: str, burst: int, seconds: float, *, flood: bool
+) -> list[Case]:
+    """The agent's enqueue quiet, then during a sign-in burst of ``burst`` threads."""
+
+    def latencies(kind: str, found: list[float]) -> dict[str, tuple[float, str]]:
+        return {
+            f"enqueue p50, {kind}": (percentile(found, 50) * 1000, "ms"),
+            f"enqueue p99, {kind}": (percentile(found, 99) * 1000, "ms"),
+            f"enqueues, {kind}": (float(len(found)), "ops"),
+        }
+
+    def quiet() -> Rate:
+        return latencies("quiet", _enqueue_for(server.address, token, seconds))
+
+    def during() -> Rate:
+        with SigninBurst(server.address, burst, flood=flood) as running:
+            time.sleep(min(2.0, seconds / 5))  # the burst under way before the agent starts
+            began = time.perf_counter()
+            found = _enqueue_for(server.address, token, seconds)
+            elapsed = time.perf_counter() - began
+        answered = running.answers
+        say(f"sign-in answers during the burst: {dict(sorted(answered.items()))}")
+        failed = sum(
+            n
+            for status, n in answered.items()
+            if not status.isdigit() or (int(status) >= 500 and status != "503")
+        )
+        return latencies("burst", found) | {
+            "sign-ins answered/s, burst": (sum(answered.values()) / elapsed, "/s"),
+            "passwords checked (401)/s, burst": (answered["401"] / elapsed, "/s"),
+            "sign-ins refused busy (503), burst": (float(answered["503"]), "n"),
+            "sign-ins 500 or unanswered, burst": (float(failed), "n"),
+        }
+
+    section = f"sign-in burst of {burst}"
+    return [
+        Case("enqueue, quiet", quiet, section=section),
+        Case(f"enqueue, {burst} signing in", during, section=section),
+    ]
+
+
 def _cases(bench: ApiBench, clients: Sequence[int], cpu_of: str | None) -> list[Case]:
     """Per client count: direct, then the API per server; with ``cpu_of`` (the database's
     name) each case also measures who spent the CPU."""
@@ -298,12 +460,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also the CPU per enqueue of the API, PostgreSQL's backends and the clients",
     )
+    parser.add_argument(
+        "--mode",
+        choices=("enqueue", "signin", "both"),
+        default="enqueue",
+        help="enqueue: API against direct; signin: an agent's enqueue quiet and during a "
+        "burst of console sign-ins; both",
+    )
+    parser.add_argument(
+        "--signin-burst", type=int, default=40, help="concurrent sign-in clients (--mode signin)"
+    )
+    parser.add_argument(
+        "--signin-seconds",
+        type=float,
+        default=10.0,
+        help="how long the agent enqueues, quiet and during the burst (--mode signin)",
+    )
+    parser.add_argument(
+        "--signin-flood",
+        action="store_true",
+        help="the sign-in clients retry at once after a refusal (a request flood) instead of "
+        "waiting its Retry-After",
+    )
     parser.add_argument("--quick", action="store_true", help="one round of 500 per case")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.ops = 1, 500
     if args.smoke:
-        args.rounds, args.ops = 1, 40
+        args.rounds, args.ops, args.signin_seconds, args.signin_burst = 1, 40, 1.0, 4
     clients = [int(n) for n in args.clients.split(",") if n.strip()]
     workers = [int(n) for n in args.workers.split(",") if n.strip()]
     results = Results(
@@ -325,8 +509,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             servers[count] = server
         bench = ApiBench(engine, servers, token, args.ops)
         database = engine.url.database if args.cpu else None
-        run_rounds(args.rounds, _cases(bench, clients, database), results)
-    kinds = [_api_kind(count, workers) for count in workers]
+        cases = _cases(bench, clients, database) if args.mode != "signin" else []
+        if args.mode != "enqueue":
+            first = servers[workers[0]]
+            cases += _signin_cases(
+                first, token, args.signin_burst, args.signin_seconds, flood=args.signin_flood
+            )
+        run_rounds(args.rounds, cases, results)
+    kinds = [_api_kind(count, workers) for count in workers] if args.mode != "signin" else []
     for kind in kinds:
         for n in clients:
             results.ratio(f"{kind} / direct, {n}", f"{kind} rate, {n}", f"direct rate, {n}")
@@ -335,6 +525,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.target(
                 f"{kind} >= 0.5x direct enqueue ({n})", f"{kind} / direct, {n}", at_least=0.5
             )
+    if args.mode != "enqueue":
+        results.ratio("enqueue p99 burst / quiet", "enqueue p99, burst", "enqueue p99, quiet")
+        results.target(
+            f"enqueue p99 during {args.signin_burst} sign-ins <= 2x quiet",
+            "enqueue p99 burst / quiet",
+            at_most=2.0,
+        )
     results.note(
         "Medians over rounds; ratios are computed within each round, then their median. "
         "PostgreSQL, the API's processes and the clients share this machine's cores."

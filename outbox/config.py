@@ -283,6 +283,43 @@ class Settings(BaseSettings):
     console_flower_url: HttpUrl | None = Field(
         default=None, description="Flower's address, linked from the console's overview."
     )
+    console_signin_limit: int = Field(
+        default=5,
+        ge=1,
+        le=1000,
+        description=(
+            "Failed console sign-ins, per name and per client address, within "
+            "OUTBOX_CONSOLE_SIGNIN_WINDOW that lock that name or address."
+        ),
+    )
+    console_signin_window: Seconds = Field(
+        default=900.0, description="Seconds a failed console sign-in counts against the limit."
+    )
+    console_signin_lockout: Seconds = Field(
+        default=60.0,
+        description=(
+            "Seconds a locked name or address is refused after its last failed sign-in "
+            "(then one more password is checked per lockout)."
+        ),
+    )
+    console_hash_threads: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description=(
+            "Threads of each `outbox api` process that check console passwords (argon2id), "
+            "at a lower CPU priority than the agents' requests."
+        ),
+    )
+    console_hash_queue: int = Field(
+        default=8,
+        ge=0,
+        le=10_000,
+        description=(
+            "Console sign-ins that may wait for a password-checking thread, per process; "
+            "beyond them a sign-in is refused at once (503, Retry-After)."
+        ),
+    )
     console_metrics_url: HttpUrl | None = Field(
         default=None,
         description="A metrics dashboard's (or the exporter's) address, linked from the overview.",

@@ -121,6 +121,7 @@ class Action(enum.StrEnum):
     CONSOLE_SIGNED_OUT = "console_signed_out"
     CONSOLE_SIGNIN_FAILED = "console_signin_failed"  #: the name and address, never the password
     CONSOLE_SIGNIN_THROTTLED = "console_signin_throttled"
+    CONSOLE_SIGNIN_BUSY = "console_signin_busy"  #: refused at once: the password checks are full
     CONSOLE_CSRF_REFUSED = "console_csrf_refused"  #: a POST without this session's CSRF token
     CONSOLE_DECIDED = "console_decided"  #: an approve, reject or resolve by a signed-in operator
 

@@ -9,6 +9,8 @@ cannot sign in; its name stays taken, since audit trails name it.
 
 from __future__ import annotations
 
+import contextlib
+import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MIN_PASSWORD_LENGTH",
+    "SESSION_MAX_AGE_S",
     "Credentials",
     "Operator",
     "PasswordCheck",
@@ -31,9 +34,15 @@ __all__ = [
     "authenticate",
     "check_password",
     "credentials",
+    "dummy_hash",
+    "end_session",
     "get_live_operator",
     "list_operators",
     "remove_operator",
+    "session_operator",
+    "set_password",
+    "sign_out_all",
+    "start_session",
     "store_new_hash",
 ]
 
@@ -80,11 +89,7 @@ def add_operator(session: Executor, *, name: str, password: str) -> Operator:
             "starting with a letter or a digit",
             field="name",
         )
-    if not MIN_PASSWORD_LENGTH <= len(password) <= MAX_PASSWORD_LENGTH:
-        raise OperatorRefused(
-            f"the password must have {MIN_PASSWORD_LENGTH} to {MAX_PASSWORD_LENGTH} characters",
-            field="password",
-        )
+    _check_password_length(password)
     made = sql.operators.insert_operator(session, name=name, password_hash=_hasher().hash(password))
     if made is None:
         taken = sql.operators.get_operator(session, name)
@@ -104,12 +109,69 @@ def list_operators(session: Executor) -> list[Operator]:
 
 def remove_operator(session: Executor, name: str) -> Operator:
     """Remove the account named ``name``, in the caller's transaction (no commit): it cannot
-    sign in any more (its open sessions end at their next request). Removing it again
+    sign in any more, and its console sessions end with the commit. Removing it again
     changes nothing. Raises :class:`OperatorNotFound`."""
     removed = sql.operators.remove_operator(session, name)
     if removed is None:
         raise OperatorNotFound(f"no operator named {name!r} (`outbox operators list`)", name=name)
+    sql.operators.end_sessions(session, name)
     return _public(removed)
+
+
+def _check_password_length(password: str) -> None:
+    if not MIN_PASSWORD_LENGTH <= len(password) <= MAX_PASSWORD_LENGTH:
+        raise OperatorRefused(
+            f"the password must have {MIN_PASSWORD_LENGTH} to {MAX_PASSWORD_LENGTH} characters",
+            field="password",
+        )
+
+
+def set_password(session: Executor, *, name: str, password: str) -> Operator:
+    """Give the live account ``name`` a new password, in the caller's transaction (no
+    commit); every console session of it ends with the commit. Raises
+    :class:`OperatorNotFound` (no live account of that name) or :class:`OperatorRefused`
+    (``field="password"``: too short or too long)."""
+    _check_password_length(password)
+    changed = sql.operators.set_password(session, name=name, password_hash=_hasher().hash(password))
+    if changed is None:
+        raise OperatorNotFound(
+            f"no live operator named {name!r} (`outbox operators list`)", name=name
+        )
+    sql.operators.end_sessions(session, name)
+    return _public(changed)
+
+
+def sign_out_all(session: Executor, name: str) -> int:
+    """End every console session of the account ``name`` (removed or not), in the caller's
+    transaction (no commit): how many there were. Raises :class:`OperatorNotFound`."""
+    if sql.operators.get_operator(session, name) is None:
+        raise OperatorNotFound(f"no operator named {name!r} (`outbox operators list`)", name=name)
+    return sql.operators.end_sessions(session, name)
+
+
+#: A console session lasts this long after sign-in, at most (then sign in again).
+SESSION_MAX_AGE_S = 8 * 3600
+
+
+def start_session(session: Executor, name: str) -> UUID | None:
+    """A new console session of the live account ``name``, in the caller's transaction (no
+    commit): its id, for the session cookie; ``None`` when the account is gone."""
+    return sql.operators.start_session(session, name=name, max_age_s=SESSION_MAX_AGE_S)
+
+
+def session_operator(session: Executor, session_id: UUID) -> Operator | None:
+    """The live account signed in by console session ``session_id``, or ``None`` when that
+    session ended (signed out, its operator signed out everywhere, changed password or was
+    removed) or is older than :data:`SESSION_MAX_AGE_S`. Reads in the caller's txn."""
+    row = sql.operators.session_operator(
+        session, session_id=session_id, max_age_s=SESSION_MAX_AGE_S
+    )
+    return _public(row) if row is not None else None
+
+
+def end_session(session: Executor, session_id: UUID) -> None:
+    """End one console session (sign-out), in the caller's transaction (no commit)."""
+    sql.operators.end_session(session, session_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,18 +200,30 @@ def credentials(session: Executor, name: str) -> Credentials | None:
     return Credentials(operator=_public(row), password_hash=row.password_hash)
 
 
+_DUMMY_HASH: list[str] = []
+
+
+def dummy_hash() -> str:
+    """A hash of a random password, made once per process with the accounts' parameters: an
+    unknown name's password is verified against it, at an account's cost."""
+    if not _DUMMY_HASH:
+        _DUMMY_HASH.append(_hasher().hash(secrets.token_urlsafe(24)))
+    return _DUMMY_HASH[0]
+
+
 def check_password(found: Credentials | None, password: str) -> PasswordCheck:
     """Check ``password`` against ``found`` (from :func:`credentials`): argon2id, about a
     tenth of a second of CPU and no database, so async code runs it in a thread.
 
-    Without an account it hashes anyway, so an unknown name takes as long as a wrong
-    password and a guesser cannot tell them apart.
+    Without an account it verifies against :func:`dummy_hash`, so an unknown name costs what
+    a wrong password does and a guesser cannot tell them apart.
     """
     from argon2.exceptions import InvalidHashError, VerificationError  # noqa: PLC0415
 
     hasher = _hasher()
     if found is None or len(password) > MAX_PASSWORD_LENGTH:
-        hasher.hash(password[:MAX_PASSWORD_LENGTH])
+        with contextlib.suppress(VerificationError, InvalidHashError):
+            hasher.verify(dummy_hash(), password[:MAX_PASSWORD_LENGTH])
         return PasswordCheck(operator=None)
     try:
         hasher.verify(found.password_hash, password)

@@ -353,6 +353,25 @@ signin_failures = Table(
     Index("ix_signin_failures_failed_at", "failed_at"),
 )
 
+#: The console's signed-in sessions (migration 0025): the session cookie carries the id, and
+#: every console request reads the row with its account. Sign-out, ``outbox operators
+#: sign-out-all``, a password change and a removal delete rows: those sessions end at once.
+#: Rows older than a session's longest life are deleted as new sessions start.
+console_sessions = Table(
+    "console_sessions",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=text("gen_random_uuid()")),
+    Column(
+        "operator_id",
+        UUID(as_uuid=True),
+        ForeignKey("outbox.operators.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    _timestamp("started_at", nullable=False, now=True),
+    Index("ix_console_sessions_operator_id", "operator_id"),
+    Index("ix_console_sessions_started_at", "started_at"),
+)
+
 #: The circuit breakers (:mod:`outbox.guards`): one row per scope (``dispatch`` or ``lookup``),
 #: tool and target (``''``: the whole tool), written by the first outcome that counts; no row
 #: means closed. Shared by every process; judged by the database's clock.

@@ -130,6 +130,7 @@ def engine(_session_engine: Engine) -> Engine:
                 "TRUNCATE outbox.operations, outbox.events, outbox.relays, "
                 "outbox.webhook_deliveries, outbox.waiters, outbox.pruned_intents, "
                 "outbox.tool_policies, outbox.api_tokens, outbox.operators, "
+                "outbox.console_sessions, "
                 "outbox.signin_failures, outbox.guard_breakers, outbox.guard_buckets, "
                 "outbox.guard_resets, outbox.budgets, outbox.budget_usage, outbox.budget_alerts, "
                 "outbox.sagas, outbox.saga_steps, outbox.saga_events"

@@ -80,14 +80,65 @@ def remove_command(
         bool, typer.Option("--json", help="Print the account's row as JSON.")
     ] = False,
 ) -> None:
-    """Remove an operator account: it cannot sign in any more, and its open sessions end at
-    their next request. Its name stays taken."""
+    """Remove an operator account: it cannot sign in any more, and its console sessions end
+    at once. Its name stays taken."""
     with transaction() as session:
         removed = operators.remove_operator(session, name)
     if as_json:
         print_json(removed.to_dict())
         return
     console.print(f"operator {removed.name!r} removed", markup=False, highlight=False)
+
+
+@app.command("set-password")
+def set_password_command(
+    name: Annotated[str, typer.Argument(help="The operator's name (`outbox operators list`).")],
+    password_stdin: Annotated[
+        bool,
+        typer.Option(
+            "--password-stdin",
+            help="Read the new password from stdin's first line instead of prompting for it.",
+        ),
+    ] = False,
+) -> None:
+    """Give an operator a new password (asked for twice, or read from stdin); every console
+    session of theirs ends at once."""
+    if password_stdin:
+        password = sys.stdin.readline().rstrip("\r\n")
+    elif sys.stdin.isatty():
+        password = typer.prompt(
+            f"New password for {name}", hide_input=True, confirmation_prompt=True
+        )
+    else:
+        fail("stdin is not a terminal: pass --password-stdin to read the password from it", 2)
+    with needs_extra("api", "operators set-password"), transaction() as session:
+        changed = operators.set_password(session, name=name, password=password)
+    console.print(
+        f"operator {changed.name!r}: password changed, every session ended",
+        markup=False,
+        highlight=False,
+    )
+
+
+@app.command("sign-out-all")
+def sign_out_all_command(
+    name: Annotated[str, typer.Argument(help="The operator's name (`outbox operators list`).")],
+    as_json: Annotated[
+        bool, typer.Option("--json", help='Print {"name": ..., "sessions_ended": N}.')
+    ] = False,
+) -> None:
+    """End every console session of an operator at once (a lost laptop, a copied cookie):
+    each browser signed in as them is sent to the sign-in page at its next request."""
+    with transaction() as session:
+        ended = operators.sign_out_all(session, name)
+    if as_json:
+        print_json({"name": name, "sessions_ended": ended})
+        return
+    console.print(
+        f"operator {name!r}: {ended} session{'s' if ended != 1 else ''} ended",
+        markup=False,
+        highlight=False,
+    )
 
 
 def _ago(moment: datetime | None, now: datetime) -> str:

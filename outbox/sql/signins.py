@@ -55,6 +55,19 @@ def recent_failures(
     ]
 
 
+# The keys' transaction-scoped advisory locks, taken in the order given (the caller sorts
+# them, so two sign-ins never wait on each other crosswise).
+_LOCK_KEYS = text(
+    "SELECT count(pg_advisory_xact_lock(k)) FROM unnest(CAST(:keys AS bigint[])) AS k"
+)
+
+
+def lock_keys(executor: Executor, keys: list[int]) -> None:
+    """Hold these advisory locks until the caller's transaction ends: a statement after this
+    sees every failure committed by the sign-ins that held them before."""
+    executor.execute(_LOCK_KEYS, {"keys": keys})
+
+
 # One statement: the failure against both keys, and the rows that left the window go.
 _RECORD_FAILURE = text(
     """
@@ -64,19 +77,26 @@ _RECORD_FAILURE = text(
     )
     INSERT INTO outbox.signin_failures (kind, value)
     VALUES ('name', :name), ('address', :address)
+    RETURNING id
     """
 )
 
 
-def record_failure(executor: Executor, *, name: str, address: str, window_s: float) -> None:
+def record_failure(executor: Executor, *, name: str, address: str, window_s: float) -> list[int]:
     """Count one failed sign-in against ``name`` and ``address``; forget failures older than
-    ``window_s``."""
-    executor.execute(_RECORD_FAILURE, {"name": name, "address": address, "window_s": window_s})
+    ``window_s``. The two rows' ids."""
+    found = executor.execute(
+        _RECORD_FAILURE, {"name": name, "address": address, "window_s": window_s}
+    )
+    return list(found.scalars())
 
 
-_CLEAR_NAME = text("DELETE FROM outbox.signin_failures WHERE kind = 'name' AND value = :name")
+_CLEAR_NAME = text(
+    "DELETE FROM outbox.signin_failures "
+    "WHERE (kind = 'name' AND value = :name) OR id = ANY(CAST(:ids AS bigint[]))"
+)
 
 
-def clear_name(executor: Executor, *, name: str) -> None:
-    """Forget the failures counted against ``name``."""
-    executor.execute(_CLEAR_NAME, {"name": name})
+def clear_name(executor: Executor, *, name: str, ids: list[int] | None = None) -> None:
+    """Forget the failures counted against ``name``, and the rows ``ids`` (a reservation)."""
+    executor.execute(_CLEAR_NAME, {"name": name, "ids": ids or []})

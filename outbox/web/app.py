@@ -63,11 +63,14 @@ def create_app(
         pool_pre_ping=False,
     )
     ctx = ApiContext(engine=engine, sync_engine=sync_engine, settings=settings, head=migrate.head())
+    closing: list[console.signins.Signins] = []
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
         await aio.close()  # the long-polls' shared LISTEN, and its two connections
+        for signins in closing:  # the console's sign-in engine and hashing threads
+            await signins.close()
         ctx.sync_engine.dispose()
         if owned:
             await ctx.engine.dispose()
@@ -113,6 +116,14 @@ def create_app(
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    console.install(app, settings)  # the operator console's pages at / (docs/console.md)
+    # The operator console's pages at / (docs/console.md); its sign-in on a pool of its own.
+    closing.append(
+        console.install(
+            app,
+            settings,
+            database_url=engine.url.render_as_string(hide_password=False),
+            registry=metrics.registry,
+        )
+    )
     app.add_middleware(Observe, metrics=metrics, max_body_bytes=settings.api_max_body_bytes)
     return app

@@ -82,3 +82,68 @@ def test_remove_stops_sign_in_and_keeps_the_name_taken(outbox_cli: CLI, engine: 
 def test_removing_an_unknown_name_is_one_line(outbox_cli: CLI, engine: Engine) -> None:
     """`operators remove` of a name nobody has exits 1 naming it."""
     assert_one_line_error(outbox_cli("operators", "remove", "ghost"), "no operator named 'ghost'")
+
+
+def test_sign_out_all_ends_every_session_of_that_operator_only(
+    outbox_cli: CLI, engine: Engine
+) -> None:
+    """`operators sign-out-all NAME` ends each of NAME's console sessions and says how many;
+    another operator's session stays."""
+    for name in ("frank", "gina"):
+        assert outbox_cli("operators", "add", name, "--password-stdin", stdin=PASSWORD).code == 0
+    with Session(engine) as session, session.begin():
+        franks = [operators.start_session(session, "frank") for _ in range(2)]
+        ginas = operators.start_session(session, "gina")
+    done = outbox_cli("operators", "sign-out-all", "frank")
+    assert done.code == 0, done.stderr
+    assert "'frank': 2 sessions ended" in done.stdout
+    again = outbox_cli("operators", "sign-out-all", "frank", "--json")
+    assert again.json() == {"name": "frank", "sessions_ended": 0}
+    with Session(engine) as session:
+        assert [operators.session_operator(session, s) for s in franks if s] == [None, None]
+        assert ginas is not None
+        live = operators.session_operator(session, ginas)
+        assert live is not None
+        assert live.name == "gina"
+
+
+def test_sign_out_all_of_an_unknown_name_or_without_one_is_refused(
+    outbox_cli: CLI, engine: Engine
+) -> None:
+    """`operators sign-out-all` of a name nobody has exits 1 naming it; without a name, 2."""
+    assert_one_line_error(outbox_cli("operators", "sign-out-all", "ghost"), "'ghost'")
+    assert outbox_cli("operators", "sign-out-all").code == 2
+
+
+def test_set_password_replaces_the_password_and_ends_the_sessions(
+    outbox_cli: CLI, engine: Engine
+) -> None:
+    """`operators set-password NAME --password-stdin`: the new password signs in, the old one
+    no longer does, and NAME's sessions have ended; nothing printed holds the password."""
+    assert outbox_cli("operators", "add", "hana", "--password-stdin", stdin=PASSWORD).code == 0
+    with Session(engine) as session, session.begin():
+        started = operators.start_session(session, "hana")
+    assert started is not None
+    new = "a new password for hana"
+    done = outbox_cli("operators", "set-password", "hana", "--password-stdin", stdin=new + "\n")
+    assert done.code == 0, done.stderr
+    assert "every session ended" in done.stdout
+    assert new not in done.stdout + done.stderr
+    with Session(engine) as session, session.begin():
+        assert operators.session_operator(session, started) is None
+        assert operators.authenticate(session, "hana", PASSWORD) is None
+        assert operators.authenticate(session, "hana", new) is not None
+
+
+def test_set_password_refusals_are_one_line(outbox_cli: CLI, engine: Engine) -> None:
+    """A short new password, an unknown or removed name: one error line each (exit 1);
+    without a terminal or --password-stdin, exit 2."""
+    assert outbox_cli("operators", "add", "ivan", "--password-stdin", stdin=PASSWORD).code == 0
+    short = outbox_cli("operators", "set-password", "ivan", "--password-stdin", stdin="short\n")
+    assert_one_line_error(short, "12")
+    ghost = outbox_cli("operators", "set-password", "ghost", "--password-stdin", stdin=PASSWORD)
+    assert_one_line_error(ghost, "'ghost'")
+    assert outbox_cli("operators", "remove", "ivan").code == 0
+    removed = outbox_cli("operators", "set-password", "ivan", "--password-stdin", stdin=PASSWORD)
+    assert_one_line_error(removed, "'ivan'")
+    assert outbox_cli("operators", "set-password", "ivan", stdin="").code == 2

@@ -515,12 +515,17 @@ def test_every_form_is_refused_without_this_sessions_csrf_token(
 
 
 def test_a_session_cookie_not_signed_with_the_servers_key_is_refused(
-    server: ApiServer, alice: str
+    server: ApiServer, engine: Engine, alice: str
 ) -> None:
-    """A session cookie naming alice, unsigned or signed with another key, signs no one in;
-    the same content signed with OUTBOX_CONSOLE_SECRET does (the cookie's format is right)."""
+    """A session cookie naming alice and her session, unsigned or signed with another key,
+    signs no one in; the same content signed with OUTBOX_CONSOLE_SECRET does (the cookie's
+    format is right)."""
+    with Session(engine) as session, session.begin():
+        session_id = operators.start_session(session, alice)
     content = base64.b64encode(
-        json.dumps({"operator": alice, "since": time.time(), "csrf": "x"}).encode()
+        json.dumps(
+            {"operator": alice, "session": str(session_id), "since": time.time(), "csrf": "x"}
+        ).encode()
     )
     secret = _environment("", Path())["OUTBOX_CONSOLE_SECRET"]
     cookies = {

@@ -22,10 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _smoke(script: str, admin_url: str) -> subprocess.CompletedProcess[str]:
+def _smoke(script: str, admin_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {name: value for name, value in os.environ.items() if not name.startswith("OUTBOX_")}
     env["COLUMNS"] = "160"
-    argv = [sys.executable, str(REPO / "bench" / script), "--smoke", "--url", admin_url]
+    argv = [sys.executable, str(REPO / "bench" / script), "--smoke", "--url", admin_url, *args]
     broker_url = os.environ.get("OUTBOX_TEST_BROKER_URL")
     if broker_url:
         argv += ["--broker-url", broker_url]
@@ -89,6 +89,19 @@ def test_api_smoke(admin_url: str) -> None:
         assert row in result.stdout, result.stdout
     assert re.search(
         r"target API >= 0\.5x direct enqueue \(8\): .* (met|NOT met)", result.stdout
+    ), result.stdout
+
+
+@pytest.mark.timeout(110)
+def test_api_signin_smoke(admin_url: str) -> None:
+    """`bench/api.py --mode signin --smoke` measures the agent's enqueue quiet and during a
+    sign-in burst and judges the 2x target."""
+    result = _smoke("api.py", admin_url, "--mode", "signin")
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    for row in ("enqueue p99, quiet", "enqueue p99, burst", "passwords checked (401)/s"):
+        assert row in result.stdout, result.stdout
+    assert re.search(
+        r"target enqueue p99 during 4 sign-ins <= 2x quiet: .* (met|NOT met)", result.stdout
     ), result.stdout
 
 

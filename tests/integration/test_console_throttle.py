@@ -6,7 +6,7 @@ from __future__ import annotations
 from sqlalchemy import Engine, func, select
 
 from outbox.schema import signin_failures
-from outbox.signins import MAX_KEY_LENGTH, Throttle
+from outbox.signins import MAX_KEY_LENGTH, Refusal, Reservation, Throttle
 
 
 def test_five_failures_for_a_name_lock_it_from_any_address(engine: Engine) -> None:
@@ -80,3 +80,23 @@ def test_a_long_name_is_cut_to_the_stored_length(engine: Engine) -> None:
         assert refused.what == "this name"
         stored = conn.execute(select(func.max(func.char_length(signin_failures.c.value))))
         assert stored.scalar() == MAX_KEY_LENGTH
+
+
+def test_a_reservation_counts_before_the_check_and_a_success_takes_it_back(
+    engine: Engine,
+) -> None:
+    """`reserve` counts the attempt as a failure at once (the limit-th reservation locks the
+    name), and a success with its reservation leaves no row of it, the address's included."""
+    throttle = Throttle(limit=2)
+    with engine.begin() as conn:
+        first = throttle.reserve(conn, name="alice", address="a")
+        assert isinstance(first, Reservation)
+        assert isinstance(throttle.reserve(conn, name="alice", address="b"), Reservation)
+        refused = throttle.reserve(conn, name="alice", address="c")
+        assert isinstance(refused, Refusal)
+        assert refused.what == "this name"
+        mine = throttle.reserve(conn, name="bob", address="d")
+        assert isinstance(mine, Reservation)
+        throttle.succeeded(conn, name="bob", reservation=mine)
+        left = conn.execute(select(signin_failures.c.value).order_by(signin_failures.c.id))
+        assert [row.value for row in left] == ["alice", "a", "alice", "b"]

@@ -22,10 +22,10 @@ from typing import Any
 from urllib.parse import quote
 from uuid import UUID
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.datastructures import FormData
 
 from outbox import approval, operators, sagas, sql
@@ -42,8 +42,8 @@ from outbox.logs import Action
 from outbox.models import Executor, Operation, iso_utc
 from outbox.resolve import resolve
 from outbox.saga_rules import SagaState
-from outbox.signins import Throttle
-from outbox.web.console import session, views
+from outbox.signins import Refusal, Reservation
+from outbox.web.console import session, signins, views
 from outbox.web.context import context
 from outbox.web.models import Text
 from outbox.web.problems import from_core
@@ -101,8 +101,8 @@ templates.env.filters["when"] = _when
 templates.env.filters["segment"] = _segment
 
 
-def _throttle(request: Request) -> Throttle:
-    found: Throttle = request.app.state.console_throttle
+def _signins(request: Request) -> signins.Signins:
+    found: signins.Signins = request.app.state.console_signins
     return found
 
 
@@ -149,16 +149,25 @@ async def _read(request: Request, read: Callable[[Executor], Any]) -> Any:
         return await conn.run_sync(read)
 
 
+async def _signin_read(request: Request, read: Callable[[Executor], Any]) -> Any:
+    """Run ``read`` in one committed transaction on the sign-in's own pool (not the agents')."""
+    async with _signins(request).engine.begin() as conn:
+        return await conn.run_sync(read)
+
+
 async def _operator(request: Request) -> str | None:
-    """The signed-in operator's name, if the session names a live account (a removed one's
-    session ends here)."""
-    name = session.signed_in_name(request)
-    if name is None:
+    """The signed-in operator's name, if the session cookie names a session that has not
+    ended, of a live account (else the cookie is cleared)."""
+    signed_in = session.signed_in(request)
+    if signed_in is None:
         return None
-    found = await _read(request, lambda sync: operators.get_live_operator(sync, name))
-    if found is None:
+    found: operators.Operator | None = await _read(
+        request, lambda sync: operators.session_operator(sync, signed_in.session_id)
+    )
+    if found is None or found.name != signed_in.name:
         session.sign_out(request)
         return None
+    name: str = found.name
     request.scope.setdefault("state", {})["caller"] = name  # the access log names the operator
     return name
 
@@ -196,58 +205,97 @@ async def signin_form(request: Request) -> Response:
     return _page(request, "signin.html", operator=None, name="", error=None)
 
 
+def _signin_page(request: Request, name: str, error: str, status_code: int) -> HTMLResponse:
+    return _page(
+        request, "signin.html", operator=None, name=name, error=error, status_code=status_code
+    )
+
+
 @router.post("/signin", response_class=HTMLResponse)
 async def signin(request: Request) -> Response:
-    """Check the name and password (argon2id), throttled per name and per client address."""
+    """Check the name and password (argon2id, on the sign-in's own bounded threads),
+    throttled per name and per client address: the attempt is counted before the check."""
     form = await _form(request)
     if form is None:
         return _forbidden(request, None)
     name = str(form.get("name", "")).strip()
     password = str(form.get("password", ""))
     address = _address(request)
-    throttle = _throttle(request)
-    refusal = await _read(request, lambda sync: throttle.refusal(sync, name=name, address=address))
-    if refusal is not None:
+    own = _signins(request)
+    try:
+        with own.checks.admitted() as slot:
+            return await _check_signin(request, own, slot, name=name, password=password)
+    except (signins.Busy, PoolTimeout):  # no thread nor connection for it soon
+        own.metrics.refused.labels(reason="busy").inc()
+        log.warning(
+            "sign-in refused: the password checks are busy",
+            extra={
+                "action": Action.CONSOLE_SIGNIN_BUSY,
+                "operator": name,
+                "client": address,
+            },
+        )
+        response = _signin_page(
+            request,
+            name,
+            f"Too many sign-ins at once: try again in {signins.BUSY_RETRY_AFTER_S} seconds.",
+            503,
+        )
+        response.headers["Retry-After"] = str(signins.BUSY_RETRY_AFTER_S)
+        return response
+
+
+async def _check_signin(
+    request: Request, own: signins.Signins, slot: signins.Slot, *, name: str, password: str
+) -> Response:
+    address = _address(request)
+    throttle = own.throttle
+
+    def reserve(sync: Executor) -> tuple[Refusal | Reservation, operators.Credentials | None]:
+        reserved = throttle.reserve(sync, name=name, address=address)
+        account = operators.credentials(sync, name) if isinstance(reserved, Reservation) else None
+        return reserved, account
+
+    reserved, account = await _signin_read(request, reserve)
+    if isinstance(reserved, Refusal):
+        own.metrics.refused.labels(reason="throttled").inc()
         log.warning(
             "sign-in refused: too many failures",
             extra={
                 "action": Action.CONSOLE_SIGNIN_THROTTLED,
                 "operator": name,
                 "client": address,
-                "limited": refusal.what,
+                "limited": reserved.what,
             },
         )
         error = (
-            f"Too many failed sign-ins from {refusal.what}: wait {refusal.retry_after_s} "
+            f"Too many failed sign-ins from {reserved.what}: wait {reserved.retry_after_s} "
             "seconds, then try again."
         )
-        response = _page(
-            request, "signin.html", operator=None, name=name, error=error, status_code=429
-        )
-        response.headers["Retry-After"] = str(refusal.retry_after_s)
+        response = _signin_page(request, name, error, 429)
+        response.headers["Retry-After"] = str(reserved.retry_after_s)
         return response
-    account = await _read(request, lambda sync: operators.credentials(sync, name))
-    # argon2 holds the CPU for a while: in a thread, not on the loop every request shares.
-    check = await anyio.to_thread.run_sync(operators.check_password, account, password)
+    # argon2 holds the CPU for a while: on the sign-in's own threads, not the loop's or the
+    # agents'; the attempt is already counted as a failure (the reservation).
+    check = await own.checks.run(slot, operators.check_password, account, password)
+    own.metrics.password_checks.inc()
     found = check.operator
-    if check.new_hash is not None:
-        await _read(request, lambda sync: operators.store_new_hash(sync, check))
     if found is None:
-        await _read(request, lambda sync: throttle.failed(sync, name=name, address=address))
         log.warning(
             "sign-in failed",
             extra={"action": Action.CONSOLE_SIGNIN_FAILED, "operator": name, "client": address},
         )
-        return _page(
-            request,
-            "signin.html",
-            operator=None,
-            name=name,
-            error="Wrong name or password.",
-            status_code=401,
-        )
-    await _read(request, lambda sync: throttle.succeeded(sync, name=name))
-    session.sign_in(request, found.name)
+        return _signin_page(request, name, "Wrong name or password.", 401)
+
+    def signed_in(sync: Executor) -> UUID | None:
+        operators.store_new_hash(sync, check)
+        throttle.succeeded(sync, name=name, reservation=reserved)
+        return operators.start_session(sync, found.name)
+
+    session_id = await _signin_read(request, signed_in)
+    if session_id is None:  # removed between the check and now
+        return _signin_page(request, name, "Wrong name or password.", 401)
+    session.sign_in(request, found.name, session_id)
     log.info(
         "operator signed in",
         extra={"action": Action.CONSOLE_SIGNED_IN, "operator": found.name, "client": address},
@@ -257,10 +305,13 @@ async def signin(request: Request) -> Response:
 
 @router.post("/signout")
 async def signout(request: Request) -> Response:
-    """End the session."""
-    operator = session.signed_in_name(request)
+    """End the session, for good: its row goes, so a copy of the cookie is refused too."""
+    signed_in = session.signed_in(request)
+    operator = signed_in.name if signed_in is not None else None
     if await _form(request) is None:
         return _forbidden(request, operator)
+    if signed_in is not None:
+        await _read(request, lambda sync: operators.end_session(sync, signed_in.session_id))
     session.sign_out(request)
     log.info(
         "operator signed out", extra={"action": Action.CONSOLE_SIGNED_OUT, "operator": operator}

@@ -3,9 +3,12 @@ throttle is :mod:`outbox.signins`, in PostgreSQL).
 
 The session lives in a cookie signed by Starlette's ``SessionMiddleware`` (itsdangerous) with
 OUTBOX_CONSOLE_SECRET, HttpOnly and SameSite=Strict (and Secure when the API serves HTTPS or
-sits behind a TLS proxy). It holds the operator's name and a random CSRF token; every POST
-must carry that token in its ``csrf`` field (compared in constant time), else 403. Each
-request re-reads the account, so a removed operator's session ends at its next request.
+sits behind a TLS proxy). It holds the operator's name, the id of the session's row in
+``outbox.console_sessions`` and a random CSRF token; every POST must carry that token in its
+``csrf`` field (compared in constant time), else 403. Each request reads the session's row
+with its account (:func:`outbox.operators.session_operator`), so a session ends for good at
+sign-out (its row is deleted: a copy of the cookie is refused), and all of an operator's end
+at `outbox operators sign-out-all`, a password change or the account's removal.
 """
 
 from __future__ import annotations
@@ -14,17 +17,20 @@ import hmac
 import logging
 import secrets
 import time
+from dataclasses import dataclass
+from uuid import UUID
 
 from starlette.requests import Request
 
 from outbox.logs import Action
+from outbox.operators import SESSION_MAX_AGE_S
 
 log = logging.getLogger(__name__)
 
 #: The session cookie's name.
 COOKIE = "outbox_console"
 #: A session lasts this long after sign-in, at most (then sign in again).
-MAX_AGE_S = 8 * 3600
+MAX_AGE_S = SESSION_MAX_AGE_S
 #: The form field every POST carries its CSRF token in.
 CSRF_FIELD = "csrf"
 
@@ -65,25 +71,45 @@ def csrf_valid(request: Request, given: object) -> bool:
     )
 
 
-def signed_in_name(request: Request) -> str | None:
-    """The operator name the session says is signed in (the caller checks it still exists)."""
+@dataclass(frozen=True, slots=True)
+class SignedIn:
+    """Who the session cookie says is signed in, and its session's id (the caller checks
+    that the session has not ended)."""
+
+    name: str
+    session_id: UUID
+
+
+def signed_in(request: Request) -> SignedIn | None:
+    """The operator and session the cookie names, if it names one younger than
+    :data:`MAX_AGE_S`."""
     name = request.session.get("operator")
     started = request.session.get("since")
+    session_id = request.session.get("session")
     if not isinstance(name, str) or not isinstance(started, int | float):
         return None
-    if time.time() - started > MAX_AGE_S:
+    if not isinstance(session_id, str) or time.time() - started > MAX_AGE_S:
         return None
-    return name
+    try:
+        return SignedIn(name=name, session_id=UUID(session_id))
+    except ValueError:
+        return None
 
 
-def sign_in(request: Request, name: str) -> None:
-    """Start a session for ``name``: a fresh CSRF token, so none seen before sign-in lives on."""
+def sign_in(request: Request, name: str, session_id: UUID) -> None:
+    """Start session ``session_id`` for ``name``: a fresh CSRF token, so none seen before
+    sign-in lives on."""
     request.session.clear()
     request.session.update(
-        {"operator": name, "since": time.time(), CSRF_FIELD: secrets.token_urlsafe(32)}
+        {
+            "operator": name,
+            "session": str(session_id),
+            "since": time.time(),
+            CSRF_FIELD: secrets.token_urlsafe(32),
+        }
     )
 
 
 def sign_out(request: Request) -> None:
-    """End the session."""
+    """Forget the session in this browser (the caller deletes its row)."""
     request.session.clear()

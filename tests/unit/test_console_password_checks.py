@@ -1,0 +1,84 @@
+"""The console's bounded password checks (outbox.web.console.signins.PasswordChecks), on real
+threads: the places they admit, and who gives a place back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+
+from outbox.web.console.signins import NICE, Busy, PasswordChecks
+
+
+def test_beyond_threads_and_queue_a_sign_in_is_refused_at_once() -> None:
+    """With 1 thread and a queue of 1, a third sign-in in progress is refused (Busy) and a
+    place freed by an ended sign-in admits the next."""
+    checks = PasswordChecks(threads=1, queue=1)
+    try:
+        with checks.admitted(), checks.admitted(), pytest.raises(Busy), checks.admitted():
+            pass
+        assert checks.taken == 0
+        with checks.admitted():
+            assert checks.taken == 1
+        assert checks.taken == 0
+    finally:
+        checks.close()
+
+
+def test_a_check_keeps_its_place_until_its_thread_ends_even_if_its_request_is_gone() -> None:
+    """A sign-in whose request is cancelled while its password is being checked keeps its
+    place until the check's thread ends: hung-up clients cannot pile up unbounded work."""
+    checks = PasswordChecks(threads=1, queue=0)
+    release = threading.Event()
+    started = threading.Event()
+
+    def slow_check() -> str:
+        started.set()
+        release.wait()
+        return "checked"
+
+    async def scenario() -> None:
+        async def sign_in() -> str:
+            with checks.admitted() as slot:
+                return await checks.run(slot, slow_check)
+
+        request = asyncio.ensure_future(sign_in())
+        await asyncio.to_thread(started.wait)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        assert checks.taken == 1  # the thread still works for it
+        with pytest.raises(Busy), checks.admitted():
+            pass
+        release.set()
+        while checks.taken:  # the thread gives the place back through the loop
+            await asyncio.sleep(0.01)
+        with checks.admitted() as slot:
+            assert await checks.run(slot, lambda: "next") == "next"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        checks.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="per-thread nice is Linux's")
+def test_the_hashing_threads_run_at_a_lower_priority() -> None:
+    """A check runs on a thread NICE steps nicer than the caller's."""
+    checks = PasswordChecks(threads=1, queue=0)
+
+    def own_nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    try:
+
+        async def scenario() -> int:
+            with checks.admitted() as slot:
+                return await checks.run(slot, own_nice)
+
+        assert asyncio.run(scenario()) == min(19, own_nice() + NICE)
+    finally:
+        checks.close()
