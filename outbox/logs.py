@@ -7,6 +7,10 @@ each line on stderr as logfmt (``time=2026-11-29T10:00:00.000Z level=info
 action=dispatch_sent msg="…" operation_id=…``), or as one JSON object with
 ``OUTBOX_LOG_FORMAT=json``; times are UTC. Secrets never reach a log line: URLs are
 redacted where they are formatted (``outbox.db.redact``) and headers are never logged.
+
+No value can forge a line or drive a terminal: every control character (C0 but the newline,
+which both renderers escape, DEL, C1, U+2028 and U+2029) of every key and value is written
+as an escape (``\\r``, ``\\x1b``, ``\\u2028``) by the formatter, whichever the format.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import enum
 import logging
 import sys
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -153,6 +158,54 @@ def _from_record(_: Any, __: str, event: EventDict) -> EventDict:
     return event
 
 
+def _escape_for(code: int) -> str:
+    named = {0x09: "\\t", 0x0D: "\\r"}
+    if code in named:
+        return named[code]
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+#: Every control character but the newline (LF), each to its escape: C0, DEL, C1, and the
+#: two Unicode line and paragraph separators some viewers break lines on. The renderers
+#: escape LF themselves (logfmt as ``\\n``, JSON as ``\\n``), so a traceback reads back whole.
+_CONTROL_ESCAPES: dict[int, str] = {
+    code: _escape_for(code)
+    for code in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)
+    if code != 0x0A
+}
+
+#: Values rendered as they are (no text of a caller's in them).
+_PLAIN = (bool, int, float, type(None))
+
+#: uvicorn's copy of its message with ANSI colours, in every record's ``extra``.
+_DROPPED_EXTRAS = ("color_message",)
+
+
+def escape_controls(value: object) -> object:
+    """``value`` with every control character escaped (:data:`_CONTROL_ESCAPES`): text as
+    text, lists and mappings item by item, numbers as they are, anything else as its text."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, str):
+        return value.translate(_CONTROL_ESCAPES)
+    if isinstance(value, Mapping):
+        return {str(escape_controls(k)): escape_controls(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [escape_controls(item) for item in value]
+    return str(value).translate(_CONTROL_ESCAPES)
+
+
+def _escaped(_: Any, __: str, event: EventDict) -> EventDict:
+    """Every key and value with its control characters escaped, in one place for both
+    formats: structlog's logfmt escapes only ``\\n`` and ``"`` (CR, ESC, DEL, C1 and U+2028
+    went out raw), and JSON leaves DEL raw."""
+    return {
+        str(escape_controls(key)): escape_controls(value)
+        for key, value in event.items()
+        if key not in _DROPPED_EXTRAS
+    }
+
+
 def _first_keys_first(_: Any, __: str, event: EventDict) -> EventDict:
     """The same key order in JSON as in logfmt: time, level, action, … then the fields."""
     first = {key: event.pop(key) for key in _FIRST_KEYS if key in event}
@@ -165,7 +218,9 @@ def formatter(log_format: LogFormat) -> logging.Formatter:
 
     structlog does the rendering: logfmt quotes a value holding a space, ``=`` or ``"`` and
     escapes newlines (a traceback stays on its line, under ``exception``); JSON renders the
-    same keys as one object per line.
+    same keys as one object per line. Before either, every other control character is
+    escaped (:func:`escape_controls`) and uvicorn's ``color_message`` (its message again,
+    with ANSI escapes) is dropped.
     """
     renderer: Processor = (
         structlog.processors.JSONRenderer()
@@ -178,6 +233,7 @@ def formatter(log_format: LogFormat) -> logging.Formatter:
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.processors.EventRenamer("msg"),
             structlog.processors.format_exc_info,
+            _escaped,
             _first_keys_first,
             renderer,
         ],
