@@ -72,6 +72,8 @@ class Action(enum.StrEnum):
     DISPATCH_HANDED_BACK = "dispatch_handed_back"
     DISPATCH_HAND_BACK_FAILED = "dispatch_hand_back_failed"
     TOOL_CALL_ABANDONED = "tool_call_abandoned"
+    #: a task met a database error (a restart): one line, its class and message, no statement
+    TASK_DATABASE_ERROR = "task_database_error"
     BEAT_RECONNECT = "beat_reconnect"
 
     # Sweep and reconciliation (outbox.reconcilers)
@@ -129,6 +131,9 @@ class Action(enum.StrEnum):
     CONSOLE_CSRF_REFUSED = "console_csrf_refused"  #: a POST without this session's CSRF token
     CONSOLE_DECIDED = "console_decided"  #: an approve, reject or resolve by a signed-in operator
 
+    # Start-up (outbox.db.wait_for_database): every component waits for the database
+    DB_WAITING = "db_waiting"  #: a try to connect failed: its error class and message
+    DB_READY = "db_ready"  #: connected: the component goes on starting
     # Elsewhere
     CONFIG_UNKNOWN_VARIABLE = "config_unknown_variable"  #: a misspelt OUTBOX_* variable?
     ASYNC_REPLICAS_ALLOWED = "async_replicas_allowed"
@@ -155,6 +160,9 @@ def _from_record(_: Any, __: str, event: EventDict) -> EventDict:
     event["level"] = record.levelname.lower()
     if "action" not in event:
         event["logger"] = record.name  # Celery's or a library's line: say whose it is
+    if record.name.startswith("celery."):
+        # Celery's copy of a failed task's line (its arguments and traceback, as text).
+        event.pop("data", None)
     return event
 
 
