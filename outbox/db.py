@@ -24,7 +24,7 @@ from outbox.backoff import Backoff
 from outbox.config import Settings, get_settings
 from outbox.errors import DatabaseUnavailable, SchemaNotReady
 from outbox.locks import SESSION_LOCKS_INFO
-from outbox.logs import Action
+from outbox.logs import Action, describe_error
 from outbox.sql.locks import UNLOCK_ALL_SQL
 
 _DRIVER = "postgresql+psycopg"
@@ -246,18 +246,8 @@ DATABASE_ERRORS: tuple[type[BaseException], ...] = (
 
 def is_database_error(error: BaseException) -> bool:
     """Whether ``error`` came from the database (:data:`DATABASE_ERRORS`): logged as one
-    line (:func:`describe_error`), never with its statement or a traceback."""
+    line (:func:`outbox.logs.describe_error`), never with its statement or a traceback."""
     return isinstance(error, DATABASE_ERRORS)
-
-
-def describe_error(error: BaseException) -> str:
-    """``error`` as one line a log may carry: its class and the first line of its message.
-
-    A SQLAlchemy ``DBAPIError`` is described by the driver's error it wraps (``.orig``): its
-    own text goes on with the statement (``[SQL: ...]``) and a link, lines no log wants."""
-    cause = error.orig if isinstance(error, DBAPIError) and error.orig is not None else error
-    message = _first_line(cause)
-    return f"{type(cause).__name__}: {message}" if message else type(cause).__name__
 
 
 #: Seconds between tries to reach the database at start-up: doubling from the first, capped.

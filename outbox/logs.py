@@ -22,7 +22,9 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
 import structlog
+from sqlalchemy.exc import DBAPIError
 from structlog.typing import EventDict, Processor
 
 
@@ -166,6 +168,38 @@ def _from_record(_: Any, __: str, event: EventDict) -> EventDict:
     return event
 
 
+def describe_error(error: BaseException) -> str:
+    """``error`` as one line a log may carry: its class and the first line of its message.
+
+    A SQLAlchemy ``DBAPIError`` is described by the driver's error it wraps (``.orig``): its
+    own text goes on with the statement (``[SQL: ...]``) and a link, lines no log wants."""
+    cause = error.orig if isinstance(error, DBAPIError) and error.orig is not None else error
+    text = str(cause).strip()
+    message = text.splitlines()[0] if text else ""
+    return f"{type(cause).__name__}: {message}" if message else type(cause).__name__
+
+
+#: What SQLAlchemy's text of a driver's error holds after its first line: the statement.
+_SQL_MARK = "\n[SQL: "
+
+
+def _database_errors_in_one_line(_: Any, __: str, event: EventDict) -> EventDict:
+    """A record's database error as one ``error`` field (:func:`describe_error`) instead of
+    its traceback, and no statement text in its message (only its first line is kept),
+    whoever logged it (Celery, kombu, a library): the statement may quote a payload's
+    shape, and a restart would otherwise print a traceback per message in flight."""
+    exc_info = event.get("exc_info")
+    error = exc_info[1] if isinstance(exc_info, tuple) else None
+    database = isinstance(error, DBAPIError | psycopg.Error)
+    if isinstance(error, DBAPIError | psycopg.Error):
+        del event["exc_info"]
+        event.setdefault("error", describe_error(error))
+    message = event.get("event")
+    if isinstance(message, str) and (database or _SQL_MARK in message):
+        event["event"] = message.split("\n", 1)[0]
+    return event
+
+
 def _escape_for(code: int) -> str:
     named = {0x09: "\\t", 0x0D: "\\r"}
     if code in named:
@@ -236,7 +270,11 @@ def formatter(log_format: LogFormat) -> logging.Formatter:
         else structlog.processors.LogfmtRenderer(key_order=_FIRST_KEYS, drop_missing=True)
     )
     return structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[structlog.stdlib.ExtraAdder(), _from_record],
+        foreign_pre_chain=[
+            structlog.stdlib.ExtraAdder(),
+            _from_record,
+            _database_errors_in_one_line,
+        ],
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.processors.EventRenamer("msg"),

@@ -31,9 +31,8 @@ from sqlalchemy.exc import DBAPIError
 
 from outbox import faults, sql
 from outbox.backoff import Backoff
-from outbox.db import describe_error
 from outbox.errors import BrokerUnavailable
-from outbox.logs import Action
+from outbox.logs import Action, describe_error
 
 log = logging.getLogger(__name__)
 

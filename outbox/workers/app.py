@@ -16,10 +16,10 @@ from kombu import Exchange, Queue
 
 from outbox.config import Settings, get_settings
 from outbox.contracts import CONTRACTS
-from outbox.db import DATABASE_ERRORS, database_url, describe_error
+from outbox.db import DATABASE_ERRORS, database_url
 from outbox.deployment import deployment_name
 from outbox.errors import DatabaseUnavailable
-from outbox.logs import Action
+from outbox.logs import Action, describe_error
 from outbox.workers import dbbroker
 
 #: Durable queues, one per kind of work: the names code and ``-Q`` use (each the alias of

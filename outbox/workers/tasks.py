@@ -7,8 +7,8 @@ import time
 
 from celery import Task
 
-from outbox.db import describe_error, is_database_error
-from outbox.logs import Action
+from outbox.db import is_database_error
+from outbox.logs import Action, describe_error
 from outbox.workers import runtime
 from outbox.workers.app import DISPATCH_TASK, SAGA_TASK, app
 from outbox.workers.dispatch import Outcome, dispatch
