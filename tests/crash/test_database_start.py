@@ -9,6 +9,7 @@ calls in flight is one line per error, never a traceback or the statement's text
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 import sys
@@ -106,6 +107,14 @@ def _with(service: Service, action: Action) -> list[dict[str, str]]:
     return [r for r in _records(service.output()) if r.get("action") == action]
 
 
+def _tried_twice_or_exited(service: Service) -> bool:
+    return len(_with(service, Action.DB_WAITING)) >= 2 or not service.alive()
+
+
+def _ready_or_exited(service: Service) -> bool:
+    return bool(_with(service, Action.DB_READY)) or not service.alive()
+
+
 def _enqueue(engine: Engine, key: str, payload: dict[str, str]) -> UUID:
     with Session(engine) as session, session.begin():
         op = api.enqueue(session, tool=TOOL, target="project-1", payload=payload, intent_key=key)
@@ -131,7 +140,7 @@ def test_components_started_while_the_database_is_down_wait_for_it_then_work(
         started = {name: services.start(name, *args) for name, args in COMPONENTS.items()}
         for name, process in started.items():
             wait_until(
-                lambda p=process: len(_with(p, Action.DB_WAITING)) >= 2 or not p.alive(),
+                functools.partial(_tried_twice_or_exited, process),
                 timeout=120,
                 what=f"{name} to try twice",
             )
@@ -139,7 +148,7 @@ def test_components_started_while_the_database_is_down_wait_for_it_then_work(
         cluster.start()
         for name, process in started.items():
             wait_until(
-                lambda p=process: bool(_with(p, Action.DB_READY)) or not p.alive(),
+                functools.partial(_ready_or_exited, process),
                 timeout=120,
                 what=f"{name} to find the database",
             )
