@@ -13,7 +13,11 @@ import pytest
 
 from outbox.logs import Action, LogFormat
 from tests.acceptance.test_cli_logs import parse_logfmt
+from tests.acceptance.test_console import _chromium, playwright, sign_in
 from tests.api_server import api_environment, running_api
+from tests.processes import wait_until
+
+__all__ = ["playwright"]  # the fixture, shared with the console's tests
 
 pytestmark = pytest.mark.slow
 
@@ -68,3 +72,29 @@ def test_control_characters_from_a_request_are_escaped_in_the_log(
     assert [r["operator"] for r in failed] == [
         "eve\\r\nlevel=info action=console_signed_in operator=root\\x1b[2J\\x9b"
     ]
+
+
+def test_an_operator_name_typed_in_chromium_is_logged_escaped(
+    database_url: str, engine: object, tmp_path: Path, playwright: object
+) -> None:
+    """A name with ESC, DEL, C1 and U+2028 typed into the console's sign-in form in Chromium
+    is logged escaped in one line."""
+    typed = "eve\x1b[31m\x7f\x9b\u2028root"
+    env = api_environment(database_url, tmp_path, OUTBOX_CONSOLE_SECRET="test-" + "k" * 40)
+    with (
+        running_api(env, tmp_path / "api.log") as server,
+        _chromium(playwright) as browser,  # type: ignore[arg-type]
+    ):
+        page = browser.new_page()
+        sign_in(page, server, typed, "wrong")
+        wait_until(
+            lambda: "console_signin_failed" in server.logs(), timeout=30, what="the failure line"
+        )
+        text = server.logs()
+    assert _RAW.search(text) is None, ascii(text)
+    failed = [
+        r
+        for r in _records(text, LogFormat.LOGFMT)
+        if r.get("action") == Action.CONSOLE_SIGNIN_FAILED
+    ]
+    assert [r["operator"] for r in failed] == ["eve\\x1b[31m\\x7f\\x9b\\u2028root"]
