@@ -247,6 +247,14 @@ class Settings(BaseSettings):
             "HTTP the bearer token's name is."
         ),
     )
+    db_start_timeout: Annotated[float, Field(ge=0)] = Field(
+        default=120.0,
+        description=(
+            "How long the relay, workers, beat, `outbox api` and `outbox mcp` wait at start-up "
+            "for an unreachable (or starting) database, trying again with backoff, before "
+            "they exit 1 (0: try once)."
+        ),
+    )
     mcp_wait_s: Seconds = Field(
         default=20.0,
         description=(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import ParamSpec, TypeVar
@@ -15,15 +17,19 @@ from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
-from sqlalchemy.pool import ConnectionPoolEntry, PoolResetState
+from sqlalchemy.pool import ConnectionPoolEntry, NullPool, PoolResetState
 
 from outbox import embedded
+from outbox.backoff import Backoff
 from outbox.config import Settings, get_settings
 from outbox.errors import DatabaseUnavailable, SchemaNotReady
 from outbox.locks import SESSION_LOCKS_INFO
+from outbox.logs import Action, describe_error
 from outbox.sql.locks import UNLOCK_ALL_SQL
 
 _DRIVER = "postgresql+psycopg"
+
+log = logging.getLogger(__name__)
 
 
 def normalize_url(url: str) -> str:
@@ -228,3 +234,86 @@ def _is_connect_error(exc: DBAPIError) -> bool:
 
 def _first_line(error: BaseException | None) -> str:
     return str(error).strip().splitlines()[0] if error is not None and str(error).strip() else ""
+
+
+#: What a lost or refused database connection raises, whichever layer meets it first.
+DATABASE_ERRORS: tuple[type[BaseException], ...] = (
+    DBAPIError,
+    psycopg.Error,
+    DatabaseUnavailable,
+)
+
+
+def is_database_error(error: BaseException) -> bool:
+    """Whether ``error`` came from the database (:data:`DATABASE_ERRORS`): logged as one
+    line (:func:`outbox.logs.describe_error`), never with its statement or a traceback."""
+    return isinstance(error, DATABASE_ERRORS)
+
+
+#: Seconds between tries to reach the database at start-up: doubling from the first, capped.
+START_BACKOFF_S = (0.5, 10.0)
+#: libpq's limit on one try (a silent host would otherwise hold a try for minutes).
+START_CONNECT_TIMEOUT_S = 10
+
+
+def wait_for_database(url: str, *, timeout_s: float, component: str) -> None:
+    """Return once the database at ``url`` accepts a connection, trying again with backoff
+    while it is unreachable or refuses (``the database system is starting up``).
+
+    Every component calls it before its first statement (``outbox.cli.common``): one
+    ``db_waiting`` line per failed try (its error class and one-line message, the next
+    wait), one ``db_ready`` line when connected. After ``timeout_s``
+    (``OUTBOX_DB_START_TIMEOUT``; 0 tries once) it raises :class:`DatabaseUnavailable`
+    with the last error, which the command prints as one line before exiting 1.
+    """
+    deadline = time.monotonic() + timeout_s
+    backoff = Backoff(base_s=START_BACKOFF_S[0], max_s=START_BACKOFF_S[1])
+    tries = 0
+    while True:
+        tries += 1
+        error = _connect_error(url)
+        if error is None:
+            log.info(
+                "%s: the database accepts connections (try %d)",
+                component,
+                tries,
+                extra={"action": Action.DB_READY, "component": component, "tries": tries},
+            )
+            return
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            raise DatabaseUnavailable(
+                f"{component}: gave up waiting for the database at {redact(url)} after "
+                f"{tries} tries in {timeout_s:g}s (OUTBOX_DB_START_TIMEOUT): {error}"
+            )
+        wait_s = min(backoff.next_s(), left_s)
+        log.warning(
+            "%s: waiting for the database (try %d failed, next in %.1fs)",
+            component,
+            tries,
+            wait_s,
+            extra={
+                "action": Action.DB_WAITING,
+                "component": component,
+                "tries": tries,
+                "error": error,
+                "retry_in_s": round(wait_s, 2),
+            },
+        )
+        time.sleep(wait_s)
+
+
+def _connect_error(url: str) -> str | None:
+    """Why a new connection to ``url`` fails now (:func:`describe_error`), or ``None``."""
+    probe = create_engine(
+        url, poolclass=NullPool, connect_args={"connect_timeout": START_CONNECT_TIMEOUT_S}
+    )
+    try:
+        with probe.connect():
+            return None
+    except DBAPIError as exc:
+        if isinstance(exc, OperationalError) or _is_connect_error(exc):
+            return describe_error(exc)
+        raise
+    finally:
+        probe.dispose()

@@ -7,6 +7,10 @@ each line on stderr as logfmt (``time=2026-11-29T10:00:00.000Z level=info
 action=dispatch_sent msg="…" operation_id=…``), or as one JSON object with
 ``OUTBOX_LOG_FORMAT=json``; times are UTC. Secrets never reach a log line: URLs are
 redacted where they are formatted (``outbox.db.redact``) and headers are never logged.
+
+No value can forge a line or drive a terminal: every control character (C0 but the newline,
+which both renderers escape, DEL, C1, U+2028 and U+2029) of every key and value is written
+as an escape (``\\r``, ``\\x1b``, ``\\u2028``) by the formatter, whichever the format.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ from __future__ import annotations
 import enum
 import logging
 import sys
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
 import structlog
+from sqlalchemy.exc import DBAPIError
 from structlog.typing import EventDict, Processor
 
 
@@ -67,6 +74,8 @@ class Action(enum.StrEnum):
     DISPATCH_HANDED_BACK = "dispatch_handed_back"
     DISPATCH_HAND_BACK_FAILED = "dispatch_hand_back_failed"
     TOOL_CALL_ABANDONED = "tool_call_abandoned"
+    #: a task met a database error (a restart): one line, its class and message, no statement
+    TASK_DATABASE_ERROR = "task_database_error"
     BEAT_RECONNECT = "beat_reconnect"
 
     # Sweep and reconciliation (outbox.reconcilers)
@@ -125,6 +134,9 @@ class Action(enum.StrEnum):
     CONSOLE_CSRF_REFUSED = "console_csrf_refused"  #: a POST without this session's CSRF token
     CONSOLE_DECIDED = "console_decided"  #: an approve, reject or resolve by a signed-in operator
 
+    # Start-up (outbox.db.wait_for_database): every component waits for the database
+    DB_WAITING = "db_waiting"  #: a try to connect failed: its error class and message
+    DB_READY = "db_ready"  #: connected: the component goes on starting
     # Elsewhere
     CONFIG_UNKNOWN_VARIABLE = "config_unknown_variable"  #: a misspelt OUTBOX_* variable?
     ASYNC_REPLICAS_ALLOWED = "async_replicas_allowed"
@@ -151,7 +163,90 @@ def _from_record(_: Any, __: str, event: EventDict) -> EventDict:
     event["level"] = record.levelname.lower()
     if "action" not in event:
         event["logger"] = record.name  # Celery's or a library's line: say whose it is
+    if record.name.startswith("celery."):
+        # Celery's copy of a failed task's line (its arguments and traceback, as text).
+        event.pop("data", None)
     return event
+
+
+def describe_error(error: BaseException) -> str:
+    """``error`` as one line a log may carry: its class and the first line of its message.
+
+    A SQLAlchemy ``DBAPIError`` is described by the driver's error it wraps (``.orig``): its
+    own text goes on with the statement (``[SQL: ...]``) and a link, lines no log wants."""
+    cause = error.orig if isinstance(error, DBAPIError) and error.orig is not None else error
+    text = str(cause).strip()
+    message = text.splitlines()[0] if text else ""
+    return f"{type(cause).__name__}: {message}" if message else type(cause).__name__
+
+
+#: What SQLAlchemy's text of a driver's error holds after its first line: the statement.
+_SQL_MARK = "\n[SQL: "
+
+
+def _database_errors_in_one_line(_: Any, __: str, event: EventDict) -> EventDict:
+    """A record's database error as one ``error`` field (:func:`describe_error`) instead of
+    its traceback, and no statement text in its message (only its first line is kept),
+    whoever logged it (Celery, kombu, a library): the statement may quote a payload's
+    shape, and a restart would otherwise print a traceback per message in flight."""
+    exc_info = event.get("exc_info")
+    error = exc_info[1] if isinstance(exc_info, tuple) else None
+    database = isinstance(error, DBAPIError | psycopg.Error)
+    if isinstance(error, DBAPIError | psycopg.Error):
+        del event["exc_info"]
+        event.setdefault("error", describe_error(error))
+    message = event.get("event")
+    if isinstance(message, str) and (database or _SQL_MARK in message):
+        event["event"] = message.split("\n", 1)[0]
+    return event
+
+
+def _escape_for(code: int) -> str:
+    named = {0x09: "\\t", 0x0D: "\\r"}
+    if code in named:
+        return named[code]
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+#: Every control character but the newline (LF), each to its escape: C0, DEL, C1, and the
+#: two Unicode line and paragraph separators some viewers break lines on. The renderers
+#: escape LF themselves (logfmt as ``\\n``, JSON as ``\\n``), so a traceback reads back whole.
+_CONTROL_ESCAPES: dict[int, str] = {
+    code: _escape_for(code)
+    for code in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)
+    if code != 0x0A
+}
+
+#: Values rendered as they are (no text of a caller's in them).
+_PLAIN = (bool, int, float, type(None))
+
+#: uvicorn's copy of its message with ANSI colours, in every record's ``extra``.
+_DROPPED_EXTRAS = ("color_message",)
+
+
+def escape_controls(value: object) -> object:
+    """``value`` with every control character escaped (:data:`_CONTROL_ESCAPES`): text as
+    text, lists and mappings item by item, numbers as they are, anything else as its text."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, str):
+        return value.translate(_CONTROL_ESCAPES)
+    if isinstance(value, Mapping):
+        return {str(escape_controls(k)): escape_controls(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [escape_controls(item) for item in value]
+    return str(value).translate(_CONTROL_ESCAPES)
+
+
+def _escaped(_: Any, __: str, event: EventDict) -> EventDict:
+    """Every key and value with its control characters escaped, in one place for both
+    formats: structlog's logfmt escapes only ``\\n`` and ``"`` (CR, ESC, DEL, C1 and U+2028
+    went out raw), and JSON leaves DEL raw."""
+    return {
+        str(escape_controls(key)): escape_controls(value)
+        for key, value in event.items()
+        if key not in _DROPPED_EXTRAS
+    }
 
 
 def _first_keys_first(_: Any, __: str, event: EventDict) -> EventDict:
@@ -166,7 +261,9 @@ def formatter(log_format: LogFormat) -> logging.Formatter:
 
     structlog does the rendering: logfmt quotes a value holding a space, ``=`` or ``"`` and
     escapes newlines (a traceback stays on its line, under ``exception``); JSON renders the
-    same keys as one object per line.
+    same keys as one object per line. Before either, every other control character is
+    escaped (:func:`escape_controls`) and uvicorn's ``color_message`` (its message again,
+    with ANSI escapes) is dropped.
     """
     renderer: Processor = (
         structlog.processors.JSONRenderer()
@@ -174,11 +271,16 @@ def formatter(log_format: LogFormat) -> logging.Formatter:
         else structlog.processors.LogfmtRenderer(key_order=_FIRST_KEYS, drop_missing=True)
     )
     return structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[structlog.stdlib.ExtraAdder(), _from_record],
+        foreign_pre_chain=[
+            structlog.stdlib.ExtraAdder(),
+            _from_record,
+            _database_errors_in_one_line,
+        ],
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.processors.EventRenamer("msg"),
             structlog.processors.format_exc_info,
+            _escaped,
             _first_keys_first,
             renderer,
         ],

@@ -32,7 +32,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox import faults, sql
 from outbox.backoff import Backoff
 from outbox.errors import BrokerUnavailable
-from outbox.logs import Action
+from outbox.logs import Action, describe_error
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +198,8 @@ class Relay:
                     log.warning(
                         "relay batch failed, retrying in %.1fs: %s",
                         wait_s,
-                        exc,
-                        extra={"action": Action.RELAY_ERROR},
+                        describe_error(exc),
+                        extra={"action": Action.RELAY_ERROR, "error": describe_error(exc)},
                     )
                     self._stop.wait(wait_s)
         finally:
@@ -225,14 +225,22 @@ class Relay:
                 sql.relay.forget_silent_relays(conn, older_than_s=self.config.silent_after_s)
                 _announce(conn, self.name, idle=False)
         except DBAPIError as exc:
-            log.warning("relay could not register: %s", exc, extra={"action": Action.RELAY_ERROR})
+            log.warning(
+                "relay could not register: %s",
+                describe_error(exc),
+                extra={"action": Action.RELAY_ERROR, "error": describe_error(exc)},
+            )
 
     def _unregister(self) -> None:
         try:
             with self.engine.begin() as conn:
                 sql.relay.forget_relay(conn, self.name)
         except DBAPIError as exc:
-            log.warning("relay could not unregister: %s", exc, extra={"action": Action.RELAY_ERROR})
+            log.warning(
+                "relay could not unregister: %s",
+                describe_error(exc),
+                extra={"action": Action.RELAY_ERROR, "error": describe_error(exc)},
+            )
 
 
 def _announce(conn: Connection, name: str, *, idle: bool) -> None:

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from outbox.cli.common import require_schema
+from outbox.cli.common import await_database, require_schema
 from outbox.cli.extras import needs_extra
 from outbox.cli.options import LogLevel, LogLevelOption, start_logging
 from outbox.cli.output import console, fail
@@ -113,8 +113,10 @@ def api_command(
     # Alembic says which dialect it uses on every /readyz probe: nothing an operator needs.
     logging.getLogger("alembic").setLevel(max(logging.WARNING, logging.getLogger().level))
     settings = get_settings()
+    # Here too with --workers: a bad tool is one line, now (before waiting for the database).
+    load_configured_tools(settings)
+    await_database("api")
     require_schema()
-    load_configured_tools(settings)  # here too with --workers: a bad tool is one line, now
     listening = bind_socket(host, port)
     address = listening.getsockname()
     scheme = "https" if tls_cert is not None else "http"

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from outbox import migrate
 from outbox.cli.output import fail
 from outbox.config import get_settings
-from outbox.db import database_errors, database_url, get_engine
+from outbox.db import database_errors, database_url, get_engine, wait_for_database
 
 
 @contextmanager
@@ -27,6 +27,16 @@ def transaction() -> Iterator[Session]:
     """A session in a transaction that commits when the block succeeds, else rolls back."""
     with connected() as engine, Session(engine) as session, session.begin():
         yield session
+
+
+def await_database(component: str) -> None:
+    """Wait for the configured database to accept connections (a long-running component at
+    start-up, :func:`outbox.db.wait_for_database`); past ``OUTBOX_DB_START_TIMEOUT``, one line
+    and exit 1."""
+    settings = get_settings()
+    wait_for_database(
+        database_url(settings), timeout_s=settings.db_start_timeout, component=component
+    )
 
 
 def require_schema() -> str:

@@ -13,7 +13,7 @@ import typer
 
 from outbox import aio
 from outbox.cli.apiserver import bind_socket, loopback
-from outbox.cli.common import require_schema
+from outbox.cli.common import await_database, require_schema
 from outbox.cli.extras import needs_extra
 from outbox.cli.options import LogLevel, LogLevelOption, start_logging
 from outbox.cli.output import console, fail
@@ -110,8 +110,9 @@ def mcp_command(
     # The SDK's debug lines may carry messages, hence payloads: never logged (CONTRIBUTING.md).
     logging.getLogger("mcp").setLevel(max(logging.INFO, logging.getLogger().level))
     settings = get_settings()
+    _load_tools(settings)  # a configuration error is one line now, not after the wait
+    await_database("mcp")
     require_schema()
-    _load_tools(settings)
     engine = create_async_engine(database_url(settings), pool_size=5, max_overflow=10)
     context = McpContext(
         engine=engine, contracts=CONTRACTS, wait_s=settings.mcp_wait_s, agent=settings.mcp_agent

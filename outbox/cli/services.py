@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from outbox.cli.common import connected, require_schema
+from outbox.cli.common import await_database, connected, require_schema
 from outbox.cli.extras import needs_extra
 from outbox.cli.options import LogLevel, LogLevelOption, Pool, queue_list, start_logging
 from outbox.config import get_settings
@@ -57,6 +57,7 @@ def relay_command(
         from outbox.workers.publish import CeleryPublisher  # noqa: PLC0415
 
     start_logging(log_level)
+    await_database("relay")
     require_schema()
     settings = get_settings()
     config = RelayConfig(
@@ -109,6 +110,7 @@ def beat_command(
     """
     start_logging(log_level)
     app = celery_app("beat")
+    await_database("beat")
     require_schema()
     home = get_settings().home
     home.mkdir(parents=True, exist_ok=True)
@@ -156,6 +158,7 @@ def worker_command(
     """
     start_logging(log_level)
     app = celery_app("worker")
+    await_database("worker")
     require_schema()
     argv = ["worker", "-Q", queues, "-c", str(concurrency), "-P", pool.value, "-l", log_level.value]
     if name:

@@ -131,6 +131,9 @@ class LocalCluster:
         )
 
     def _pg_ctl(self, *args: str) -> None:
+        # Again before each command: a test run started meanwhile makes pytest's temporary
+        # root private again (0700), and the server's user could no longer reach its data.
+        self._own(self.root)
         try:
             self._server_module.pgexec(
                 "pg_ctl",

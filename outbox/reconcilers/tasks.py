@@ -19,7 +19,8 @@ from celery import Task
 from celery.schedules import schedule
 
 from outbox.config import get_settings
-from outbox.logs import Action
+from outbox.db import is_database_error
+from outbox.logs import Action, describe_error
 from outbox.reconcilers.lookup import LookupOutcome, lookup
 from outbox.reconcilers.periodic import sweep_once
 from outbox.reconcilers.sagas import nudge_sagas_of_and_commit
@@ -52,10 +53,12 @@ def lookup_task(self: Task, operation_id: str) -> str:
         # Best effort: the lookup is committed whatever happens here; the sweep catches up.
         try:
             nudge_sagas_of_and_commit(engine, [report.operation_id])
-        except Exception:
-            log.exception(
-                "advancing the saga of %s failed",
+        except Exception as exc:
+            log.error(  # noqa: TRY400 -- a traceback only for what is not the database's
+                "advancing the saga of %s failed: %s",
                 report.operation_id,
+                describe_error(exc),
+                exc_info=not is_database_error(exc),
                 extra={"action": Action.SAGA_ADVANCE_FAILED, "operation_id": operation_id},
             )
     return report.outcome.value

@@ -35,7 +35,7 @@ from standardwebhooks import Webhook
 from outbox import faults, sql, webhooks
 from outbox.backoff import Backoff, exponential_s, jittered
 from outbox.config import Settings, get_settings
-from outbox.logs import Action
+from outbox.logs import Action, describe_error
 from outbox.models import DeliveryStatus
 from outbox.sql.webhooks import AttemptOutcome, Claimed
 from outbox.webhooks import Endpoint
@@ -243,8 +243,8 @@ class WebhookDeliverer:
                     log.warning(
                         "webhook batch failed, retrying in %.1fs: %s",
                         wait_s,
-                        exc,
-                        extra={"action": Action.WEBHOOK_ERROR},
+                        describe_error(exc),
+                        extra={"action": Action.WEBHOOK_ERROR, "error": describe_error(exc)},
                     )
                     self._stop.wait(wait_s)
                     continue

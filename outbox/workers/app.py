@@ -8,15 +8,18 @@ The app with every task registered (this layer's and the reconcilers') is assemb
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
 from kombu import Exchange, Queue
 
 from outbox.config import Settings, get_settings
 from outbox.contracts import CONTRACTS
-from outbox.db import database_url
+from outbox.db import DATABASE_ERRORS, database_url
 from outbox.deployment import deployment_name
+from outbox.errors import DatabaseUnavailable
+from outbox.logs import Action, describe_error
 from outbox.workers import dbbroker
 
 #: Durable queues, one per kind of work: the names code and ``-Q`` use (each the alias of
@@ -134,6 +137,40 @@ def time_limit_for(contract_timeouts: list[float], slack_s: float = TIME_LIMIT_S
     return min(slowest + slack_s, MAX_TIME_LIMIT_S)
 
 
+log = logging.getLogger(__name__)
+
+
+class OutboxTask(Task):  # type: ignore[misc]
+    """Every outbox task: a database error (a restart under a running worker) is one line,
+    never the driver's statement text nor a traceback.
+
+    The task logs it once (``task_database_error``: the task, its error class and first
+    line), then raises :class:`DatabaseUnavailable` with that line, an exception the task
+    ``throws``: Celery records the failure and logs it in one line, without a traceback.
+    Nothing is lost: the relay publishes a planned row again, the sweep checks the rest.
+    """
+
+    throws = (DatabaseUnavailable,)
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        """Run the task, each database error turned into one line."""
+        try:
+            return super().__call__(*args, **kwargs)
+        except DATABASE_ERRORS as exc:
+            error = describe_error(exc)
+            log.warning(
+                "%s failed on the database: %s",
+                self.name,
+                error,
+                extra={
+                    "action": Action.TASK_DATABASE_ERROR,
+                    "task": self.name,
+                    "error": error,
+                },
+            )
+            raise DatabaseUnavailable(f"{self.name}: {error}") from None
+
+
 class OutboxCelery(Celery):  # type: ignore[misc]
     """Celery configured from ``OUTBOX_*`` settings the first time it is used."""
 
@@ -154,4 +191,4 @@ class OutboxCelery(Celery):  # type: ignore[misc]
         )
 
 
-app = OutboxCelery("outbox", include=["outbox.workers.tasks"])
+app = OutboxCelery("outbox", include=["outbox.workers.tasks"], task_cls=OutboxTask)

@@ -7,7 +7,8 @@ import time
 
 from celery import Task
 
-from outbox.logs import Action
+from outbox.db import is_database_error
+from outbox.logs import Action, describe_error
 from outbox.workers import runtime
 from outbox.workers.app import DISPATCH_TASK, SAGA_TASK, app
 from outbox.workers.dispatch import Outcome, dispatch
@@ -69,14 +70,9 @@ def dispatch_task(
                 report = dispatch(
                     one, engine=engine, locks=locks, finish_by=finish_by if index else None
                 )
-            except Exception as exc:  # the others still get their attempt
-                log.exception(
-                    "dispatching %s failed",
-                    one,
-                    extra={"action": Action.DISPATCH_ERROR, "operation_id": one},
-                )
-                error = error or exc
+            except Exception as exc:  # noqa: BLE001 -- logged below; the others get their attempt
                 outcomes.append("error")
+                error = error or (exc if _log_dispatch_error(one, exc) else None)
                 continue
             outcomes.append(report.outcome.value)
             if report.saga and report.outcome in _SAGA_NUDGES:
@@ -103,6 +99,30 @@ def dispatch_task(
     return ", ".join(outcomes)
 
 
+def _log_dispatch_error(operation_id: str, exc: Exception) -> bool:
+    """Log what dispatching ``operation_id`` raised; whether the message should fail for it.
+
+    A database error (a restart under the worker) is one line, its class and first line,
+    never the driver's statement text, parameters or traceback, and is not raised: the relay
+    publishes a planned row again, the sweep checks a sent one. Anything else is a bug: its
+    traceback, and the message fails."""
+    if not is_database_error(exc):
+        log.exception(
+            "dispatching %s failed",
+            operation_id,
+            extra={"action": Action.DISPATCH_ERROR, "operation_id": operation_id},
+        )
+        return True
+    error = describe_error(exc)
+    log.error(
+        "dispatching %s failed on the database: %s",
+        operation_id,
+        error,
+        extra={"action": Action.DISPATCH_ERROR, "operation_id": operation_id, "error": error},
+    )
+    return False
+
+
 #: The outcomes after which a saga may have something to do: release the next step, or
 #: compensate.
 _SAGA_NUDGES = frozenset({Outcome.CONFIRMED, Outcome.FAILED})
@@ -116,10 +136,12 @@ def nudge_sagas(operation_ids: list[str]) -> None:
         app.send_task(
             SAGA_TASK, kwargs={"operation_ids": operation_ids}, queue="reconcile", retry=False
         )
-    except Exception:  # the periodic pass advances the saga; this message still acks
-        log.exception(
-            "nudging the sagas of %d operations failed",
+    except Exception as exc:  # the periodic pass advances the saga; this message still acks
+        log.error(  # noqa: TRY400 -- a traceback only for what is not the database's
+            "nudging the sagas of %d operations failed: %s",
             len(operation_ids),
+            describe_error(exc),
+            exc_info=not is_database_error(exc),
             extra={"action": Action.SAGA_ADVANCE_FAILED, "operations": len(operation_ids)},
         )
 
@@ -132,10 +154,12 @@ def hand_back(task: Task, operation_ids: list[str]) -> None:
     """
     try:
         task.apply_async(kwargs={"operation_ids": operation_ids}, retry=False)
-    except Exception:  # the relay republishes them; this message still acks
-        log.exception(
-            "handing %d operations back to the broker failed",
+    except Exception as exc:  # the relay republishes them; this message still acks
+        log.error(  # noqa: TRY400 -- a traceback only for what is not the database's
+            "handing %d operations back to the broker failed: %s",
             len(operation_ids),
+            describe_error(exc),
+            exc_info=not is_database_error(exc),
             extra={"action": Action.DISPATCH_HAND_BACK_FAILED, "operations": len(operation_ids)},
         )
         return
