@@ -88,7 +88,9 @@ def test_an_operator_name_typed_in_chromium_is_logged_escaped(
         page = browser.new_page()
         sign_in(page, server, typed, "wrong")
         wait_until(
-            lambda: "console_signin_failed" in server.logs(), timeout=30, what="the failure line"
+            lambda: Action.CONSOLE_SIGNIN_FAILED.value in server.logs(),
+            timeout=30,
+            what="the failure line",
         )
         text = server.logs()
     assert _RAW.search(text) is None, ascii(text)
