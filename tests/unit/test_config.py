@@ -233,6 +233,9 @@ def test_task_events_are_on_by_default_and_can_be_turned_off(
 ) -> None:
     """Flower's task events are sent unless OUTBOX_TASK_EVENTS turns them off, for the
     workers (received, started, succeeded) and the relay (sent) alike."""
+    # A database URL of its own: with none, the database broker's URL would be looked up
+    # from an embedded server this unit test must not need.
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://u@db/outbox")
     on = celery_settings(load_settings(), deployment="unit")
     assert on["worker_send_task_events"] is True
     assert on["task_send_sent_event"] is True
