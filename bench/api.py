@@ -83,7 +83,13 @@ class Server:
 @contextlib.contextmanager
 def api_server(db_url: str, home: Path, workers: int = 1) -> Iterator[Server]:
     """``outbox api --workers N`` on an ephemeral port of 127.0.0.1 (logs at WARNING)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    # The API's own settings may be tried from the bench's environment
+    # (OUTBOX_CONSOLE_HASH_RATE=0.5 python bench/api.py --mode signin); nothing else of OUTBOX_*.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("OUTBOX_") or k.startswith(("OUTBOX_CONSOLE_", "OUTBOX_API_"))
+    }
     env |= {"OUTBOX_DATABASE_URL": db_url, "OUTBOX_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "outbox", "api", "--port", "0", "--log-level", "warning"]
     process = subprocess.Popen(  # noqa: S603 -- our own CLI, every argument from this script

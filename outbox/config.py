@@ -328,6 +328,16 @@ class Settings(BaseSettings):
             "beyond them a sign-in is refused at once (503, Retry-After)."
         ),
     )
+    console_hash_rate: float = Field(
+        default=0.25,
+        gt=0,
+        le=1_000,
+        description=(
+            "Console passwords checked per second at most, per process: each check (about a "
+            "tenth of a second of a core and 64 MiB) starts no sooner than 1/rate after the "
+            "previous one, so a burst of sign-ins cannot take the agents' CPU."
+        ),
+    )
     console_metrics_url: HttpUrl | None = Field(
         default=None,
         description="A metrics dashboard's (or the exporter's) address, linked from the overview.",

@@ -84,7 +84,10 @@ def _wait_healthy(
 
 
 def api_environment(database_url: str, home: Path, **overrides: str) -> dict[str, str]:
-    """This process's environment without OUTBOX_* variables, on ``database_url``."""
+    """This process's environment without OUTBOX_* variables, on ``database_url``; console
+    passwords checked without the pacing that protects a production host's agents (tests sign
+    in many times a minute; test_console_signin.py sets its own)."""
     env = {name: value for name, value in os.environ.items() if not name.startswith("OUTBOX_")}
-    env.update(OUTBOX_DATABASE_URL=database_url, OUTBOX_HOME=str(home), **overrides)
+    env.update(OUTBOX_DATABASE_URL=database_url, OUTBOX_HOME=str(home))
+    env.update({"OUTBOX_CONSOLE_HASH_RATE": "1000", **overrides})
     return env

@@ -4,8 +4,10 @@ threads: the places they admit, and who gives a place back."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import threading
+import time
 
 import pytest
 
@@ -82,3 +84,26 @@ def test_the_hashing_threads_run_at_a_lower_priority() -> None:
         assert asyncio.run(scenario()) == min(19, own_nice() + NICE)
     finally:
         checks.close()
+
+
+def test_checks_start_at_most_rate_per_second() -> None:
+    """Checks submitted together start at least ``1/rate`` apart (the first at once), so a
+    burst cannot spend more than ``rate`` argon2 checks a second of the host's CPU."""
+    checks = PasswordChecks(threads=2, queue=2, rate=20.0)
+    starts: list[float] = []
+
+    async def burst() -> None:
+        async def one() -> None:
+            with checks.admitted() as slot:
+                await checks.run(slot, lambda: starts.append(time.monotonic()))
+
+        await asyncio.gather(*(one() for _ in range(4)))
+
+    try:
+        asyncio.run(burst())
+    finally:
+        checks.close()
+    starts.sort()
+    gaps = [later - earlier for earlier, later in itertools.pairwise(starts)]
+    assert len(starts) == 4
+    assert all(gap >= 0.05 - 0.002 for gap in gaps), gaps  # monotonic clock, sleep's floor

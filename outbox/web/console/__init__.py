@@ -31,7 +31,9 @@ def install(
     counters in ``registry``): the caller closes them at shutdown."""
     secret = settings.console_secret.get_secret_value() if settings.console_secret else None
     checks = signins.PasswordChecks(
-        threads=settings.console_hash_threads, queue=settings.console_hash_queue
+        threads=settings.console_hash_threads,
+        queue=settings.console_hash_queue,
+        rate=settings.console_hash_rate,
     )
     checks.warm(operators.dummy_hash)
     made = signins.Signins(
