@@ -92,7 +92,7 @@ def test_a_worker_started_by_hand_has_every_task_and_runs_the_sweep(
     started = [worker]
     try:
         wait_until(
-            lambda: "ready" in worker.output() or not worker.alive(),
+            lambda: " ready." in worker.output() or not worker.alive(),
             timeout=60,
             what="the hand-started worker to be ready",
         )

@@ -87,7 +87,8 @@ def _worker(services: Services, name: str, **env: str) -> Service:
 
 
 def _ready(worker: Service) -> bool:
-    return "ready" in worker.output()
+    """Celery's own "celery@host ready." (not ``db_ready``, which comes before the checks)."""
+    return " ready." in worker.output()
 
 
 @pytest.mark.timeout(240)

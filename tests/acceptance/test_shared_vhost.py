@@ -146,7 +146,7 @@ def test_workers_of_two_deployments_with_the_same_name_both_run(
     ]
     for worker in workers:
         wait_until(
-            lambda w=worker: "ready" in w.output() or not w.alive(),  # type: ignore[misc]
+            lambda w=worker: " ready." in w.output() or not w.alive(),  # type: ignore[misc]
             timeout=60,
             what="the worker to be ready",
         )
@@ -178,7 +178,7 @@ def test_a_foreign_message_is_logged_and_counted(deployments: list[Deployment]) 
     exporter = east.services.start("metrics", "metrics", "--port", str(port))
     worker = east.services.start("worker", "worker", "-c", "2", "-P", "threads")
     wait_until(
-        lambda: Action.METRICS_LISTENING in exporter.output() and "ready" in worker.output(),
+        lambda: Action.METRICS_LISTENING in exporter.output() and " ready." in worker.output(),
         timeout=60,
         what="the exporter to listen and the worker to be ready",
     )
