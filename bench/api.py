@@ -124,6 +124,28 @@ def _wait_healthy(host: str, port: int) -> None:
     raise RuntimeError("outbox api did not answer /healthz")
 
 
+#: The one operation every bench enqueue sends (each under a fresh key).
+_ENQUEUE_BODY = json.dumps({"tool": TOOL, "target": "project-a", "payload": {"version": "1.2.3"}})
+
+
+def _enqueue_over_http(conn: http.client.HTTPConnection, body: str, token: str) -> None:
+    """One ``POST /v1/operations`` with a fresh key on ``conn``; a non-201 ends the bench."""
+    conn.request(
+        "POST",
+        "/v1/operations",
+        body=body,
+        headers={
+            "Authorization": f"Bearer {token}",
+            "Idempotency-Key": str(uuid.uuid4()),
+            "Content-Type": "application/json",
+        },
+    )
+    answer = conn.getresponse()
+    answer.read()
+    if answer.status != 201:
+        raise RuntimeError(f"POST /v1/operations answered {answer.status}")
+
+
 def _in_threads(clients: int, ops: int, make_worker: Callable[[], Callable[[], None]]) -> Rate:
     """Run ``ops`` calls split over ``clients`` threads (each its own ``make_worker()``):
     the rate over the whole run, and p50/p99 of one call."""
@@ -197,26 +219,13 @@ class ApiBench:
         """POST /v1/operations on one keep-alive connection per thread, to the server with
         ``workers`` processes."""
         address = self.servers[workers].address
-        body = json.dumps({"tool": TOOL, "target": "project-a", "payload": {"version": "1.2.3"}})
+        body = _ENQUEUE_BODY
 
         def worker() -> Callable[[], None]:
             conn = http.client.HTTPConnection(*address, timeout=30)
 
             def call() -> None:
-                conn.request(
-                    "POST",
-                    "/v1/operations",
-                    body=body,
-                    headers={
-                        "Authorization": f"Bearer {self.token}",
-                        "Idempotency-Key": str(uuid.uuid4()),
-                        "Content-Type": "application/json",
-                    },
-                )
-                answer = conn.getresponse()
-                answer.read()
-                if answer.status != 201:
-                    raise RuntimeError(f"POST /v1/operations answered {answer.status}")
+                _enqueue_over_http(conn, body, self.token)
 
             return call
 
@@ -302,27 +311,14 @@ class SigninBurst:
 
 def _enqueue_for(address: tuple[str, int], token: str, seconds: float) -> list[float]:
     """One agent enqueueing one after another for ``seconds``: each call's latency."""
-    body = json.dumps({"tool": TOOL, "target": "project-a", "payload": {"version": "1.2.3"}})
+    body = _ENQUEUE_BODY
     conn = http.client.HTTPConnection(*address, timeout=120)
     latencies: list[float] = []
     deadline = time.perf_counter() + seconds
     try:
         while time.perf_counter() < deadline:
             began = time.perf_counter()
-            conn.request(
-                "POST",
-                "/v1/operations",
-                body=body,
-                headers={
-                    "Authorization": f"Bearer {token}",
-                    "Idempotency-Key": str(uuid.uuid4()),
-                    "Content-Type": "application/json",
-                },
-            )
-            answer = conn.getresponse()
-            answer.read()
-            if answer.status != 201:
-                raise RuntimeError(f"POST /v1/operations answered {answer.status}")
+            _enqueue_over_http(conn, body, token)
             latencies.append(time.perf_counter() - began)
     finally:
         conn.close()

@@ -20,6 +20,16 @@ app = typer.Typer(
 )
 
 
+def _read_password(prompt: str, *, from_stdin: bool) -> str:
+    """A password from stdin's first line (``--password-stdin``), else asked for twice at a
+    terminal; never an argument (it would stay in the shell's history and the process list)."""
+    if from_stdin:
+        return sys.stdin.readline().rstrip("\r\n")
+    if not sys.stdin.isatty():
+        fail("stdin is not a terminal: pass --password-stdin to read the password from it", 2)
+    return str(typer.prompt(prompt, hide_input=True, confirmation_prompt=True))
+
+
 @app.command("add")
 def add_command(
     name: Annotated[
@@ -42,12 +52,7 @@ def add_command(
 
     Only its argon2id hash is kept. A name is never reused, even once removed.
     """
-    if password_stdin:
-        password = sys.stdin.readline().rstrip("\r\n")
-    elif sys.stdin.isatty():
-        password = typer.prompt(f"Password for {name}", hide_input=True, confirmation_prompt=True)
-    else:
-        fail("stdin is not a terminal: pass --password-stdin to read the password from it", 2)
+    password = _read_password(f"Password for {name}", from_stdin=password_stdin)
     with needs_extra("api", "operators add"), transaction() as session:
         made = operators.add_operator(session, name=name, password=password)
     if as_json:
@@ -103,14 +108,7 @@ def set_password_command(
 ) -> None:
     """Give an operator a new password (asked for twice, or read from stdin); every console
     session of theirs ends at once."""
-    if password_stdin:
-        password = sys.stdin.readline().rstrip("\r\n")
-    elif sys.stdin.isatty():
-        password = typer.prompt(
-            f"New password for {name}", hide_input=True, confirmation_prompt=True
-        )
-    else:
-        fail("stdin is not a terminal: pass --password-stdin to read the password from it", 2)
+    password = _read_password(f"New password for {name}", from_stdin=password_stdin)
     with needs_extra("api", "operators set-password"), transaction() as session:
         changed = operators.set_password(session, name=name, password=password)
     console.print(

@@ -205,10 +205,16 @@ async def signin_form(request: Request) -> Response:
     return _page(request, "signin.html", operator=None, name="", error=None)
 
 
-def _signin_page(request: Request, name: str, error: str, status_code: int) -> HTMLResponse:
-    return _page(
+def _signin_page(
+    request: Request, name: str, error: str, status_code: int, *, retry_after_s: int | None = None
+) -> HTMLResponse:
+    """The sign-in form again with ``error``; a refusal for a while says how long (Retry-After)."""
+    response = _page(
         request, "signin.html", operator=None, name=name, error=error, status_code=status_code
     )
+    if retry_after_s is not None:
+        response.headers["Retry-After"] = str(retry_after_s)
+    return response
 
 
 @router.post("/signin", response_class=HTMLResponse)
@@ -224,7 +230,9 @@ async def signin(request: Request) -> Response:
     own = _signins(request)
     try:
         with own.checks.admitted() as slot:
-            return await _check_signin(request, own, slot, name=name, password=password)
+            return await _check_signin(
+                request, own, slot, name=name, password=password, address=address
+            )
     except (signins.Busy, PoolTimeout):  # no thread nor connection for it soon
         own.metrics.refused.labels(reason="busy").inc()
         log.warning(
@@ -235,20 +243,24 @@ async def signin(request: Request) -> Response:
                 "client": address,
             },
         )
-        response = _signin_page(
+        return _signin_page(
             request,
             name,
             f"Too many sign-ins at once: try again in {signins.BUSY_RETRY_AFTER_S} seconds.",
             503,
+            retry_after_s=signins.BUSY_RETRY_AFTER_S,
         )
-        response.headers["Retry-After"] = str(signins.BUSY_RETRY_AFTER_S)
-        return response
 
 
 async def _check_signin(
-    request: Request, own: signins.Signins, slot: signins.Slot, *, name: str, password: str
+    request: Request,
+    own: signins.Signins,
+    slot: signins.Slot,
+    *,
+    name: str,
+    password: str,
+    address: str,
 ) -> Response:
-    address = _address(request)
     throttle = own.throttle
 
     def reserve(sync: Executor) -> tuple[Refusal | Reservation, operators.Credentials | None]:
@@ -272,9 +284,7 @@ async def _check_signin(
             f"Too many failed sign-ins from {reserved.what}: wait {reserved.retry_after_s} "
             "seconds, then try again."
         )
-        response = _signin_page(request, name, error, 429)
-        response.headers["Retry-After"] = str(reserved.retry_after_s)
-        return response
+        return _signin_page(request, name, error, 429, retry_after_s=reserved.retry_after_s)
     # argon2 holds the CPU for a while: on the sign-in's own threads, not the loop's or the
     # agents'; the attempt is already counted as a failure (the reservation).
     check = await own.checks.run(slot, operators.check_password, account, password)
