@@ -7,12 +7,13 @@ from typing import Annotated
 from uuid import UUID
 
 import typer
+from rich import box
 from rich.table import Table
 from sqlalchemy.orm import Session
 
 from outbox import api, approval, sql
 from outbox.cli.common import transaction
-from outbox.cli.output import age, console, print_json
+from outbox.cli.output import age, console, moment, print_json, wide_console
 from outbox.errors import ConfigError, OperationNotFound
 from outbox.models import Event, Operation
 from outbox.resolve import RESOLVABLE_STATES, resolve, waiting_reasons
@@ -29,8 +30,16 @@ def list_operations(
     tool: Annotated[str | None, typer.Option(help="Only operations of this tool.")] = None,
     limit: Annotated[int, typer.Option(min=1, max=10_000, help="At most this many.")] = 50,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON array.")] = False,
+    wide: Annotated[
+        bool,
+        typer.Option("--wide", help="One line per operation, every column and hash whole."),
+    ] = False,
 ) -> None:
     """List operations, newest first.
+
+    Readable at 80 columns: each operation's id, tool and target are stacked in its first
+    column and a payload hash is shortened to its first 12 characters (`ops show` prints it
+    whole); `--wide` prints one line per operation with everything whole.
 
     With `--state needs_human` (or `unknown`) it lists the queue an operator works through:
     how long each has waited in that state and why it is there (`reason` in JSON). With
@@ -50,12 +59,12 @@ def list_operations(
         console.print("no operations" + (f" in state {state.value}" if state else ""))
         return
     if queue:
-        console.print(_queue_table(found, reasons, now))
-        return
-    if state is State.AWAITING_APPROVAL:
-        console.print(_approval_table(found, now))
-        return
-    console.print(_operations_table(found, now))
+        table = _queue_table(found, reasons, now, wide=wide)
+    elif state is State.AWAITING_APPROVAL:
+        table = _approval_table(found, now, wide=wide)
+    else:
+        table = _operations_table(found, now, wide=wide)
+    (wide_console if wide else console).print(table)
 
 
 @app.command()
@@ -261,17 +270,43 @@ def _load_tools() -> None:
         raise ConfigError(f"cannot load the tools to learn their in-flight horizon: {exc}") from exc
 
 
-def _operations_table(found: list[Operation], now: object) -> Table:
-    table = Table()
-    table.add_column("id", no_wrap=True, min_width=36)
-    for header in ("state", "tool", "target", "attempts", "age", "intent key", "last error"):
-        table.add_column(header)
+#: How much of a payload hash the narrow tables show (`ops show` prints it whole).
+SHORT_HASH = 12
+
+
+def _table(*, wide: bool) -> Table:
+    """A table whose first column names each operation: its id alone when wide, else its id
+    over its tool and its target (so that none of the three is cut at 80 columns)."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    # Never narrower than a whole id: the other columns give way (a longer tool folds).
+    table.add_column(
+        "id" if wide else "id / tool / target", no_wrap=wide, overflow="fold", min_width=36
+    )
+    if wide:
+        table.add_column("tool", no_wrap=True)
+        table.add_column("target", no_wrap=True)
+    return table
+
+
+def _named(op: Operation, *, wide: bool, more: str = "") -> list[str]:
+    """The first cells of an operation's row (see :func:`_table`); ``more``, a line under
+    the target when narrow."""
+    if wide:
+        return [str(op.id), op.tool, op.target]
+    return ["\n".join(filter(None, (str(op.id), op.tool, op.target, more)))]
+
+
+def _operations_table(found: list[Operation], now: object, *, wide: bool) -> Table:
+    table = _table(wide=wide)
+    table.add_column("state", no_wrap=True)
+    for header in ("attempts", "age"):
+        table.add_column(header, no_wrap=True)
+    for header in ("intent key", "last error"):
+        table.add_column(header, no_wrap=wide, overflow="ellipsis")
     for op in found:
         table.add_row(
-            str(op.id),
+            *_named(op, wide=wide),
             op.state.value,
-            op.tool,
-            op.target,
             str(op.attempts),
             age(op.created_at, now),  # type: ignore[arg-type]
             op.intent_key,
@@ -280,17 +315,17 @@ def _operations_table(found: list[Operation], now: object) -> Table:
     return table
 
 
-def _queue_table(found: list[Operation], reasons: dict[UUID, str], now: object) -> Table:
+def _queue_table(
+    found: list[Operation], reasons: dict[UUID, str], now: object, *, wide: bool
+) -> Table:
     """The operator's view: how long each has waited in its state, and why it is there."""
-    table = Table()
-    table.add_column("id", no_wrap=True, min_width=36)
-    for header in ("tool", "target", "attempts", "waiting", "reason"):
-        table.add_column(header)
+    table = _table(wide=wide)
+    for header in ("attempts", "waiting"):
+        table.add_column(header, no_wrap=True)
+    table.add_column("reason", no_wrap=wide)
     for op in found:
         table.add_row(
-            str(op.id),
-            op.tool,
-            op.target,
+            *_named(op, wide=wide),
             str(op.attempts),
             age(op.updated_at, now),  # type: ignore[arg-type]
             reasons.get(op.id, ""),
@@ -298,23 +333,22 @@ def _queue_table(found: list[Operation], reasons: dict[UUID, str], now: object) 
     return table
 
 
-def _approval_table(found: list[Operation], now: object) -> Table:
+def _approval_table(found: list[Operation], now: object, *, wide: bool) -> Table:
     """What waits for an approval: since when, until when, and the hash to approve."""
-    table = Table()
-    table.add_column("id", no_wrap=True, min_width=36)
-    for header in ("tool", "target", "requested by", "waiting", "expires"):
-        table.add_column(header)
-    table.add_column("payload hash", no_wrap=True, min_width=64)
+    table = _table(wide=wide)
+    if wide:
+        table.add_column("requested by", no_wrap=True)
+    # Narrow, every column is as wide as its content: 36 + 6 + 20 + 12 and three gaps of 2.
+    table.add_column("waiting" if wide else "waited", no_wrap=True)
+    table.add_column("expires", no_wrap=True)
+    table.add_column("payload hash", no_wrap=True)
     for op in found:
-        expires = op.approval_expires_at
         table.add_row(
-            str(op.id),
-            op.tool,
-            op.target,
-            op.requested_by or "",
+            *_named(op, wide=wide, more=f"requested by {op.requested_by}" * bool(op.requested_by)),
+            *([op.requested_by or ""] if wide else []),
             age(op.updated_at, now),  # type: ignore[arg-type]
-            expires.isoformat(timespec="seconds") if expires is not None else "",
-            op.payload_hash,
+            moment(op.approval_expires_at),
+            op.payload_hash if wide else op.payload_hash[:SHORT_HASH],
         )
     return table
 

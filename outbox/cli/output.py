@@ -5,8 +5,9 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import os
 import sys
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, NoReturn
 
 from pydantic.fields import FieldInfo
@@ -15,8 +16,11 @@ from rich.markup import escape
 
 from outbox.config import Settings, variable
 
-# Not a terminal (a pipe, a log file): rich would wrap at 80 columns and cut the ids.
-console = Console(width=None if sys.stdout.isatty() else 160)
+# Not a terminal (a pipe, a log file): rich would wrap at 80 columns and cut the ids, unless
+# the caller says how wide its screen is (COLUMNS, which rich reads when no width is given).
+console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
+# `--wide` tables: wider than any of them needs, whatever the screen (a pager takes them).
+wide_console = Console(width=400)
 errors = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
 
 
@@ -50,6 +54,13 @@ def age(since: datetime | None, now: datetime) -> str:
         if seconds >= size:
             return f"{seconds // size}{unit}"
     return f"{seconds}s"
+
+
+def moment(at: datetime | None) -> str:
+    """A whole instant in UTC, to the second: ``2026-12-04T05:00:00Z`` (20 columns)."""
+    if at is None:
+        return ""
+    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _default(field: FieldInfo) -> str:

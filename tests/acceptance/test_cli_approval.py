@@ -80,12 +80,12 @@ def test_approve_without_by_is_a_usage_error(outbox_cli: CLI, engine: Engine) ->
 def test_the_approval_queue_lists_what_waits_with_its_hash(
     cli_env: dict[str, str], engine: Engine
 ) -> None:
-    """`ops list --state awaiting_approval` shows each waiting operation, its expiry and hash;
-    `ops show` prints the commands to approve or reject it."""
+    """`ops list --state awaiting_approval --wide` shows each waiting operation, its expiry
+    and whole hash; `ops show` prints the commands to approve or reject it."""
     op = awaiting(engine)
     make_operation(engine)  # planned: not listed
     wide = cli_env | {"COLUMNS": "400"}
-    listed = run_outbox("ops", "list", "--state", "awaiting_approval", env=wide)
+    listed = run_outbox("ops", "list", "--state", "awaiting_approval", "--wide", env=wide)
     assert listed.code == 0, listed.stderr
     assert str(op.id) in listed.stdout
     assert op.payload_hash in listed.stdout

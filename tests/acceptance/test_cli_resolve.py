@@ -249,13 +249,14 @@ def test_by_and_note_are_required(outbox_cli: CLI, engine: Engine) -> None:
 
 
 def test_the_human_queue_lists_age_and_reason(outbox_cli: CLI, engine: Engine) -> None:
-    """`ops list --state needs_human` shows each operation's tool, target, wait and reason."""
+    """`ops list --state needs_human --wide` shows each operation's tool, target, wait and
+    reason on its line."""
     seen = waiting(engine, State.UNKNOWN)
     stuck = move(engine, seen, State.NEEDS_HUMAN, Actor.RECONCILER, reason=REASON)
     make_operation(engine, State.PLANNED)  # not in the queue
     age(engine, stuck.id, 7200, "updated_at")
 
-    listed = outbox_cli("ops", "list", "--state", "needs_human")
+    listed = outbox_cli("ops", "list", "--state", "needs_human", "--wide")
     assert listed.code == 0, listed.stderr
     [row] = [line for line in listed.stdout.splitlines() if str(stuck.id) in line]
     for column in ("deploy.create_release", "project-a", "2h", REASON):
