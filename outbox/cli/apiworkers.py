@@ -92,6 +92,11 @@ def load_configured_tools(settings: Settings) -> None:
     """Load the tools when OUTBOX_CONFIG or OUTBOX_TOOLS names them: then they alone are known
     (and resolve knows their in-flight horizons); else ``outbox.tool_policies`` says."""
     if settings.config is None and not settings.tools:
+        log.info(
+            "0 tool(s) loaded: OUTBOX_CONFIG and OUTBOX_TOOLS unset, outbox.tool_policies "
+            "says which tools are known (docs/tools.md)",
+            extra={"action": Action.TOOLS_LOADED, "tools": ""},
+        )
         return
     with needs_extra("worker", "api"):
         from outbox.tools import load_tools  # noqa: PLC0415 -- the tools layer, as ops resolve

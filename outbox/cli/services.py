@@ -12,6 +12,7 @@ import typer
 from outbox.cli.common import await_database, connected, require_schema
 from outbox.cli.extras import needs_extra
 from outbox.cli.options import LogLevel, LogLevelOption, Pool, queue_list, start_logging
+from outbox.cli.toolset import NoToolsOption, load_toolset
 from outbox.config import get_settings
 from outbox.logs import Action
 
@@ -119,7 +120,7 @@ def beat_command(
     app.start(["beat", "-l", log_level.value, "-s", schedule, "-S", scheduler])
 
 
-def worker_command(
+def worker_command(  # noqa: PLR0917 -- Click passes the options by name
     queues: Annotated[
         str,
         typer.Option(
@@ -150,14 +151,18 @@ def worker_command(
         str | None, typer.Option("-n", "--hostname", help="Worker name (default: celery@host).")
     ] = None,
     log_level: LogLevelOption = LogLevel.INFO,
+    no_tools: NoToolsOption = False,
 ) -> None:
     """Run a Celery worker on the outbox app: dispatch, lookups, sweeps, escalations.
 
-    Tools come from OUTBOX_TOOLS (Python modules) and OUTBOX_CONFIG (HTTP tools in TOML).
-    By default one worker consumes every queue; split them across workers with -Q.
+    Tools come from OUTBOX_TOOLS (Python modules) and OUTBOX_CONFIG (HTTP tools in TOML);
+    it logs how many it loaded and from where, and refuses to start with none (exit 2)
+    unless `--no-tools` is given. By default one worker consumes every queue; split them
+    across workers with -Q.
     """
     start_logging(log_level)
     app = celery_app("worker")
+    load_toolset("worker", get_settings(), no_tools=no_tools)  # logs "N tool(s) loaded from"
     await_database("worker")
     require_schema()
     argv = ["worker", "-Q", queues, "-c", str(concurrency), "-P", pool.value, "-l", log_level.value]

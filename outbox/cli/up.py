@@ -24,6 +24,7 @@ from outbox.cli.common import connected
 from outbox.cli.extras import needs_extra
 from outbox.cli.options import LogLevel
 from outbox.cli.output import console, fail
+from outbox.cli.toolset import NoToolsOption, load_toolset
 from outbox.config import Settings, get_settings, variable
 from outbox.db import redact
 from outbox.errors import ConfigError
@@ -151,6 +152,7 @@ def up_command(
         LogLevel,
         typer.Option("--log-level", case_sensitive=False, help="The processes' log level."),
     ] = LogLevel.WARNING,
+    no_tools: NoToolsOption = False,
 ) -> None:
     """Run everything on this host: migrations, relay, workers, beat, metrics, the HTTP API
     (and Flower, and the MCP server over HTTP with --mcp).
@@ -160,7 +162,9 @@ def up_command(
     with a backoff (1 s, doubling to 30 s). Their logs go to OUTBOX_HOME/logs. The panel shows
     each process, the operations by state, how long the oldest `planned`, `sent` and
     `unknown` have waited, the `needs_human` count and the decided-per-second rate.
-    Ctrl-C (or SIGTERM) stops every process cleanly and exits 0.
+    Ctrl-C (or SIGTERM) stops every process cleanly and exits 0. It prints how many tools it
+    loaded and from where (OUTBOX_CONFIG, OUTBOX_TOOLS), and refuses to start with none
+    (exit 2) unless `--no-tools` is given.
     """
     with needs_extra("worker", "up"):
         # prometheus_client (and the children: Celery), checked before anything starts.
@@ -170,6 +174,8 @@ def up_command(
     settings = get_settings()
     if mcp:
         _check_mcp(settings.config is not None or bool(settings.tools))
+    # Here, not in the workers: a bad tool or none is one line now, before anything starts.
+    tools, source = load_toolset("up", settings, no_tools=no_tools)
     if flower and settings.flower_basic_auth is None:
         raise typer.BadParameter(
             "needs OUTBOX_FLOWER_BASIC_AUTH=user:password (Flower is never open)",
@@ -187,7 +193,7 @@ def up_command(
         migrate.upgrade(engine)
         env = {**os.environ, "OUTBOX_DATABASE_URL": url, "OUTBOX_HOME": str(settings.home)}
         supervisor = Supervisor(
-            _specs(workers, concurrency, relays, flower, flower_port, log_level)
+            _specs(workers, concurrency, relays, flower, flower_port, log_level, no_tools)
             + ([ChildSpec("api", _api_arguments(api_port, api_workers))] if api else [])
             + (
                 [
@@ -208,6 +214,7 @@ def up_command(
         lines = [
             f"database: {redact(url)}",
             f"broker:   {broker}",
+            f"tools:    {tools} from {source}",
             f"logs:     {supervisor.log_dir}",
         ]
         if server:
@@ -266,14 +273,31 @@ def _check_mcp(tools_named: bool) -> None:
 
 
 def _specs(  # noqa: PLR0917 -- one private call site
-    workers: int, concurrency: int, relays: int, flower: bool, flower_port: int, log_level: LogLevel
+    workers: int,
+    concurrency: int,
+    relays: int,
+    flower: bool,
+    flower_port: int,
+    log_level: LogLevel,
+    no_tools: bool,
 ) -> list[ChildSpec]:
     level = ("--log-level", log_level.value)
+    told = ("--no-tools",) if no_tools else ()  # `up --no-tools`: the workers are told too
     specs = [ChildSpec(f"relay-{i}", ("relay", *level)) for i in range(1, relays + 1)]
     specs += [
         ChildSpec(
             f"worker-{i}",
-            ("worker", "-P", "threads", "-c", str(concurrency), "-n", f"worker{i}@%h", *level),
+            (
+                "worker",
+                "-P",
+                "threads",
+                "-c",
+                str(concurrency),
+                "-n",
+                f"worker{i}@%h",
+                *level,
+                *told,
+            ),
         )
         for i in range(1, workers + 1)
     ]

@@ -129,11 +129,23 @@ def load_tools(
         BUDGETS.register(budget)
     registry.contracts.mark_loaded()
     log.info(
-        "%d tool(s) loaded",
+        "%d tool(s) loaded from %s",
         len(registry),
+        tools_source(settings),
         extra={"action": Action.TOOLS_LOADED, "tools": ",".join(registry.names())},
     )
     return registry
+
+
+def tools_source(settings: Settings) -> str:
+    """Where the tools come from, as a log line says it: ``OUTBOX_CONFIG /etc/tools.toml``,
+    ``OUTBOX_TOOLS a,b``, both, or ``nowhere (OUTBOX_CONFIG and OUTBOX_TOOLS unset)``."""
+    sources = []
+    if settings.config is not None:
+        sources.append(f"OUTBOX_CONFIG {settings.config}")
+    if settings.tools:
+        sources.append(f"OUTBOX_TOOLS {','.join(settings.tools)}")
+    return " and ".join(sources) or "nowhere (OUTBOX_CONFIG and OUTBOX_TOOLS unset)"
 
 
 def check_against_settings(contracts: Iterable[ToolContract], settings: Settings) -> None:

@@ -158,7 +158,10 @@ main()
 @pytest.mark.parametrize(
     ("command", "started"),
     [
-        (("worker", "-c", "1"), "worker_main worker -Q dispatch,lookup,reconcile,human -c 1"),
+        (
+            ("worker", "-c", "1", "--no-tools"),
+            "worker_main worker -Q dispatch,lookup,reconcile,human -c 1",
+        ),
         (("beat",), "start beat"),
         (("flower", "--no-auth"), "start flower --address=127.0.0.1 --port=5555"),
     ],
