@@ -52,13 +52,15 @@ def test_a_worker_told_no_tools_starts_and_says_it_has_none(bare: Services) -> N
     )
 
 
-def test_a_worker_logs_how_many_tools_it_loaded_and_from_where(
-    services: Services, stack_env: dict[str, str]
+@pytest.mark.parametrize("command", [("worker", "-c", "1", "-P", "threads"), ("relay",)])
+def test_worker_and_relay_log_how_many_tools_they_loaded_and_from_where(
+    command: tuple[str, ...], services: Services, stack_env: dict[str, str]
 ) -> None:
-    """`outbox worker` logs the number of tools it loaded and the OUTBOX_CONFIG file."""
-    worker = services.start("worker", "worker", "-c", "1", "-P", "threads")
+    """`outbox worker` and `outbox relay` log the number of tools they loaded and the
+    OUTBOX_CONFIG file they came from."""
+    process = services.start(command[0], *command)
     said = f"1 tool(s) loaded from OUTBOX_CONFIG {stack_env['OUTBOX_CONFIG']}"
-    wait_until(lambda: said in worker.output(), timeout=90, what="the tools' log line")
+    wait_until(lambda: said in process.output(), timeout=90, what="the tools' log line")
 
 
 def test_up_prints_how_many_tools_it_loaded_and_from_where(stack_env: dict[str, str]) -> None:
