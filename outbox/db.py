@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry, NullPool, PoolResetState
 
-from outbox import embedded
+from outbox import embedded, urls
 from outbox.backoff import Backoff
 from outbox.config import Settings, get_settings
 from outbox.errors import DatabaseUnavailable, SchemaNotReady
@@ -27,19 +27,13 @@ from outbox.locks import SESSION_LOCKS_INFO
 from outbox.logs import Action, describe_error
 from outbox.sql.locks import UNLOCK_ALL_SQL
 
-_DRIVER = "postgresql+psycopg"
-
 log = logging.getLogger(__name__)
 
 
 def normalize_url(url: str) -> str:
-    """``url`` with the psycopg 3 driver, whichever PostgreSQL spelling it came in."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "postgresql":
-        raise DatabaseUnavailable(
-            f"OUTBOX_DATABASE_URL must be a PostgreSQL URL, not {parsed.drivername}://"
-        )
-    return parsed.set(drivername=_DRIVER).render_as_string(hide_password=False)
+    """``url`` with the psycopg 3 driver, whichever PostgreSQL spelling it came in
+    (:func:`outbox.urls.sqlalchemy_url`)."""
+    return urls.sqlalchemy_url(url)
 
 
 def redact(url: str) -> str:

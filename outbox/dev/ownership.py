@@ -8,10 +8,11 @@ so a database it did not create is refused unless the caller names that very dat
 
 from __future__ import annotations
 
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.engine import URL
 
+from outbox import urls
 from outbox.db import redact
+from outbox.errors import DatabaseUnavailable
 
 #: The flag that names a database the caller owns and lets a run empty it.
 OWN_DATABASE_FLAG = "--i-own-this-database"
@@ -25,13 +26,13 @@ def _identity(url: str) -> URL:
     """What names a database in ``url``: server, port, user, database and query.
 
     The password is left out: it does not say which database it is, and the caller may
-    name the URL as printed (passwords masked). So is the driver (``postgresql://`` and
-    ``postgresql+psycopg://`` are the same database).
+    name the URL as printed (passwords masked). So is the driver (``postgresql://``,
+    ``postgres://`` and ``postgresql+psycopg://`` are the same database).
     """
     try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        raise NotOwned(f"{OWN_DATABASE_FLAG}: {url!r} is not a database URL") from exc
+        parsed = urls.parse(url)
+    except DatabaseUnavailable as exc:
+        raise NotOwned(f"{OWN_DATABASE_FLAG}: {url!r} is not a PostgreSQL URL") from exc
     return URL.create(
         parsed.get_backend_name(),
         username=parsed.username,
