@@ -40,7 +40,7 @@ import psycopg
 from arguments import add_common_arguments
 from report import Results, print_table, write_json
 from rounds import Case, percentile, run_rounds
-from sqlalchemy import Engine, make_url, text
+from sqlalchemy import Engine, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 from throwaway import throwaway_database
@@ -50,6 +50,7 @@ from outbox.approval import publish_policies_committed
 from outbox.contracts import ToolContract
 from outbox.db import create_async_engine, create_engine
 from outbox.states import Actor, State
+from outbox.urls import libpq_url
 
 Rate = Mapping[str, tuple[float, str]]
 TOOL = "deploy.create_release"
@@ -150,7 +151,7 @@ class AioBench:
         async def sample() -> None:
             # On the loop, not in a thread: a thread would take the GIL from the ticker.
             async with await psycopg.AsyncConnection.connect(
-                _libpq(self.url), autocommit=True
+                libpq_url(self.url), autocommit=True
             ) as conn:
                 while not done.is_set():
                     cursor = await conn.execute(
@@ -235,7 +236,7 @@ class AioBench:
 
     def raw_sync(self) -> Rate:
         """psycopg alone, no outbox, no SQLAlchemy: one small INSERT+COMMIT at a time."""
-        with psycopg.connect(_libpq(self.url)) as conn:
+        with psycopg.connect(libpq_url(self.url)) as conn:
             started, cpu = time.perf_counter(), time.process_time()
             for i in range(self.ops):
                 conn.execute(_RAW_INSERT, (str(i),))
@@ -246,7 +247,7 @@ class AioBench:
         """The same on psycopg's AsyncConnection."""
 
         async def run() -> Rate:
-            async with await psycopg.AsyncConnection.connect(_libpq(self.url)) as conn:
+            async with await psycopg.AsyncConnection.connect(libpq_url(self.url)) as conn:
                 started, cpu = time.perf_counter(), time.process_time()
                 for i in range(self.ops):
                     await conn.execute(_RAW_INSERT, (str(i),))
@@ -301,11 +302,6 @@ class AioBench:
                 await engine.dispose()
 
         return asyncio.run(main())
-
-
-def _libpq(url: str) -> str:
-    """``url`` as psycopg takes it (no SQLAlchemy driver name)."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def _cases(bench: AioBench) -> list[Case]:

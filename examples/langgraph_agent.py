@@ -55,7 +55,6 @@ from langchain_core.tools import BaseTool
 from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.graph import END, START, MessagesState, StateGraph
-from sqlalchemy import make_url
 
 from outbox import aio
 from outbox.db import create_async_engine, database_url
@@ -66,6 +65,7 @@ from outbox.integrations.langgraph import (
     outbox_tool,
     thread_pending,
 )
+from outbox.urls import libpq_url
 
 TOOL = "deploy.create_release"
 
@@ -100,7 +100,7 @@ def _run(args: argparse.Namespace, url: str) -> tuple[dict[str, Any], bool]:
     resumed."""
     tool = outbox_tool(TOOL, wait_s=args.wait)
     config: RunnableConfig = {"configurable": {"thread_id": args.thread}}
-    with PostgresSaver.from_conn_string(_libpq_url(url)) as saver:
+    with PostgresSaver.from_conn_string(libpq_url(url)) as saver:
         saver.setup()
         script = _script(tool.name, args.target, args.version, args.json)
         graph = _graph(tool, script).compile(checkpointer=saver)
@@ -117,7 +117,7 @@ async def _run_async(args: argparse.Namespace, url: str) -> tuple[dict[str, Any]
     try:
         tool = outbox_tool(TOOL, wait_s=args.wait, engine=engine)
         config: RunnableConfig = {"configurable": {"thread_id": args.thread}}
-        async with AsyncPostgresSaver.from_conn_string(_libpq_url(url)) as saver:
+        async with AsyncPostgresSaver.from_conn_string(libpq_url(url)) as saver:
             await saver.setup()
             script = _script(tool.name, args.target, args.version, args.json)
             graph = _graph(tool, script, asynchronous=True).compile(checkpointer=saver)
@@ -177,11 +177,6 @@ def _load_tools() -> None:
     except ImportError:
         return
     load_tools()
-
-
-def _libpq_url(url: str) -> str:
-    """The outbox's SQLAlchemy URL as the plain ``postgresql://`` one psycopg connects with."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def _script(tool_name: str, target: str, version: str, json_lines: bool) -> Iterator[AIMessage]:

@@ -1,7 +1,7 @@
 """The job every peer does, as its workers do it: the tables, the intent's shape, the HTTP call.
 
 Imported by the peers' worker processes as well as by ``peers.py``, so it imports nothing of
-the benchmark harness (only httpx). One operation is:
+the benchmark harness (only httpx, and the outbox's URL conversions). One operation is:
 
 1. record the intent durably (a row of ``bench_intents``: a UUID, a target, a JSON payload);
 2. POST its payload once to the reference service, ``POST {service}/projects/{target}/releases``
@@ -21,6 +21,8 @@ import os
 from typing import Any
 
 import httpx
+
+from outbox import urls
 
 #: What the parent tells a worker process, in its environment.
 ENV_DATABASE = "BENCH_PEER_DATABASE_URL"  # libpq URL of the database holding bench_* tables
@@ -113,11 +115,11 @@ async def post_release_async(
 
 
 def libpq_url(url: str) -> str:
-    """``url`` as libpq and psycopg spell it (``postgresql://``, no SQLAlchemy driver)."""
-    scheme, sep, rest = url.partition("://")
-    return f"{scheme.split('+', 1)[0]}{sep}{rest}"
+    """``url`` as libpq and psycopg spell it (``postgresql://``, no SQLAlchemy driver; any
+    outbox URL: :func:`outbox.urls.libpq_url`)."""
+    return urls.libpq_url(url)
 
 
 def sqlalchemy_url(url: str) -> str:
     """``url`` with SQLAlchemy's psycopg 3 driver (``postgresql+psycopg://``)."""
-    return "postgresql+psycopg://" + libpq_url(url).partition("://")[2]
+    return urls.sqlalchemy_url(url)

@@ -37,13 +37,14 @@ from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
-from sqlalchemy import event, make_url
+from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from outbox import aio
 from outbox.db import create_async_engine, database_url, get_engine
 from outbox.integrations.langgraph import ainvoke_thread, invoke_thread, outbox_tool
 from outbox.tools import load_tools
+from outbox.urls import libpq_url
 from tests.tool_configs import TOOL
 
 #: What the runner prints before its JSON answer.
@@ -204,7 +205,7 @@ def _request(args: argparse.Namespace) -> MessagesState:
 def _run(args: argparse.Namespace, moments: _Moments) -> dict[str, Any]:
     tool = outbox_tool(TOOL, engine=get_engine(), wait_s=args.wait_s)
     config: RunnableConfig = {"configurable": {"thread_id": args.thread}}
-    with _SlowSaver.from_conn_string(_libpq_url(database_url())) as saver:
+    with _SlowSaver.from_conn_string(libpq_url(database_url())) as saver:
         assert isinstance(saver, _SlowSaver)  # from_conn_string yields cls(...)
         saver.delay_s, saver.moments = args.checkpoint_delay_s, moments
         graph = _builder(tool, args, moments).compile(checkpointer=saver)
@@ -221,7 +222,7 @@ async def _run_async(args: argparse.Namespace, moments: _Moments) -> dict[str, A
     try:
         tool = outbox_tool(TOOL, engine=engine, wait_s=args.wait_s)
         config: RunnableConfig = {"configurable": {"thread_id": args.thread}}
-        async with _SlowAsyncSaver.from_conn_string(_libpq_url(database_url())) as saver:
+        async with _SlowAsyncSaver.from_conn_string(libpq_url(database_url())) as saver:
             assert isinstance(saver, _SlowAsyncSaver)
             saver.delay_s, saver.moments = args.checkpoint_delay_s, moments
             graph = _builder(tool, args, moments).compile(checkpointer=saver)
@@ -234,11 +235,6 @@ async def _run_async(args: argparse.Namespace, moments: _Moments) -> dict[str, A
     finally:
         await aio.close()
         await engine.dispose()
-
-
-def _libpq_url(url: str) -> str:
-    """The outbox's SQLAlchemy URL as the plain ``postgresql://`` one psycopg connects with."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def main(argv: list[str] | None = None) -> int:

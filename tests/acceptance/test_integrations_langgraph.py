@@ -45,6 +45,7 @@ from outbox.dev.service import DeployService
 from outbox.integrations import langgraph as adapter
 from outbox.integrations.langgraph import OutboxTool, outbox_tool
 from outbox.states import State
+from outbox.urls import libpq_url
 from tests.acceptance.conftest import REPO
 from tests.acceptance.langgraph_runner import MARKER, PHASES
 from tests.processes import Service, Services, wait_until
@@ -63,7 +64,7 @@ def broker(rabbitmq_url: str) -> str:
 @pytest.fixture
 def saver(database_url: str) -> Iterator[PostgresSaver]:
     """LangGraph's Postgres checkpointer, its tables beside the outbox's in the test database."""
-    with PostgresSaver.from_conn_string(database_url) as checkpointer:
+    with PostgresSaver.from_conn_string(libpq_url(database_url)) as checkpointer:
         checkpointer.setup()
         yield checkpointer
 
@@ -393,7 +394,7 @@ def _call(tool: OutboxTool, version: str) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def _async_saver(database_url: str) -> AsyncIterator[AsyncPostgresSaver]:
     """LangGraph's async Postgres checkpointer on the test database (per event loop)."""
-    async with AsyncPostgresSaver.from_conn_string(database_url) as checkpointer:
+    async with AsyncPostgresSaver.from_conn_string(libpq_url(database_url)) as checkpointer:
         await checkpointer.setup()
         yield checkpointer
 
