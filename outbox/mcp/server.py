@@ -30,7 +30,13 @@ from starlette.routing import Route
 
 from outbox import __version__
 from outbox.contracts import ContractTable
-from outbox.mcp.auth import REQUIRED_SCOPE, AgentAccessToken, Caller, TokenCheck
+from outbox.mcp.auth import (
+    REQUIRED_SCOPE,
+    AgentAccessToken,
+    Caller,
+    ReadableRefusals,
+    TokenCheck,
+)
 from outbox.mcp.calls import Calls, report_of
 from outbox.mcp.sagas import (
     SAGA_STATUS_TOOL,
@@ -201,7 +207,8 @@ async def serve_stdio(context: McpContext) -> None:
 
 def http_app(context: McpContext, *, host: str, behind_proxy: bool = False) -> Starlette:
     """The streamable HTTP app: MCP at ``/mcp`` behind bearer tokens of the ``agent`` scope
-    (401 without a live one, 403 for an operator's), and ``/healthz``.
+    (401 without a live one, 403 for an operator's, each with a JSON-RPC error the SDK's
+    client raises: :class:`~outbox.mcp.auth.ReadableRefusals`), and ``/healthz``.
 
     ``host`` is the address it binds: on a loopback one the SDK also refuses requests whose
     ``Host`` or ``Origin`` is not local (DNS rebinding), unless ``behind_proxy``: a reverse
@@ -211,7 +218,7 @@ def http_app(context: McpContext, *, host: str, behind_proxy: bool = False) -> S
     async def healthz(_request: Request) -> PlainTextResponse:
         return PlainTextResponse("ok")
 
-    return create_server(context).streamable_http_app(
+    app = create_server(context).streamable_http_app(
         streamable_http_path=MCP_PATH,
         host=host,
         transport_security=(
@@ -229,3 +236,7 @@ def http_app(context: McpContext, *, host: str, behind_proxy: bool = False) -> S
         token_verifier=TokenCheck(context.engine),
         custom_starlette_routes=[Route("/healthz", healthz)],
     )
+    for route in app.routes:
+        if isinstance(route, Route) and route.path == MCP_PATH:
+            route.app = ReadableRefusals(route.app)  # the SDK's auth middleware, wrapped
+    return app
