@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -539,19 +540,91 @@ def test_over_http_a_saga_is_declared_and_read_as_the_tokens_own(stack: Stack) -
     assert "release-a" not in _text(theirs)
 
 
+# --- docs/mcp.md's client code, run as written ------------------------------------------------
+
+DOCS = REPO / "docs" / "mcp.md"
+
+
+def _doc_block(marker: str) -> str:
+    """The fenced block right after ``<!-- test: MARKER -->`` in docs/mcp.md."""
+    pattern = rf"<!-- test: {re.escape(marker)} -->\n```[a-z]*\n(.*?)\n```"
+    found = re.search(pattern, DOCS.read_text(encoding="utf-8"), re.DOTALL)
+    assert found, f"docs/mcp.md has no block marked {marker!r}"
+    return found.group(1)
+
+
+def _run_doc_block(marker: str, env: dict[str, str]) -> str:
+    """Run docs/mcp.md's block ``marker`` as a Python script (the virtualenv's ``outbox`` on
+    ``PATH``, as in an activated virtualenv) and return what it printed."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", _doc_block(marker)],
+        env={**env, "PATH": path},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_the_docs_stdio_client_runs_as_written_and_twice_is_one_effect(stack: Stack) -> None:
+    """docs/mcp.md's stdio client lists the tools and gets its release confirmed; run again, it
+    gets the same operation and the service has one effect."""
+    first = _run_doc_block("mcp-stdio", stack.env)
+    again = _run_doc_block("mcp-stdio", stack.env)
+    assert MCP_TOOL in first.splitlines()[0].removeprefix("tools: ").split(", ")
+    outcome, remote_ref = first.splitlines()[1].split()
+    assert outcome == "confirmed"
+    assert again.splitlines()[1] == first.splitlines()[1]
+    assert [effect.id for effect in stack.service.ledger()].count(remote_ref) == 1
+    assert _state(stack.engine, "conversation-42/release-web") == "confirmed"
+
+
+def test_the_docs_http_client_runs_as_written_with_a_token(stack: Stack) -> None:
+    """docs/mcp.md's streamable HTTP client, given an agent's token, gets its release
+    confirmed, recorded as requested by the token's name."""
+    token = _token(stack.engine, "release-bot", TokenScope.AGENT)
+    _, url = _start_http(stack, "mcp-http-docs")
+    printed = _run_doc_block(
+        "mcp-http", {**stack.env, "OUTBOX_MCP_URL": url, "OUTBOX_MCP_TOKEN": token}
+    )
+    assert printed.split()[0] == "confirmed", printed
+    with stack.engine.connect() as conn:
+        requested_by = conn.execute(
+            text("SELECT requested_by FROM outbox.operations WHERE intent_key = :key"),
+            {"key": "conversation-42/release-api"},
+        ).scalar_one()
+    assert requested_by == "release-bot"
+
+
+def test_the_docs_refused_client_prints_what_the_docs_say(stack: Stack) -> None:
+    """docs/mcp.md's client without a token and with a wrong one catches the SDK's MCPError
+    and prints exactly the lines the docs show: the 401 and where a token comes from."""
+    _, url = _start_http(stack, "mcp-http-refused")
+    printed = _run_doc_block("mcp-http-refused", {**stack.env, "OUTBOX_MCP_URL": url})
+    assert printed.strip() == _doc_block("mcp-http-refused-output").strip()
+
+
 def test_over_http_no_token_is_401_and_an_operator_token_403(stack: Stack) -> None:
     """The MCP endpoint refuses a request without a live token (401, with a Bearer challenge)
-    and an operator's token (403): it is for agents."""
+    and an operator's token (403): it is for agents; each body is a JSON-RPC error saying why."""
     operator = _token(stack.engine, "ops-mcp", TokenScope.OPERATOR)
     _, url = _start_http(stack, "mcp-http-3")
     hello = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
     bare = httpx.post(url, json=hello)
     assert bare.status_code == 401
     assert bare.headers["www-authenticate"].startswith("Bearer")
+    assert bare.json()["error"]["code"] == -32001
+    assert "no bearer token" in bare.json()["error"]["message"]
     wrong = httpx.post(url, json=hello, headers={"Authorization": "Bearer obx_nope"})
     assert wrong.status_code == 401
+    assert "unknown or revoked" in wrong.json()["error"]["message"]
     as_operator = httpx.post(url, json=hello, headers={"Authorization": f"Bearer {operator}"})
     assert as_operator.status_code == 403
+    assert "--scope agent" in as_operator.json()["error"]["message"]
 
 
 def test_a_public_address_without_tls_or_a_config_without_tools_is_one_line(
