@@ -22,7 +22,9 @@ SCENARIO_TIMEOUT_S = 420
 
 def test_the_readme_marks_its_first_action_for_the_tests() -> None:
     """The README's "Your first durable action" blocks are collected, shell and Python both."""
-    [first] = [s for s in SCENARIOS if s.id == "README.md::first-action"]
+    found = [s for s in SCENARIOS if s.id == "README.md::first-action"]
+    assert len(found) == 1, "README.md has no blocks marked <!-- test: first-action -->"
+    [first] = found
     assert {block.language for block in first.blocks} == {"sh", "python"}
     assert any("outbox up" in block.code for block in first.blocks)
 
