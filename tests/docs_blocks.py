@@ -1,8 +1,17 @@
 """The documentation's marked code blocks, collected and run as written.
 
-A fenced block preceded by ``<!-- test: NAME -->`` (blank lines between them allowed) in
-README.md or docs/*.md belongs to the scenario NAME of that file; a scenario's blocks run in
-the order they appear, as one bash script in a temporary directory:
+Two markers, both read here and nowhere else:
+
+- ``<!-- test: NAME -->`` before a fenced block (blank lines between them allowed) in
+  README.md or docs/*.md puts it in the scenario NAME of that file, which
+  ``tests/acceptance/test_docs_blocks.py`` runs on its own, on a fresh database;
+- ``<!-- example: NAME -->`` names a block that needs a stack a test builds for it (an
+  ``outbox mcp`` with its workers and a token, say): the test takes it by name with
+  :func:`example` and runs it as written; test_docs_blocks checks that every such name is
+  taken by a test, so that no marked block is left unrun.
+
+A scenario's blocks run in the order they appear, as one bash script in a temporary
+directory:
 
 - ``sh``/``bash``/``shell`` blocks are pasted in verbatim (under ``set -euo pipefail``);
 - ``python`` blocks are written to a file and run with this venv's python (its ``bin``
@@ -45,7 +54,7 @@ DEFAULT_PORTS = (8600, 8700, 8900, 9464)
 SHELL = frozenset({"sh", "bash", "shell"})
 PYTHON = frozenset({"python", "py"})
 
-_MARKER = re.compile(r"^<!--\s*test:\s*([A-Za-z0-9_.-]+)\s*-->\s*$")
+_MARKER = re.compile(r"^<!--\s*(test|example):\s*([A-Za-z0-9_.-]+)\s*-->\s*$")
 _FENCE = re.compile(r"^(```+|~~~+)\s*([A-Za-z0-9_+-]*)")
 #: Where the script writes its exit status before it waits on its background jobs.
 STATUS_FILE = "status"
@@ -81,23 +90,55 @@ class Scenario:
 
 
 def parse(path: Path) -> list[Scenario]:
-    """The scenarios of one Markdown file, in the order their first blocks appear."""
-    lines = path.read_text(encoding="utf-8").splitlines()
+    """The scenarios (``test:`` markers) of one Markdown file, in the order their first
+    blocks appear."""
     scenarios: dict[str, Scenario] = {}
+    for kind, name, block in _marked(path):
+        if kind == "test":
+            scenarios.setdefault(name, Scenario(path, name)).blocks.append(block)
+    return list(scenarios.values())
+
+
+def examples(path: Path) -> dict[str, Block]:
+    """The blocks of one Markdown file marked ``example:``, by name (one block a name)."""
+    found: dict[str, Block] = {}
+    for kind, name, block in _marked(path):
+        if kind != "example":
+            continue
+        if name in found:
+            raise DocBlockError(f"{path}:{block.line}: example {name!r} is marked twice")
+        found[name] = block
+    return found
+
+
+def example(path: Path, name: str) -> Block:
+    """The block of ``path`` marked ``<!-- example: NAME -->``; an error naming both if none."""
+    found = examples(path).get(name)
+    if found is None:
+        raise DocBlockError(f"{path} has no block marked <!-- example: {name} -->")
+    return found
+
+
+def _marked(path: Path) -> list[tuple[str, str, Block]]:
+    """Every marked block of one Markdown file: its marker's kind and name, and the block.
+    A ``test:`` block must be one the scenario runner can run (sh or python); an
+    ``example:`` block may be anything (its test reads it: the output a script prints)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    marked: list[tuple[str, str, Block]] = []
     index = 0
     while index < len(lines):
         marker = _MARKER.match(lines[index].strip())
         index += 1
         if marker is None:
             continue
-        name = marker.group(1)
+        kind, name = marker.group(1), marker.group(2)
         while index < len(lines) and not lines[index].strip():
             index += 1
         fence = _FENCE.match(lines[index]) if index < len(lines) else None
         if fence is None:
             raise DocBlockError(f"{path}:{index}: marker {name!r} is not followed by a code block")
         language = fence.group(2).lower()
-        if language not in SHELL | PYTHON:
+        if kind == "test" and language not in SHELL | PYTHON:
             raise DocBlockError(
                 f"{path}:{index + 1}: block {name!r} is {language or 'unlabelled'}; "
                 f"marked blocks are sh, bash, shell or python"
@@ -111,9 +152,8 @@ def parse(path: Path) -> list[Scenario]:
         if index == len(lines):
             raise DocBlockError(f"{path}:{opened}: block {name!r} is never closed")
         index += 1
-        scenario = scenarios.setdefault(name, Scenario(path, name))
-        scenario.blocks.append(Block(language, "\n".join(body) + "\n", opened))
-    return list(scenarios.values())
+        marked.append((kind, name, Block(language, "\n".join(body) + "\n", opened)))
+    return marked
 
 
 def collect(paths: Iterable[Path]) -> list[Scenario]:

@@ -82,6 +82,41 @@ def test_a_marker_on_an_unknown_language_is_refused(tmp_path: Path) -> None:
         docs_blocks.parse(document)
 
 
+def test_every_example_block_is_run_by_a_test() -> None:
+    """A block marked ``<!-- example: NAME -->`` is run by the test that builds its stack;
+    one whose name no test takes would be a documented example nothing runs."""
+    tests = "".join(path.read_text(encoding="utf-8") for path in (REPO / "tests").rglob("*.py"))
+    named = {
+        f"{path.name}::{name}"
+        for path in DOCUMENTS
+        for name in docs_blocks.examples(path)
+        if f'"{name}"' not in tests
+    }
+    assert named == set(), f"marked <!-- example: --> but run by no test: {sorted(named)}"
+    assert "mcp-stdio" in docs_blocks.examples(REPO / "docs" / "mcp.md")
+
+
+def test_an_example_marker_names_one_block_of_any_language(tmp_path: Path) -> None:
+    """``example:`` blocks are taken by name whatever their language (a script's printed
+    output is one); they are not scenarios; a name marked twice or missing is an error."""
+    document = tmp_path / "doc.md"
+    document.write_text(
+        "<!-- example: out -->\n```text\nhello\n```\n\n"
+        "<!-- test: run -->\n```sh\necho hello\n```\n",
+        encoding="utf-8",
+    )
+    assert docs_blocks.example(document, "out").code == "hello\n"
+    assert [scenario.name for scenario in docs_blocks.parse(document)] == ["run"]
+    with pytest.raises(docs_blocks.DocBlockError, match="no block marked <!-- example: gone"):
+        docs_blocks.example(document, "gone")
+    document.write_text(
+        "<!-- example: twice -->\n```text\na\n```\n<!-- example: twice -->\n```text\nb\n```\n",
+        encoding="utf-8",
+    )
+    with pytest.raises(docs_blocks.DocBlockError, match="example 'twice' is marked twice"):
+        docs_blocks.examples(document)
+
+
 def test_the_documented_ports_are_replaced_by_free_ones(tmp_path: Path) -> None:
     """8600 in a block becomes the free port chosen for it; 18600 and 86000 stay as they are."""
     document = tmp_path / "doc.md"

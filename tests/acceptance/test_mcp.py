@@ -35,6 +35,7 @@ from outbox.db import create_engine
 from outbox.dev.service import DeployService
 from outbox.dev.tool_config import http_tool_toml
 from outbox.models import TokenScope
+from tests import docs_blocks
 from tests.acceptance.conftest import REPO, clean_environment, run_outbox
 from tests.conftest import Databases
 from tests.processes import Service, Services, wait_until
@@ -546,11 +547,8 @@ DOCS = REPO / "docs" / "mcp.md"
 
 
 def _doc_block(marker: str) -> str:
-    """The fenced block right after ``<!-- test: MARKER -->`` in docs/mcp.md."""
-    pattern = rf"<!-- test: {re.escape(marker)} -->\n```[a-z]*\n(.*?)\n```"
-    found = re.search(pattern, DOCS.read_text(encoding="utf-8"), re.DOTALL)
-    assert found, f"docs/mcp.md has no block marked {marker!r}"
-    return found.group(1)
+    """The fenced block marked ``<!-- example: MARKER -->`` in docs/mcp.md."""
+    return docs_blocks.example(DOCS, marker).code
 
 
 def _run_doc_block(marker: str, env: dict[str, str]) -> str:
