@@ -20,7 +20,7 @@ from rich.table import Table
 from sqlalchemy import Engine
 
 from outbox import migrate
-from outbox.cli.common import connected
+from outbox.cli.common import await_database, connected
 from outbox.cli.extras import needs_extra
 from outbox.cli.options import LogLevel
 from outbox.cli.output import console, fail
@@ -188,6 +188,10 @@ def up_command(
 
     signal.signal(signal.SIGTERM, stopping)
     signal.signal(signal.SIGINT, stopping)
+    if settings.database_url is not None:
+        # A configured server may still be starting (Compose, systemd): wait for it like every
+        # component does, rather than fail on the migration's first connection.
+        await_database("up")
     with connected() as engine:
         url = engine.url.render_as_string(hide_password=False)
         migrate.upgrade(engine)

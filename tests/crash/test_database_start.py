@@ -207,6 +207,39 @@ def test_past_the_start_timeout_each_component_exits_1_with_one_line(tmp_path: P
         assert "Traceback" not in done.stderr
 
 
+def test_outbox_up_waits_for_a_configured_database_then_exits_1_with_one_line(
+    tmp_path: Path,
+) -> None:
+    """`outbox up` on a configured server that does not answer waits like its components (one
+    warning per try) before migrating, and past OUTBOX_DB_START_TIMEOUT exits 1 with one error
+    line naming the setting, having started nothing."""
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/outbox"
+    env = clean_environment(
+        OUTBOX_DATABASE_URL=url,
+        OUTBOX_HOME=str(tmp_path / "home"),
+        OUTBOX_DB_START_TIMEOUT="1",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "outbox", "up", "--no-tools"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.splitlines()
+    waits = [line for line in lines if line.startswith("warning: up: waiting for the database")]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(waits) >= 1, done.stderr
+    assert len(errors) == 1, done.stderr
+    assert errors[0].startswith("error: up: gave up waiting for the database at ")
+    assert "OUTBOX_DB_START_TIMEOUT" in errors[0]
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "home" / "logs").exists(), "a component was started"
+
+
 def test_a_restart_under_a_running_worker_is_one_line_per_error_without_sql(
     cluster: LocalCluster, tmp_path: Path, service: DeployService, rabbitmq_url: str
 ) -> None:
