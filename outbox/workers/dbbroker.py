@@ -17,16 +17,15 @@ process inserted first as found, not as an error.
 
 from __future__ import annotations
 
-import socket
 import warnings
 from queue import Empty
 from time import monotonic
 from typing import Any
 
 from kombu.transport import TRANSPORT_ALIASES
-from kombu.transport.sqlalchemy import dumps
 from kombu.transport.sqlalchemy import Channel as SQLAlchemyChannel
 from kombu.transport.sqlalchemy import Transport as SQLAlchemyTransport
+from kombu.transport.sqlalchemy import dumps
 from sqlalchemy import create_engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.pool import NullPool
@@ -143,7 +142,7 @@ class Transport(SQLAlchemyTransport):  # type: ignore[misc]
                     return
             until = self._next_poll if timeout is None else min(self._next_poll, start + timeout)
             if timeout is not None and monotonic() >= start + timeout:
-                raise socket.timeout()
+                raise TimeoutError()
             self.doorbell.wait(max(until - monotonic(), 0.0))
 
     def close_connection(self, connection: Any) -> None:

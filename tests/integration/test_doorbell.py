@@ -7,6 +7,7 @@ consumer is given (60 s), so only a notification can make it return in time.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 from kombu import Connection, Queue
@@ -73,9 +74,12 @@ def test_a_publish_wakes_a_consumer_with_a_long_poll_interval(
     received: list[object] = []
     with _broker(database_url) as consumer_conn, _broker(database_url) as producer_conn:
         queue = Queue("doorbell-test")
-        consumer = consumer_conn.Consumer(
-            [queue], callbacks=[lambda body, message: (received.append(body), message.ack())]
-        )
+
+        def on_message(body: object, message: Any) -> None:
+            received.append(body)
+            message.ack()
+
+        consumer = consumer_conn.Consumer([queue], callbacks=[on_message])
         consumer.consume()
         transport = consumer_conn.transport
         assert transport.polling_interval == LONG_POLL_S
