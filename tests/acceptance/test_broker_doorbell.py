@@ -7,6 +7,8 @@ so only the publish's NOTIFY (the doorbell) can have woken it.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
@@ -30,13 +32,12 @@ def _enqueue(engine: Engine, key: str) -> str:
         return str(op.id)
 
 
-def _state(engine: Engine, op_id: str) -> str:
+def _confirmed(engine: Engine, op_id: str) -> bool:
     with engine.connect() as conn:
-        return str(
-            conn.execute(
-                text("SELECT state FROM outbox.operations WHERE id = :id"), {"id": op_id}
-            ).scalar_one()
-        )
+        state = conn.execute(
+            text("SELECT state FROM outbox.operations WHERE id = :id"), {"id": op_id}
+        ).scalar_one()
+    return str(state) == "confirmed"
 
 
 @pytest.mark.parametrize("broker", ["database"], indirect=True)
@@ -52,7 +53,7 @@ def test_a_publish_wakes_a_worker_with_a_long_poll_interval(
     for i in range(3):
         op_id = _enqueue(engine, f"doorbell-{i}")
         wait_until(
-            lambda op_id=op_id: _state(engine, op_id) == "confirmed",
+            functools.partial(_confirmed, engine, op_id),
             timeout=WAIT_S if i else 120.0,  # the first also waits for the processes to start
             interval=0.2,
             what=f"intent {i} confirmed",
