@@ -37,6 +37,7 @@ from throwaway import rabbitmq_available, throwaway_database, throwaway_vhost
 
 from outbox.db import normalize_url
 from outbox.dev.stack import Services
+from outbox.dev.tool_config import http_tool_toml
 
 CORE = "% core"
 COMPONENTS = ("relay", "worker", "beat")
@@ -74,7 +75,14 @@ def measure(
 ) -> dict[str, float]:
     """One round: start the stack, settle, measure ``--seconds``; {group: % of one core}."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env |= {"OUTBOX_DATABASE_URL": db_url, "OUTBOX_HOME": str(workdir / "home")}
+    # A worker needs a tool; nothing is enqueued, so nothing ever calls it.
+    tools = workdir / "tools.toml"
+    tools.write_text(http_tool_toml("http://127.0.0.1:9"), encoding="utf-8")
+    env |= {
+        "OUTBOX_DATABASE_URL": db_url,
+        "OUTBOX_HOME": str(workdir / "home"),
+        "OUTBOX_CONFIG": str(tools),
+    }
     if broker_url is not None:
         env["OUTBOX_BROKER_URL"] = broker_url
     stack = Services(env, workdir)
@@ -84,9 +92,9 @@ def measure(
             stack.start(name, name, "--log-level", "WARNING")
         time.sleep(args.settle)  # imports, connections, the first polls: not the idle cost
         pids = {s.name: s.pid for s in stack.started}
-        for name in COMPONENTS:
-            if not Path(f"/proc/{pids[name]}").exists():
-                raise RuntimeError(f"{broker}: {name} exited during start-up")
+        for service in stack.started:
+            if not service.alive():
+                raise RuntimeError(f"{broker}: {service.name} exited during start-up")
         groups: dict[str, Callable[[], Iterable[int]]] = {
             name: functools.partial(_tree, pids[name]) for name in COMPONENTS
         }
@@ -99,8 +107,10 @@ def measure(
         stack.stop_all()
         engine.dispose()
         for name, output in stack.logs():
-            lines = [line for line in output.splitlines() if "ERROR" in line or "Traceback" in line]
-            for line in lines[-5:]:
+            lines = output.splitlines()
+            if not args.show_logs:
+                lines = [line for line in lines if "ERROR" in line or "Traceback" in line]
+            for line in lines[-10:]:
                 say(f"--- {broker}, {name}: {line}")
     usage["stack (relay + worker + beat)"] = sum(usage[name] for name in COMPONENTS)
     return usage
@@ -111,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     add_common_arguments(parser, rounds=1)
     parser.add_argument("--broker", choices=["database", "rabbitmq", "both"], default="both")
     parser.add_argument("--seconds", type=float, default=60.0, help="measured idle time")
+    parser.add_argument("--show-logs", action="store_true", help="the processes' last lines")
     parser.add_argument("--settle", type=float, default=10.0, help="seconds before measuring")
     return parser
 
