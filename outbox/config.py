@@ -101,6 +101,14 @@ class Settings(BaseSettings):
         description="A `sent` row still locked by its dispatcher after this goes to a human.",
     )
     sweep_interval: Seconds = Field(default=15.0, description="Seconds between sweeps.")
+    broker_poll_interval: Seconds = Field(
+        default=5.0,
+        description=(
+            "On the database broker: seconds between a worker's polls of its empty queues; "
+            "a publish wakes it at once (LISTEN/NOTIFY), the poll only covers a lost "
+            "notification."
+        ),
+    )
     lookup_lease: Seconds = Field(
         default=60.0,
         description=(

@@ -92,24 +92,27 @@ def sweep_task() -> dict[str, int]:
 
 
 def _beat_schedule() -> dict[str, Any]:
-    interval = get_settings().sweep_interval
-    return {
-        "beat_schedule": {
-            "outbox-sweep": {
-                "task": SWEEP_TASK,
-                "schedule": schedule(timedelta(seconds=interval), nowfun=steady_now),
-                # RabbitMQ's per-message time-to-live, never Celery's `expires`: see the docstring.
-                "options": {"queue": "reconcile", "expiration": interval},
-            },
-            # Escalation webhooks due for (re)delivery: each row is also claimed with a lease,
-            # so overlapping runs deliver nothing twice.
-            "outbox-webhooks": {
-                "task": ESCALATE_TASK,
-                "schedule": schedule(timedelta(seconds=WEBHOOK_INTERVAL_S), nowfun=steady_now),
-                "options": {"queue": "human", "expiration": WEBHOOK_INTERVAL_S},
-            },
-        }
+    settings = get_settings()
+    interval = settings.sweep_interval
+    entries: dict[str, Any] = {
+        "outbox-sweep": {
+            "task": SWEEP_TASK,
+            "schedule": schedule(timedelta(seconds=interval), nowfun=steady_now),
+            # RabbitMQ's per-message time-to-live, never Celery's `expires`: see the docstring.
+            "options": {"queue": "reconcile", "expiration": interval},
+        },
     }
+    # Without OUTBOX_WEBHOOK_URL no move writes a delivery: a run every few seconds would only
+    # wake a worker (and the database) for nothing, the largest part of an idle stack's cost.
+    if settings.webhook_url is not None:
+        # Escalation webhooks due for (re)delivery: each row is also claimed with a lease,
+        # so overlapping runs deliver nothing twice.
+        entries["outbox-webhooks"] = {
+            "task": ESCALATE_TASK,
+            "schedule": schedule(timedelta(seconds=WEBHOOK_INTERVAL_S), nowfun=steady_now),
+            "options": {"queue": "human", "expiration": WEBHOOK_INTERVAL_S},
+        }
+    return {"beat_schedule": entries}
 
 
 # Read when the app is configured, not now: reading app.conf at import would configure the

@@ -127,6 +127,9 @@ def celery_settings(
             "message_tablename": BROKER_MESSAGE_TABLE,
             # kombu passes the options on to create_engine: its errors show no parameters.
             "hide_parameters": True,
+            # Between polls when no NOTIFY rings (outbox.workers.dbbroker drops it before
+            # create_engine sees the options).
+            "polling_interval": settings.broker_poll_interval,
         }
     return conf
 

@@ -1,9 +1,12 @@
-"""The database-as-broker transport: kombu's SQLAlchemy transport, polled briskly.
+"""The database-as-broker transport: kombu's SQLAlchemy transport, woken by NOTIFY.
 
-kombu's virtual transports poll their queues every ``polling_interval`` (1 s by default);
-the SQLAlchemy transport forwards every transport option to ``create_engine``, so the
-interval cannot be set as an option there. This subclass sets it instead: one host with no
-RabbitMQ should not add a second to every dispatch.
+kombu's virtual transports poll their queues every ``polling_interval``; polling briskly
+(0.1 s) kept dispatch quick but cost an idle worker a tenth of a core or more (issue 33).
+Here every publish NOTIFYs in its transaction and the consumer sleeps on a
+:class:`~outbox.doorbell.Doorbell` between polls: it wakes when a message is committed, when
+an ack frees a prefetch slot, or after ``OUTBOX_BROKER_POLL_INTERVAL`` (the
+``polling_interval`` transport option, removed before kombu hands the options to
+``create_engine``).
 
 kombu creates its two tables the first time a process opens a channel, with nothing against
 another process doing the same at the same instant: on a fresh database, processes started
@@ -15,16 +18,20 @@ process inserted first as found, not as an error.
 from __future__ import annotations
 
 import warnings
+from queue import Empty
+from time import monotonic
 from typing import Any
 
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport.sqlalchemy import Channel as SQLAlchemyChannel
 from kombu.transport.sqlalchemy import Transport as SQLAlchemyTransport
+from kombu.transport.sqlalchemy import dumps
 from sqlalchemy import create_engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from outbox import sql
+from outbox.doorbell import Doorbell, notify
 from outbox.locks import advisory_key
 
 # kombu's models use lazy="noload", which SQLAlchemy 2.1 deprecates; nothing we can act on.
@@ -32,8 +39,9 @@ warnings.filterwarnings(
     "ignore", message="The ``noload`` loader strategy is deprecated", category=DeprecationWarning
 )
 
-#: Seconds between polls of an empty queue (a cheap indexed query per queue).
-POLLING_INTERVAL_S = 0.1
+#: Seconds between polls of empty queues when no NOTIFY wakes the consumer
+#: (``OUTBOX_BROKER_POLL_INTERVAL``'s default).
+POLLING_INTERVAL_S = 5.0
 
 
 #: Serialises the creation of the broker's tables across processes.
@@ -59,6 +67,42 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
         finally:
             lock.dispose()
 
+    def _engine_from_config(self) -> Any:
+        # kombu hands every transport option to create_engine: not the transport's own.
+        options = self.connection.client.transport_options
+        interval = options.pop("polling_interval", None)
+        try:
+            return super()._engine_from_config()
+        finally:
+            if interval is not None:
+                options["polling_interval"] = interval
+
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+        # kombu's _put, with the NOTIFY in the message's transaction: delivered at commit.
+        obj = self._get_or_create(queue)
+        self.session.add(self.message_cls(dumps(payload), obj))
+        try:
+            notify(self.session, queue)
+            self.session.commit()
+        except OperationalError:
+            # As kombu: the publish fails (and may be retried), never reported stored.
+            self.session.rollback()
+            raise
+
+    def basic_ack(self, delivery_tag: Any, multiple: bool = False) -> None:
+        """Acknowledge; at the prefetch limit, wake the consumer to take the next message."""
+        full = not self.qos.can_consume()
+        super().basic_ack(delivery_tag, multiple=multiple)
+        if full:
+            self.connection.doorbell.ring()
+
+    def basic_reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        """Reject; at the prefetch limit, wake the consumer to take the next message."""
+        full = not self.qos.can_consume()
+        super().basic_reject(delivery_tag, requeue=requeue)
+        if full:
+            self.connection.doorbell.ring()
+
     def _get_or_create(self, queue: str) -> Any:
         try:
             return super()._get_or_create(queue)
@@ -69,10 +113,43 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
 
 
 class Transport(SQLAlchemyTransport):  # type: ignore[misc]
-    """kombu's SQLAlchemy transport with a 0.1 s polling interval and :class:`Channel`."""
+    """kombu's SQLAlchemy transport with :class:`Channel`, sleeping on a doorbell between polls."""
 
     Channel = Channel
     polling_interval = POLLING_INTERVAL_S
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        self.doorbell = Doorbell(client.hostname)
+        # When the queues are next polled unless the doorbell rings first: Celery's loop
+        # calls drain_events every 2 s, and a poll per call would cut the interval to that.
+        self._next_poll = 0.0
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        """kombu's loop, sleeping on the doorbell instead of ``time.sleep`` when all is empty."""
+        start = monotonic()
+        while True:
+            now = monotonic()
+            if self.doorbell.rung() or now >= self._next_poll:
+                # Cleared before the poll: a message committed during it still rings.
+                self.doorbell.clear()
+                try:
+                    self.cycle.get(self._deliver, timeout=timeout)
+                except Empty:
+                    self._next_poll = now + self.polling_interval
+                else:
+                    self._next_poll = 0.0  # more may be waiting: look again at the next call
+                    return
+            until = self._next_poll if timeout is None else min(self._next_poll, start + timeout)
+            if timeout is not None and monotonic() >= start + timeout:
+                raise TimeoutError()
+            self.doorbell.wait(max(until - monotonic(), 0.0))
+
+    def close_connection(self, connection: Any) -> None:
+        """Close the channels; stop the doorbell's thread (a new one listens on reconnect)."""
+        self.doorbell.close()
+        self.doorbell = Doorbell(self.client.hostname)
+        super().close_connection(connection)
 
 
 #: The URL scheme prefix selecting this transport: ``outboxdb+postgresql+psycopg://…``.
