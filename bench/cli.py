@@ -6,6 +6,7 @@ targets (0.3 s for the first two, 0.5 s for each ``--help``). ``--importtime`` a
 slowest imports of ``outbox --version`` and ``outbox --help`` (``python -X importtime``).
 
     .venv/bin/python bench/cli.py --runs 5 --importtime
+    .venv/bin/python bench/cli.py --smoke    # a few commands once: does it still run
 """
 
 from __future__ import annotations
@@ -91,14 +92,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="fresh processes per command")
     parser.add_argument("--importtime", action="store_true", help="the slowest imports too")
+    parser.add_argument(
+        "--smoke", action="store_true", help="one run of a few commands: does it still run"
+    )
     options = parser.parse_args()
+    if options.smoke:
+        options.runs = 1
     rows = [
         ("--version", wall_s(["--version"], options.runs), TOP_TARGET_S),
         ("--help", wall_s(["--help"], options.runs), TOP_TARGET_S),
     ]
     rows.extend(
         (" ".join([*path, "--help"]), wall_s([*path, "--help"], options.runs), SUB_TARGET_S)
-        for path in sub_commands()
+        for path in (sub_commands()[:3] if options.smoke else sub_commands())
     )
     print(f"outbox, median wall time of {options.runs} fresh processes")
     for label, seconds, target in rows:
