@@ -13,7 +13,6 @@ import typer
 from outbox import embedded
 from outbox.cli.output import console, print_json
 from outbox.config import get_settings
-from outbox.db import redact
 
 app = typer.Typer(
     help="The embedded PostgreSQL under OUTBOX_HOME (used when OUTBOX_DATABASE_URL is unset).",
@@ -22,11 +21,14 @@ app = typer.Typer(
 
 
 def _describe(found: embedded.EmbeddedStatus) -> dict[str, object]:
+    # SQLAlchemy's URL parser, imported here: `outbox db --help` lists this group (issue 33).
+    from outbox import db  # noqa: PLC0415
+
     return {
         "running": found.running,
         "data_dir": str(found.data_dir),
         "pid": found.pid,
-        "url": redact(found.url) if found.url else None,
+        "url": db.redact(found.url) if found.url else None,
     }
 
 
