@@ -177,8 +177,8 @@ def main() -> None:
     instead of Typer's framed box, and exit 2.
     """
     # Imported here: `fail` brings rich's console, which `--version` does without (issue 33).
-    from outbox.cli.output import PlainFormatter, fail  # noqa: PLC0415
-    from outbox.errors import OutboxError  # noqa: PLC0415
+    from outbox.cli.output import PlainFormatter, fail  # noqa: PLC0415 -- not for --version
+    from outbox.errors import OutboxError  # noqa: PLC0415 -- not for --version
 
     if logging.lastResort is not None:  # the handler of a process that set up no logging
         logging.lastResort.setFormatter(PlainFormatter())

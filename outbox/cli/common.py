@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 @contextmanager
 def connected() -> Iterator[Engine]:
     """The configured database's engine, with driver errors turned into one-line errors."""
-    from outbox.config import get_settings  # noqa: PLC0415
-    from outbox.db import database_errors, database_url, get_engine  # noqa: PLC0415
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+    from outbox.db import database_errors, database_url, get_engine  # noqa: PLC0415 -- not for --help
 
     url = database_url(get_settings())
     with database_errors(url):
@@ -30,7 +30,7 @@ def connected() -> Iterator[Engine]:
 @contextmanager
 def transaction() -> Iterator[Session]:
     """A session in a transaction that commits when the block succeeds, else rolls back."""
-    from sqlalchemy.orm import Session  # noqa: PLC0415
+    from sqlalchemy.orm import Session  # noqa: PLC0415 -- not for --help
 
     with connected() as engine, Session(engine) as session, session.begin():
         yield session
@@ -40,8 +40,8 @@ def await_database(component: str) -> None:
     """Wait for the configured database to accept connections (a long-running component at
     start-up, :func:`outbox.db.wait_for_database`); past ``OUTBOX_DB_START_TIMEOUT``, one line
     and exit 1."""
-    from outbox.config import get_settings  # noqa: PLC0415
-    from outbox.db import database_url, wait_for_database  # noqa: PLC0415
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+    from outbox.db import database_url, wait_for_database  # noqa: PLC0415 -- not for --help
 
     settings = get_settings()
     wait_for_database(
@@ -51,7 +51,7 @@ def await_database(component: str) -> None:
 
 def require_schema() -> str:
     """The head revision if the database's schema is at it; else one line and exit 1."""
-    from outbox import migrate  # noqa: PLC0415
+    from outbox import migrate  # noqa: PLC0415 -- not for --help
 
     with connected() as engine:
         status = migrate.status(engine)

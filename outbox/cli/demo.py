@@ -33,14 +33,14 @@ def demo_command(
     release created twice, every operation decided, every verdict matching the service.
     The demo's operations stay in the database (intent keys `demo-<run>-…`).
     """
-    from outbox import migrate  # noqa: PLC0415
-    from outbox.config import get_settings  # noqa: PLC0415
-    from outbox.db import redact  # noqa: PLC0415
+    from outbox import migrate  # noqa: PLC0415 -- not for --help
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+    from outbox.db import redact  # noqa: PLC0415 -- not for --help
 
     # Deferred: the demo runs a worker, relay and beat and serves metrics, which need the
     # [worker] extra; it loads (with the reference service) only here.
     with needs_extra("worker", "demo"):
-        from outbox.dev.demo import Demo  # noqa: PLC0415
+        from outbox.dev.demo import Demo  # noqa: PLC0415 -- not for --help
 
     with connected() as engine:
         url = engine.url.render_as_string(hide_password=False)

@@ -22,7 +22,7 @@ app = typer.Typer(
 
 def _describe(found: embedded.EmbeddedStatus) -> dict[str, object]:
     # SQLAlchemy's URL parser, imported here: `outbox db --help` lists this group (issue 33).
-    from outbox import db  # noqa: PLC0415
+    from outbox import db  # noqa: PLC0415 -- not for --help
 
     return {
         "running": found.running,

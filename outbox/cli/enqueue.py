@@ -38,7 +38,7 @@ def _load_configured_tools() -> None:
     """With tools configured (``OUTBOX_TOOLS``, ``OUTBOX_CONFIG``), load them as the workers
     do, so that enqueue refuses a tool none of them registers instead of recording an
     operation no worker can dispatch. Without, any well-formed tool name is accepted."""
-    from outbox.config import get_settings  # noqa: PLC0415
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
 
     settings = get_settings()
     if not settings.tools and settings.config is None:
@@ -92,7 +92,7 @@ def enqueue_command(
     an intent key conflict and writes nothing. With OUTBOX_TOOLS or OUTBOX_CONFIG set, the
     tools are loaded first and a tool they do not register is refused.
     """
-    from outbox import api  # noqa: PLC0415
+    from outbox import api  # noqa: PLC0415 -- not for --help
 
     _load_configured_tools()
     with transaction() as session:

@@ -33,8 +33,8 @@ app = typer.Typer(
 def _declared() -> list[ToolContract]:
     """The contracts of the configured tools (OUTBOX_TOOLS, OUTBOX_CONFIG), loaded as the
     workers load them."""
-    from outbox.config import get_settings  # noqa: PLC0415
-    from outbox.contracts import CONTRACTS  # noqa: PLC0415
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+    from outbox.contracts import CONTRACTS  # noqa: PLC0415 -- not for --help
 
     with needs_extra("worker", "guards"):
         from outbox.tools import load_tools  # noqa: PLC0415 -- the [worker] extra
@@ -69,7 +69,7 @@ def list_guards(
 ) -> None:
     """Every declared guard key with its state (a key per target once it has state), then
     every budget key used inside its window (the published budgets, docs/budgets.md)."""
-    from outbox import budgets, guard_state  # noqa: PLC0415
+    from outbox import budgets, guard_state  # noqa: PLC0415 -- not for --help
 
     contracts = _declared()
     with connected() as engine, engine.connect() as conn:
@@ -119,7 +119,7 @@ def reset_guard(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON object.")] = False,
 ) -> None:
     """Close the breakers of KEY and clear its rate bucket; who, when and why are recorded."""
-    from outbox import guard_state  # noqa: PLC0415
+    from outbox import guard_state  # noqa: PLC0415 -- not for --help
 
     if not by.strip() or not note.strip():
         fail("--by and --note must not be empty", code=2)

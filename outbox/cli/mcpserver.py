@@ -94,10 +94,10 @@ def mcp_command(
     agent`), whose name is the caller; 127.0.0.1 by default, any other address refused
     unless TLS is configured or `--behind-proxy`. SIGTERM or Ctrl-C exits 0.
     """
-    from outbox.cli.apiserver import bind_socket  # noqa: PLC0415
-    from outbox.config import get_settings  # noqa: PLC0415
-    from outbox.contracts import CONTRACTS  # noqa: PLC0415
-    from outbox.db import create_async_engine, database_url  # noqa: PLC0415
+    from outbox.cli.apiserver import bind_socket  # noqa: PLC0415 -- not for --help
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+    from outbox.contracts import CONTRACTS  # noqa: PLC0415 -- not for --help
+    from outbox.db import create_async_engine, database_url  # noqa: PLC0415 -- not for --help
 
     if http:
         _check_address(host, tls_cert, tls_key, behind_proxy=behind_proxy)
@@ -156,7 +156,7 @@ def _check_address(
     host: str, tls_cert: Path | None, tls_key: Path | None, *, behind_proxy: bool
 ) -> None:
     """The rules of `outbox api`: TLS in pairs; a public address only with TLS or a proxy."""
-    from outbox.cli.apiserver import loopback  # noqa: PLC0415
+    from outbox.cli.apiserver import loopback  # noqa: PLC0415 -- not for --help
 
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter(
@@ -172,7 +172,7 @@ def _check_address(
 
 async def _until_closed(context: McpContext, serving: Coroutine[Any, Any, None]) -> None:
     """Run ``serving``, then close the waits' listener and the engine on the same loop."""
-    from outbox import aio  # noqa: PLC0415
+    from outbox import aio  # noqa: PLC0415 -- not for --help
 
     try:
         await serving

@@ -55,7 +55,7 @@ def add_command(
 
     Only its argon2id hash is kept. A name is never reused, even once removed.
     """
-    from outbox import operators  # noqa: PLC0415
+    from outbox import operators  # noqa: PLC0415 -- not for --help
 
     password = _read_password(f"Password for {name}", from_stdin=password_stdin)
     with needs_extra("api", "operators add"), transaction() as session:
@@ -71,7 +71,7 @@ def list_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON array.")] = False,
 ) -> None:
     """List the operator accounts (removed ones too); never a password hash."""
-    from outbox import operators  # noqa: PLC0415
+    from outbox import operators  # noqa: PLC0415 -- not for --help
 
     with transaction() as session:
         found = operators.list_operators(session)
@@ -94,7 +94,7 @@ def remove_command(
 ) -> None:
     """Remove an operator account: it cannot sign in any more, and its console sessions end
     at once. Its name stays taken."""
-    from outbox import operators  # noqa: PLC0415
+    from outbox import operators  # noqa: PLC0415 -- not for --help
 
     with transaction() as session:
         removed = operators.remove_operator(session, name)
@@ -117,7 +117,7 @@ def set_password_command(
 ) -> None:
     """Give an operator a new password (asked for twice, or read from stdin); every console
     session of theirs ends at once."""
-    from outbox import operators  # noqa: PLC0415
+    from outbox import operators  # noqa: PLC0415 -- not for --help
 
     password = _read_password(f"New password for {name}", from_stdin=password_stdin)
     with needs_extra("api", "operators set-password"), transaction() as session:
@@ -138,7 +138,7 @@ def sign_out_all_command(
 ) -> None:
     """End every console session of an operator at once (a lost laptop, a copied cookie):
     each browser signed in as them is sent to the sign-in page at its next request."""
-    from outbox import operators  # noqa: PLC0415
+    from outbox import operators  # noqa: PLC0415 -- not for --help
 
     with transaction() as session:
         ended = operators.sign_out_all(session, name)

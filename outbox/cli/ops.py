@@ -49,7 +49,7 @@ def list_operations(
     `--state awaiting_approval`, what waits for an approval: for how long, until when, and
     its payload hash (`outbox ops approve ID --by NAME --payload-hash H`).
     """
-    from outbox.resolve import RESOLVABLE_STATES, waiting_reasons  # noqa: PLC0415
+    from outbox.resolve import RESOLVABLE_STATES, waiting_reasons  # noqa: PLC0415 -- not for --help
 
     queue = state in RESOLVABLE_STATES
     with transaction() as session:
@@ -84,7 +84,7 @@ def show(
 
     Name it by id or by the intent key it was enqueued with (`outbox enqueue --key`).
     """
-    from outbox.resolve import RESOLVABLE_STATES  # noqa: PLC0415
+    from outbox.resolve import RESOLVABLE_STATES  # noqa: PLC0415 -- not for --help
 
     with transaction() as session:
         op = _by_id_or_key(session, operation)
@@ -107,7 +107,7 @@ def _by_id_or_key(session: Session, value: str) -> Operation:
     An id is tried first: an intent key left to its default is the operation's own id, so
     both readings name the same operation.
     """
-    from outbox import api  # noqa: PLC0415
+    from outbox import api  # noqa: PLC0415 -- not for --help
 
     try:
         op = api.get(session, UUID(value))
@@ -135,7 +135,7 @@ def cancel(
 ) -> None:
     """Cancel a planned operation (or one awaiting approval) that no attempt can have reached
     the remote with."""
-    from outbox import api  # noqa: PLC0415
+    from outbox import api  # noqa: PLC0415 -- not for --help
 
     with transaction() as session:
         op = api.cancel(session, operation_id, reason=reason)
@@ -163,7 +163,7 @@ def approve_command(
     stored payload's, if someone decided already ("already decided by X at T"), or once the
     approval expired. Read the payload and its hash with `ops show ID` first.
     """
-    from outbox import approval  # noqa: PLC0415
+    from outbox import approval  # noqa: PLC0415 -- not for --help
 
     with transaction() as session:
         op = approval.approve(session, operation_id, by=by, payload_hash=payload_hash, note=note)
@@ -182,7 +182,7 @@ def reject_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the operation as JSON.")] = False,
 ) -> None:
     """Reject an operation that waits in `awaiting_approval`: it is cancelled, never sent."""
-    from outbox import approval  # noqa: PLC0415
+    from outbox import approval  # noqa: PLC0415 -- not for --help
 
     with transaction() as session:
         op = approval.reject(session, operation_id, by=by, reason=reason)
@@ -246,7 +246,7 @@ def resolve_command(
     and for --not-applied/--replay until the tool's in-flight horizon has passed since its
     last send (unless `--force`). Use `ops show ID` first: it prints this command filled in.
     """
-    from outbox.resolve import resolve  # noqa: PLC0415
+    from outbox.resolve import resolve  # noqa: PLC0415 -- not for --help
 
     if applied == not_applied:
         raise typer.BadParameter(
@@ -279,7 +279,7 @@ def resolve_command(
 def _load_tools() -> None:
     """Register the tools' contracts, so a resolution knows each tool's in-flight horizon."""
     # Deferred: the CLI sits above the workers layer and imports it only where needed.
-    from outbox.tools import load_tools  # noqa: PLC0415
+    from outbox.tools import load_tools  # noqa: PLC0415 -- not for --help
 
     try:
         load_tools()
@@ -372,7 +372,7 @@ def _approval_table(found: list[Operation], now: object, *, wide: bool) -> Table
 
 def _approval_hint(op: Operation) -> str:
     """The `ops approve` / `ops reject` commands to copy, bound to the payload shown."""
-    from outbox import approval  # noqa: PLC0415
+    from outbox import approval  # noqa: PLC0415 -- not for --help
 
     return "\n".join(
         [

@@ -87,7 +87,7 @@ def environment_help() -> str:
     it importing the settings.
     """
     # Imported here: pydantic-settings is most of the cost of the root help (issue 33).
-    from outbox.config import Settings, variable  # noqa: PLC0415
+    from outbox.config import Settings, variable  # noqa: PLC0415 -- not for --help
 
     header = "**Environment** (every setting; unset means the default):"
     lines = [

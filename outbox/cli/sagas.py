@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 def _states_help() -> str:
-    from outbox.saga_attention import STATE_HELP  # noqa: PLC0415
+    from outbox.saga_attention import STATE_HELP  # noqa: PLC0415 -- not for --help
 
     lines = [f"`{state.value}`: {STATE_HELP[state]}" for state in SagaState]
     return "\n\n".join(["**Saga states**:", *lines])
@@ -51,7 +51,7 @@ def list_command(
     `--state needs_human` lists the sagas that wait for a person: `outbox sagas show KEY`
     says which operation holds each, and what to do.
     """
-    from outbox import sagas  # noqa: PLC0415
+    from outbox import sagas  # noqa: PLC0415 -- not for --help
 
     with transaction() as session:
         found = sagas.list_sagas(session, state=state, limit=limit)
@@ -76,7 +76,7 @@ AgentOption = Annotated[
 
 def _agent_of(session: Session, key: str, agent: str | None) -> str:
     """``agent``, else the one agent with a saga under ``key``; one line if several have."""
-    from outbox import sagas  # noqa: PLC0415
+    from outbox import sagas  # noqa: PLC0415 -- not for --help
 
     if agent is not None:
         return agent
@@ -97,8 +97,8 @@ def show_command(
 ) -> None:
     """Show one saga: its state and why, its steps in order (each step's operation and its
     compensation), what waits for a person, and its audit trail."""
-    from outbox import sagas  # noqa: PLC0415
-    from outbox.saga_attention import blockers  # noqa: PLC0415
+    from outbox import sagas  # noqa: PLC0415 -- not for --help
+    from outbox.saga_attention import blockers  # noqa: PLC0415 -- not for --help
 
     with transaction() as session:
         found = sagas.get_saga(session, key, agent=_agent_of(session, key, agent))
@@ -128,7 +128,7 @@ def cancel_command(
     """Cancel a running saga: its steps not sent yet are cancelled, its confirmed steps are
     undone in reverse order (each undo an operation of its own), once every step in flight
     is decided. Refused, writing nothing, unless the saga is `running`."""
-    from outbox import sagas  # noqa: PLC0415
+    from outbox import sagas  # noqa: PLC0415 -- not for --help
 
     if not by.strip() or not reason.strip():
         fail("--by and --reason must not be empty", code=2)
@@ -170,7 +170,7 @@ def _list_table(found: list[SagaSummary], now: object) -> Table:
 
 
 def _details(saga: SagaView) -> str:
-    from outbox.saga_attention import STATE_HELP  # noqa: PLC0415
+    from outbox.saga_attention import STATE_HELP  # noqa: PLC0415 -- not for --help
 
     rows = [
         ("saga", saga.key),

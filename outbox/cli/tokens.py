@@ -52,7 +52,7 @@ def create_command(
     The token goes to stdout alone (for a pipe or a secret store); the warning to stderr.
     A name is never reused, even once its token is revoked.
     """
-    from outbox import tokens  # noqa: PLC0415
+    from outbox import tokens  # noqa: PLC0415 -- not for --help
 
     with transaction() as session:
         made = tokens.create_token(session, name=name, scope=scope, agent=agent)
@@ -73,7 +73,7 @@ def list_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON array.")] = False,
 ) -> None:
     """List the tokens (revoked ones too) with their scope and use; never a token or hash."""
-    from outbox import tokens  # noqa: PLC0415
+    from outbox import tokens  # noqa: PLC0415 -- not for --help
 
     with transaction() as session:
         found = tokens.list_tokens(session)
@@ -93,7 +93,7 @@ def revoke_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the token's row as JSON.")] = False,
 ) -> None:
     """Revoke a token: the API refuses it from its next request on. Its name stays taken."""
-    from outbox import tokens  # noqa: PLC0415
+    from outbox import tokens  # noqa: PLC0415 -- not for --help
 
     with transaction() as session:
         revoked = tokens.revoke_token(session, name)

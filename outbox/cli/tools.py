@@ -32,8 +32,8 @@ app = typer.Typer(
 def _configured() -> list[ToolContract]:
     """The contracts of the configured tools (OUTBOX_CONFIG, OUTBOX_TOOLS), loaded as the
     workers load them; none configured is an error (there would be nothing to publish)."""
-    from outbox.config import get_settings  # noqa: PLC0415
-    from outbox.contracts import CONTRACTS  # noqa: PLC0415
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+    from outbox.contracts import CONTRACTS  # noqa: PLC0415 -- not for --help
 
     settings = get_settings()
     if settings.config is None and not settings.tools:
@@ -53,8 +53,8 @@ def publish(
     """Publish the configured tools' contracts (approval policy, input_schema) and budgets,
     as a starting worker does, without starting one: `enqueue` in any process then accepts
     these tools and checks their payloads. Safe to run again (unchanged rows are left alone)."""
-    from outbox.approval import publish_policies_committed  # noqa: PLC0415
-    from outbox.budgets import BUDGETS, publish_budgets_committed  # noqa: PLC0415
+    from outbox.approval import publish_policies_committed  # noqa: PLC0415 -- not for --help
+    from outbox.budgets import BUDGETS, publish_budgets_committed  # noqa: PLC0415 -- not for --help
 
     contracts = _configured()
     with connected() as engine:

@@ -168,7 +168,7 @@ def up_command(
     (exit 2) unless `--no-tools` is given.
     """
     # Imported here, not for `outbox up --help`: SQLAlchemy and Alembic (issue 33).
-    from outbox import db, migrate  # noqa: PLC0415
+    from outbox import db, migrate  # noqa: PLC0415 -- not for --help
 
     with needs_extra("worker", "up"):
         # prometheus_client (and the children: Celery), checked before anything starts.

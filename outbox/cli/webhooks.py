@@ -30,8 +30,8 @@ def list_deliveries(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON array.")] = False,
 ) -> None:
     """List webhook deliveries, newest first."""
-    from outbox import webhooks  # noqa: PLC0415
-    from outbox.config import get_settings  # noqa: PLC0415
+    from outbox import webhooks  # noqa: PLC0415 -- not for --help
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
 
     settings = get_settings()
     # Refuse a half-configured webhook here too: the operator sees it before wondering why
