@@ -12,7 +12,6 @@ import typer
 
 from outbox import embedded
 from outbox.cli.output import console, print_json
-from outbox.config import get_settings
 
 app = typer.Typer(
     help="The embedded PostgreSQL under OUTBOX_HOME (used when OUTBOX_DATABASE_URL is unset).",
@@ -40,6 +39,8 @@ def status(
 
     Starts nothing. Exits 0 either way; `--json` for scripts (`running`: true or false).
     """
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+
     settings = get_settings()
     found = _describe(embedded.status(settings.home))
     if as_json:
@@ -64,6 +65,8 @@ def stop() -> None:
 
     The next command that needs it starts it again. Exits 0 if it was not running.
     """
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+
     before = embedded.stop(get_settings().home)
     if before.running:
         console.print(
