@@ -41,18 +41,11 @@ def redact(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-#: Whether this process may start the embedded PostgreSQL when no URL is configured: only the
-#: command line (the composition root) says so (:func:`allow_embedded_start`). A library call
-#: (``enqueue``, ``wait``...) in an agent's process never starts a server as a side effect: one
-#: left running in the agent's working directory, with no schema, was all it got.
-_embedded_start = False
-
-
 def allow_embedded_start() -> None:
     """Let :func:`database_url` start the embedded PostgreSQL in this process when
-    ``OUTBOX_DATABASE_URL`` is unset (the ``outbox`` command and its Celery app call it)."""
-    global _embedded_start  # noqa: PLW0603 -- one process-wide switch, set once by the CLI
-    _embedded_start = True
+    ``OUTBOX_DATABASE_URL`` is unset (the ``outbox`` command and its Celery app call it;
+    :func:`outbox.embedded.allow_start`, which the command line calls without this module)."""
+    embedded.allow_start()
 
 
 def database_url(settings: Settings | None = None) -> str:
@@ -63,7 +56,7 @@ def database_url(settings: Settings | None = None) -> str:
     settings = settings or get_settings()
     if settings.database_url is not None:
         return normalize_url(settings.database_url.get_secret_value())
-    if _embedded_start:
+    if embedded.start_allowed():
         return embedded.ensure_running(settings.home)
     running = embedded.running_url(settings.home)
     if running is None:

@@ -20,6 +20,25 @@ from outbox.errors import DatabaseUnavailable
 
 DATA_DIR_NAME = "pgdata"
 
+#: Whether this process may start the embedded PostgreSQL when no URL is configured: only the
+#: command line (the composition root) says so (:func:`allow_start`). A library call
+#: (``enqueue``, ``wait``...) in an agent's process never starts a server as a side effect: one
+#: left running in the agent's working directory, with no schema, was all it got. Kept here,
+#: not in :mod:`outbox.db`, so that the command line sets it without importing SQLAlchemy.
+_start_allowed = False
+
+
+def allow_start() -> None:
+    """Let :func:`outbox.db.database_url` start the embedded PostgreSQL in this process when
+    ``OUTBOX_DATABASE_URL`` is unset (the ``outbox`` command and its Celery app call it)."""
+    global _start_allowed  # noqa: PLW0603 -- one process-wide switch, set once by the CLI
+    _start_allowed = True
+
+
+def start_allowed() -> bool:
+    """Whether :func:`allow_start` was called in this process."""
+    return _start_allowed
+
 
 def data_dir(home: Path) -> Path:
     """Where the embedded server keeps its cluster."""

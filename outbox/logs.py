@@ -20,12 +20,14 @@ import logging
 import sys
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import psycopg
-import structlog
-from sqlalchemy.exc import DBAPIError
-from structlog.typing import EventDict, Processor
+if TYPE_CHECKING:
+    from structlog.typing import EventDict, Processor
+
+# psycopg, SQLAlchemy and structlog are imported where a line is described or rendered, not
+# with this module: the settings import it for its enums, and `outbox relay --help` needs
+# the settings, not a logger (issue 33).
 
 
 class Action(enum.StrEnum):
@@ -174,6 +176,8 @@ def describe_error(error: BaseException) -> str:
 
     A SQLAlchemy ``DBAPIError`` is described by the driver's error it wraps (``.orig``): its
     own text goes on with the statement (``[SQL: ...]``) and a link, lines no log wants."""
+    from sqlalchemy.exc import DBAPIError  # noqa: PLC0415
+
     cause = error.orig if isinstance(error, DBAPIError) and error.orig is not None else error
     text = str(cause).strip()
     message = text.splitlines()[0] if text else ""
@@ -189,6 +193,9 @@ def _database_errors_in_one_line(_: Any, __: str, event: EventDict) -> EventDict
     its traceback, and no statement text in its message (only its first line is kept),
     whoever logged it (Celery, kombu, a library): the statement may quote a payload's
     shape, and a restart would otherwise print a traceback per message in flight."""
+    import psycopg  # noqa: PLC0415
+    from sqlalchemy.exc import DBAPIError  # noqa: PLC0415
+
     exc_info = event.get("exc_info")
     error = exc_info[1] if isinstance(exc_info, tuple) else None
     database = isinstance(error, DBAPIError | psycopg.Error)
@@ -265,6 +272,8 @@ def formatter(log_format: LogFormat) -> logging.Formatter:
     escaped (:func:`escape_controls`) and uvicorn's ``color_message`` (its message again,
     with ANSI escapes) is dropped.
     """
+    import structlog  # noqa: PLC0415
+
     renderer: Processor = (
         structlog.processors.JSONRenderer()
         if log_format is LogFormat.JSON

@@ -10,16 +10,28 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 from uuid import UUID
-
-from sqlalchemy import Connection
-from sqlalchemy.orm import Session
 
 from outbox.states import SETTLED_STATES, TERMINAL_STATES, State
 
-#: Anything that can run a statement in the caller's transaction.
-Executor = Session | Connection
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
+    from sqlalchemy.orm import Session
+
+    #: Anything that can run a statement in the caller's transaction.
+    Executor: TypeAlias = Session | Connection
+
+
+def __getattr__(name: str) -> Any:
+    """``Executor`` built on first use: the enums here (``TokenScope``, ``DeliveryStatus``)
+    are option types of the CLI, whose ``--help`` then imports no SQLAlchemy (issue 33)."""
+    if name == "Executor":
+        from sqlalchemy import Connection  # noqa: PLC0415
+        from sqlalchemy.orm import Session  # noqa: PLC0415
+
+        return Session | Connection
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _iso(value: datetime | None) -> str | None:

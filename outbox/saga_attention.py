@@ -7,11 +7,14 @@ both say the same thing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from uuid import UUID
 
 from outbox.saga_rules import SagaState
-from outbox.sagas import SagaView
 from outbox.states import State
+
+if TYPE_CHECKING:
+    from outbox.sagas import SagaView
 
 __all__ = ["STATE_HELP", "Blocker", "blockers"]
 

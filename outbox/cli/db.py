@@ -6,19 +6,20 @@ import re
 import sys
 import time
 from collections.abc import Generator
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from sqlalchemy import Engine
 
-from outbox import migrate
 from outbox.cli import embedded
 from outbox.cli.common import connected, require_schema, transaction
 from outbox.cli.output import console
-from outbox.contracts import CONTRACTS
 from outbox.errors import ConfigError
-from outbox.sql import retention
-from outbox.sql.retention import DedupWindows, PruneCount
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from outbox.sql.retention import DedupWindows, PruneCount
+
 
 app = typer.Typer(
     help="Manage the outbox schema (tables in the PostgreSQL schema `outbox`) and prune it.",
@@ -35,6 +36,8 @@ def upgrade() -> None:
     Safe to run from several processes at once: an advisory lock serialises them, and every
     one of them succeeds. Touches nothing outside the `outbox` schema.
     """
+    from outbox import migrate  # noqa: PLC0415 -- not for --help
+
     with connected() as engine:
         before = migrate.current(engine)
         migrate.upgrade(engine)
@@ -48,6 +51,8 @@ def upgrade() -> None:
 @app.command("sql")
 def sql_command() -> None:
     """Print the DDL that creates the schema from empty, without connecting (for DBAs)."""
+    from outbox import migrate  # noqa: PLC0415 -- not for --help
+
     sys.stdout.write(migrate.sql())
 
 
@@ -97,8 +102,11 @@ def _duration(value: str | None) -> str | None:
 def dedup_windows() -> DedupWindows:
     """The registered tools' dedup windows (``OUTBOX_TOOLS``, ``OUTBOX_CONFIG``): prune keeps
     an operation inside its tool's window, and every operation of a tool not registered."""
+    from outbox.contracts import CONTRACTS  # noqa: PLC0415 -- not for --help
+    from outbox.sql.retention import DedupWindows  # noqa: PLC0415 -- not for --help
+
     # Deferred: the CLI sits above the workers layer and imports it only where needed.
-    from outbox.tools import load_tools  # noqa: PLC0415
+    from outbox.tools import load_tools  # noqa: PLC0415 -- not for --help
 
     try:
         load_tools()
@@ -121,6 +129,8 @@ def prune_batches(
     Stopped between batches (Ctrl-C, a lost connection), the batches already committed stay
     deleted and the rest wait for the next run: a run can be repeated at any time.
     """
+    from outbox.sql import retention  # noqa: PLC0415 -- not for --help
+
     while True:
         with engine.begin() as conn:
             deleted = retention.prune_terminal(
@@ -212,6 +222,8 @@ def prune(
     run carries on; two runs at once skip each other's rows. `--dry-run` only counts.
     Meant for cron, such as a daily `outbox db prune --older-than 30d`.
     """
+    from outbox.sql import retention  # noqa: PLC0415 -- not for --help
+
     older_than_s = parse_duration(older_than)
     forget_s = (
         parse_duration(forget_intents_older_than, "--forget-intents-older-than")
@@ -262,6 +274,8 @@ def prune(
 
 def _forget(engine: Engine, *, older_than_s: float, batch_size: int) -> int:
     """Forget old pruned intents in batches, each its own transaction; how many went."""
+    from outbox.sql import retention  # noqa: PLC0415 -- not for --help
+
     total = 0
     while True:
         with engine.begin() as conn:

@@ -8,12 +8,9 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from outbox import migrate
 from outbox.cli.common import connected
 from outbox.cli.extras import needs_extra
 from outbox.cli.output import console
-from outbox.config import get_settings
-from outbox.db import redact
 
 if TYPE_CHECKING:
     from outbox.dev.demo import DemoReport
@@ -36,10 +33,14 @@ def demo_command(
     release created twice, every operation decided, every verdict matching the service.
     The demo's operations stay in the database (intent keys `demo-<run>-…`).
     """
+    from outbox import migrate  # noqa: PLC0415 -- not for --help
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+    from outbox.db import redact  # noqa: PLC0415 -- not for --help
+
     # Deferred: the demo runs a worker, relay and beat and serves metrics, which need the
     # [worker] extra; it loads (with the reference service) only here.
     with needs_extra("worker", "demo"):
-        from outbox.dev.demo import Demo  # noqa: PLC0415
+        from outbox.dev.demo import Demo  # noqa: PLC0415 -- not for --help
 
     with connected() as engine:
         url = engine.url.render_as_string(hide_password=False)

@@ -12,8 +12,6 @@ import typer
 
 from outbox import embedded
 from outbox.cli.output import console, print_json
-from outbox.config import get_settings
-from outbox.db import redact
 
 app = typer.Typer(
     help="The embedded PostgreSQL under OUTBOX_HOME (used when OUTBOX_DATABASE_URL is unset).",
@@ -22,11 +20,14 @@ app = typer.Typer(
 
 
 def _describe(found: embedded.EmbeddedStatus) -> dict[str, object]:
+    # SQLAlchemy's URL parser, imported here: `outbox db --help` lists this group (issue 33).
+    from outbox import db  # noqa: PLC0415 -- not for --help
+
     return {
         "running": found.running,
         "data_dir": str(found.data_dir),
         "pid": found.pid,
-        "url": redact(found.url) if found.url else None,
+        "url": db.redact(found.url) if found.url else None,
     }
 
 
@@ -38,6 +39,8 @@ def status(
 
     Starts nothing. Exits 0 either way; `--json` for scripts (`running`: true or false).
     """
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+
     settings = get_settings()
     found = _describe(embedded.status(settings.home))
     if as_json:
@@ -62,6 +65,8 @@ def stop() -> None:
 
     The next command that needs it starts it again. Exits 0 if it was not running.
     """
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+
     before = embedded.stop(get_settings().home)
     if before.running:
         console.print(

@@ -9,11 +9,9 @@ from typing import Annotated, Any
 
 import typer
 
-from outbox import api
 from outbox.cli.common import transaction
 from outbox.cli.extras import needs_extra
 from outbox.cli.output import console, print_json
-from outbox.config import get_settings
 
 
 def _read_json(value: str, option: str) -> Any:
@@ -40,6 +38,8 @@ def _load_configured_tools() -> None:
     """With tools configured (``OUTBOX_TOOLS``, ``OUTBOX_CONFIG``), load them as the workers
     do, so that enqueue refuses a tool none of them registers instead of recording an
     operation no worker can dispatch. Without, any well-formed tool name is accepted."""
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+
     settings = get_settings()
     if not settings.tools and settings.config is None:
         return
@@ -92,6 +92,8 @@ def enqueue_command(
     an intent key conflict and writes nothing. With OUTBOX_TOOLS or OUTBOX_CONFIG set, the
     tools are loaded first and a tool they do not register is refused.
     """
+    from outbox import api  # noqa: PLC0415 -- not for --help
+
     _load_configured_tools()
     with transaction() as session:
         op = api.enqueue(

@@ -8,18 +8,20 @@ table each otherwise).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
-from outbox import budgets, guard_state
 from outbox.cli.common import connected
 from outbox.cli.extras import needs_extra
 from outbox.cli.output import console, fail, print_json
-from outbox.config import get_settings
-from outbox.contracts import CONTRACTS, ToolContract
-from outbox.sql.budgets import BudgetUsage
+
+if TYPE_CHECKING:
+    from outbox import guard_state
+    from outbox.contracts import ToolContract
+    from outbox.sql.budgets import BudgetUsage
+
 
 app = typer.Typer(
     help="Guard rails per tool and target: circuit breakers, rate limits, concurrency caps; "
@@ -31,6 +33,9 @@ app = typer.Typer(
 def _declared() -> list[ToolContract]:
     """The contracts of the configured tools (OUTBOX_TOOLS, OUTBOX_CONFIG), loaded as the
     workers load them."""
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+    from outbox.contracts import CONTRACTS  # noqa: PLC0415 -- not for --help
+
     with needs_extra("worker", "guards"):
         from outbox.tools import load_tools  # noqa: PLC0415 -- the [worker] extra
 
@@ -64,6 +69,8 @@ def list_guards(
 ) -> None:
     """Every declared guard key with its state (a key per target once it has state), then
     every budget key used inside its window (the published budgets, docs/budgets.md)."""
+    from outbox import budgets, guard_state  # noqa: PLC0415 -- not for --help
+
     contracts = _declared()
     with connected() as engine, engine.connect() as conn:
         rows = guard_state.report(conn, contracts)
@@ -112,6 +119,8 @@ def reset_guard(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON object.")] = False,
 ) -> None:
     """Close the breakers of KEY and clear its rate bucket; who, when and why are recorded."""
+    from outbox import guard_state  # noqa: PLC0415 -- not for --help
+
     if not by.strip() or not note.strip():
         fail("--by and --note must not be empty", code=2)
     contracts = _declared()

@@ -11,15 +11,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from outbox import aio
-from outbox.cli.apiserver import bind_socket, loopback
 from outbox.cli.common import await_database, require_schema
 from outbox.cli.extras import needs_extra
 from outbox.cli.options import LogLevel, LogLevelOption, start_logging
 from outbox.cli.output import console, fail
-from outbox.config import Settings, get_settings, variable
-from outbox.contracts import CONTRACTS
-from outbox.db import create_async_engine, database_url
+from outbox.config import Settings, variable
 from outbox.logs import Action
 
 if TYPE_CHECKING:  # the [mcp] extra, imported by mcp_command
@@ -98,6 +94,11 @@ def mcp_command(
     agent`), whose name is the caller; 127.0.0.1 by default, any other address refused
     unless TLS is configured or `--behind-proxy`. SIGTERM or Ctrl-C exits 0.
     """
+    from outbox.cli.apiserver import bind_socket  # noqa: PLC0415 -- not for --help
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+    from outbox.contracts import CONTRACTS  # noqa: PLC0415 -- not for --help
+    from outbox.db import create_async_engine, database_url  # noqa: PLC0415 -- not for --help
+
     if http:
         _check_address(host, tls_cert, tls_key, behind_proxy=behind_proxy)
     with needs_extra("mcp", "mcp"):
@@ -155,6 +156,8 @@ def _check_address(
     host: str, tls_cert: Path | None, tls_key: Path | None, *, behind_proxy: bool
 ) -> None:
     """The rules of `outbox api`: TLS in pairs; a public address only with TLS or a proxy."""
+    from outbox.cli.apiserver import loopback  # noqa: PLC0415 -- not for --help
+
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter(
             "goes with --tls-key: give both or neither", param_hint="'--tls-cert'"
@@ -169,6 +172,8 @@ def _check_address(
 
 async def _until_closed(context: McpContext, serving: Coroutine[Any, Any, None]) -> None:
     """Run ``serving``, then close the waits' listener and the engine on the same loop."""
+    from outbox import aio  # noqa: PLC0415 -- not for --help
+
     try:
         await serving
     finally:

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import sys
 from datetime import datetime
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
-from outbox import operators, sql
+from outbox import sql
 from outbox.cli.common import transaction
 from outbox.cli.extras import needs_extra
 from outbox.cli.output import age, console, fail, print_json
-from outbox.operators import Operator
+
+if TYPE_CHECKING:
+    from outbox.operators import Operator
+
 
 app = typer.Typer(
     help="Operator accounts of the console (`outbox api`, at /).", no_args_is_help=True
@@ -52,6 +55,8 @@ def add_command(
 
     Only its argon2id hash is kept. A name is never reused, even once removed.
     """
+    from outbox import operators  # noqa: PLC0415 -- not for --help
+
     password = _read_password(f"Password for {name}", from_stdin=password_stdin)
     with needs_extra("api", "operators add"), transaction() as session:
         made = operators.add_operator(session, name=name, password=password)
@@ -66,6 +71,8 @@ def list_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON array.")] = False,
 ) -> None:
     """List the operator accounts (removed ones too); never a password hash."""
+    from outbox import operators  # noqa: PLC0415 -- not for --help
+
     with transaction() as session:
         found = operators.list_operators(session)
         now = sql.deployment.clock(session)
@@ -87,6 +94,8 @@ def remove_command(
 ) -> None:
     """Remove an operator account: it cannot sign in any more, and its console sessions end
     at once. Its name stays taken."""
+    from outbox import operators  # noqa: PLC0415 -- not for --help
+
     with transaction() as session:
         removed = operators.remove_operator(session, name)
     if as_json:
@@ -108,6 +117,8 @@ def set_password_command(
 ) -> None:
     """Give an operator a new password (asked for twice, or read from stdin); every console
     session of theirs ends at once."""
+    from outbox import operators  # noqa: PLC0415 -- not for --help
+
     password = _read_password(f"New password for {name}", from_stdin=password_stdin)
     with needs_extra("api", "operators set-password"), transaction() as session:
         changed = operators.set_password(session, name=name, password=password)
@@ -127,6 +138,8 @@ def sign_out_all_command(
 ) -> None:
     """End every console session of an operator at once (a lost laptop, a copied cookie):
     each browser signed in as them is sent to the sign-in page at its next request."""
+    from outbox import operators  # noqa: PLC0415 -- not for --help
+
     with transaction() as session:
         ended = operators.sign_out_all(session, name)
     if as_json:

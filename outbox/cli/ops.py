@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 from uuid import UUID
 
 import typer
 from rich import box
 from rich.table import Table
-from sqlalchemy.orm import Session
 
-from outbox import api, approval, sql
+from outbox import sql
 from outbox.cli.common import transaction
 from outbox.cli.output import age, console, moment, print_json, wide_console
 from outbox.errors import ConfigError, OperationNotFound
-from outbox.models import Event, Operation
-from outbox.resolve import RESOLVABLE_STATES, resolve, waiting_reasons
 from outbox.states import State
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from outbox.models import Event, Operation
+
 
 app = typer.Typer(help="List, inspect and act on operations.", no_args_is_help=True)
 
@@ -46,6 +49,8 @@ def list_operations(
     `--state awaiting_approval`, what waits for an approval: for how long, until when, and
     its payload hash (`outbox ops approve ID --by NAME --payload-hash H`).
     """
+    from outbox.resolve import RESOLVABLE_STATES, waiting_reasons  # noqa: PLC0415 -- not for --help
+
     queue = state in RESOLVABLE_STATES
     with transaction() as session:
         found = sql.intents.list_operations(session, state=state, tool=tool, limit=limit)
@@ -79,6 +84,8 @@ def show(
 
     Name it by id or by the intent key it was enqueued with (`outbox enqueue --key`).
     """
+    from outbox.resolve import RESOLVABLE_STATES  # noqa: PLC0415 -- not for --help
+
     with transaction() as session:
         op = _by_id_or_key(session, operation)
         history = sql.intents.list_events(session, op.id)
@@ -100,6 +107,8 @@ def _by_id_or_key(session: Session, value: str) -> Operation:
     An id is tried first: an intent key left to its default is the operation's own id, so
     both readings name the same operation.
     """
+    from outbox import api  # noqa: PLC0415 -- not for --help
+
     try:
         op = api.get(session, UUID(value))
     except ValueError:
@@ -126,6 +135,8 @@ def cancel(
 ) -> None:
     """Cancel a planned operation (or one awaiting approval) that no attempt can have reached
     the remote with."""
+    from outbox import api  # noqa: PLC0415 -- not for --help
+
     with transaction() as session:
         op = api.cancel(session, operation_id, reason=reason)
     if as_json:
@@ -152,6 +163,8 @@ def approve_command(
     stored payload's, if someone decided already ("already decided by X at T"), or once the
     approval expired. Read the payload and its hash with `ops show ID` first.
     """
+    from outbox import approval  # noqa: PLC0415 -- not for --help
+
     with transaction() as session:
         op = approval.approve(session, operation_id, by=by, payload_hash=payload_hash, note=note)
     if as_json:
@@ -169,6 +182,8 @@ def reject_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the operation as JSON.")] = False,
 ) -> None:
     """Reject an operation that waits in `awaiting_approval`: it is cancelled, never sent."""
+    from outbox import approval  # noqa: PLC0415 -- not for --help
+
     with transaction() as session:
         op = approval.reject(session, operation_id, by=by, reason=reason)
     if as_json:
@@ -231,6 +246,8 @@ def resolve_command(
     and for --not-applied/--replay until the tool's in-flight horizon has passed since its
     last send (unless `--force`). Use `ops show ID` first: it prints this command filled in.
     """
+    from outbox.resolve import resolve  # noqa: PLC0415 -- not for --help
+
     if applied == not_applied:
         raise typer.BadParameter(
             "pass exactly one of --applied or --not-applied",
@@ -262,7 +279,7 @@ def resolve_command(
 def _load_tools() -> None:
     """Register the tools' contracts, so a resolution knows each tool's in-flight horizon."""
     # Deferred: the CLI sits above the workers layer and imports it only where needed.
-    from outbox.tools import load_tools  # noqa: PLC0415
+    from outbox.tools import load_tools  # noqa: PLC0415 -- not for --help
 
     try:
         load_tools()
@@ -355,6 +372,8 @@ def _approval_table(found: list[Operation], now: object, *, wide: bool) -> Table
 
 def _approval_hint(op: Operation) -> str:
     """The `ops approve` / `ops reject` commands to copy, bound to the payload shown."""
+    from outbox import approval  # noqa: PLC0415 -- not for --help
+
     return "\n".join(
         [
             "",

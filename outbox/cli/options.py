@@ -45,6 +45,10 @@ LogLevelOption = Annotated[
 def start_logging(level: LogLevel) -> None:
     """Log in OUTBOX_LOG_FORMAT at ``level``, then read the settings: their warnings (an
     unknown ``OUTBOX_*`` variable) come out in that format too."""
+    # Alembic logs its plugins' set-up (INFO) when imported: imported before the handlers
+    # exist, as when every command imported it with its module, those lines stay unprinted.
+    import outbox.migrate  # noqa: F401, PLC0415
+
     logs.configure(level.value, load_settings().log_format)
     get_settings()
 

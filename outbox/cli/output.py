@@ -8,13 +8,13 @@ import logging
 import os
 import sys
 from datetime import UTC, datetime
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from pydantic.fields import FieldInfo
 from rich.console import Console
 from rich.markup import escape
 
-from outbox.config import Settings, variable
+if TYPE_CHECKING:
+    from pydantic.fields import FieldInfo
 
 # Not a terminal (a pipe, a log file): rich would wrap at 80 columns and cut the ids, unless
 # the caller says how wide its screen is (COLUMNS, which rich reads when no width is given).
@@ -83,8 +83,12 @@ def environment_help() -> str:
     """The ``--help`` epilog: every ``OUTBOX_*`` setting, its default and what it does.
 
     Generated from :class:`~outbox.config.Settings`, so a new setting is listed with no
-    change here.
+    change here. ``outbox --help`` shows a copy of it (:mod:`outbox.cli.epilog`), which spares
+    it importing the settings.
     """
+    # Imported here: pydantic-settings is most of the cost of the root help (issue 33).
+    from outbox.config import Settings, variable  # noqa: PLC0415 -- not for --help
+
     header = "**Environment** (every setting; unset means the default):"
     lines = [
         f"`{variable(name)}` (default: {_default(field)}): {field.description}"

@@ -3,22 +3,27 @@ one as an operator (docs/sagas.md)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
-from sqlalchemy.orm import Session
 
-from outbox import sagas, sql
+from outbox import sql
 from outbox.cli.common import transaction
 from outbox.cli.output import age, console, fail, print_json
 from outbox.errors import SagaNotFound
-from outbox.saga_attention import STATE_HELP, Blocker, blockers
 from outbox.saga_rules import SagaState
-from outbox.sagas import SagaStep, SagaSummary, SagaView
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from outbox.saga_attention import Blocker
+    from outbox.sagas import SagaStep, SagaSummary, SagaView
 
 
 def _states_help() -> str:
+    from outbox.saga_attention import STATE_HELP  # noqa: PLC0415 -- not for --help
+
     lines = [f"`{state.value}`: {STATE_HELP[state]}" for state in SagaState]
     return "\n\n".join(["**Saga states**:", *lines])
 
@@ -46,6 +51,8 @@ def list_command(
     `--state needs_human` lists the sagas that wait for a person: `outbox sagas show KEY`
     says which operation holds each, and what to do.
     """
+    from outbox import sagas  # noqa: PLC0415 -- not for --help
+
     with transaction() as session:
         found = sagas.list_sagas(session, state=state, limit=limit)
         now = sql.deployment.clock(session)
@@ -69,6 +76,8 @@ AgentOption = Annotated[
 
 def _agent_of(session: Session, key: str, agent: str | None) -> str:
     """``agent``, else the one agent with a saga under ``key``; one line if several have."""
+    from outbox import sagas  # noqa: PLC0415 -- not for --help
+
     if agent is not None:
         return agent
     agents = sagas.agents_of_saga_key(session, key)
@@ -88,6 +97,9 @@ def show_command(
 ) -> None:
     """Show one saga: its state and why, its steps in order (each step's operation and its
     compensation), what waits for a person, and its audit trail."""
+    from outbox import sagas  # noqa: PLC0415 -- not for --help
+    from outbox.saga_attention import blockers  # noqa: PLC0415 -- not for --help
+
     with transaction() as session:
         found = sagas.get_saga(session, key, agent=_agent_of(session, key, agent))
     if found is None:
@@ -116,6 +128,8 @@ def cancel_command(
     """Cancel a running saga: its steps not sent yet are cancelled, its confirmed steps are
     undone in reverse order (each undo an operation of its own), once every step in flight
     is decided. Refused, writing nothing, unless the saga is `running`."""
+    from outbox import sagas  # noqa: PLC0415 -- not for --help
+
     if not by.strip() or not reason.strip():
         fail("--by and --reason must not be empty", code=2)
     with transaction() as session:
@@ -156,6 +170,8 @@ def _list_table(found: list[SagaSummary], now: object) -> Table:
 
 
 def _details(saga: SagaView) -> str:
+    from outbox.saga_attention import STATE_HELP  # noqa: PLC0415 -- not for --help
+
     rows = [
         ("saga", saga.key),
         ("agent", saga.agent or "(shared)"),

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
-from outbox import sql, tokens
+from outbox import sql
 from outbox.cli.common import transaction
 from outbox.cli.output import age, console, errors, print_json
-from outbox.models import ApiToken, TokenScope
+from outbox.models import TokenScope
+
+if TYPE_CHECKING:
+    from outbox.models import ApiToken
+
 
 app = typer.Typer(help="Bearer tokens of the HTTP API (`outbox api`).", no_args_is_help=True)
 
@@ -48,6 +52,8 @@ def create_command(
     The token goes to stdout alone (for a pipe or a secret store); the warning to stderr.
     A name is never reused, even once its token is revoked.
     """
+    from outbox import tokens  # noqa: PLC0415 -- not for --help
+
     with transaction() as session:
         made = tokens.create_token(session, name=name, scope=scope, agent=agent)
     errors.print(
@@ -67,6 +73,8 @@ def list_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON array.")] = False,
 ) -> None:
     """List the tokens (revoked ones too) with their scope and use; never a token or hash."""
+    from outbox import tokens  # noqa: PLC0415 -- not for --help
+
     with transaction() as session:
         found = tokens.list_tokens(session)
         now = sql.deployment.clock(session)
@@ -85,6 +93,8 @@ def revoke_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the token's row as JSON.")] = False,
 ) -> None:
     """Revoke a token: the API refuses it from its next request on. Its name stays taken."""
+    from outbox import tokens  # noqa: PLC0415 -- not for --help
+
     with transaction() as session:
         revoked = tokens.revoke_token(session, name)
     if as_json:

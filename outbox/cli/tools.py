@@ -9,19 +9,19 @@ whose workers are not running yet (a deploy that migrates and publishes, then st
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from outbox import sql
-from outbox.approval import publish_policies_committed
-from outbox.budgets import BUDGETS, publish_budgets_committed
 from outbox.cli.common import connected
 from outbox.cli.extras import needs_extra
 from outbox.cli.output import console, fail, print_json
-from outbox.config import get_settings
-from outbox.contracts import CONTRACTS, ToolContract
+
+if TYPE_CHECKING:
+    from outbox.contracts import ToolContract
+
 
 app = typer.Typer(
     help="The tools' contracts as this deployment publishes them (what enqueue checks).",
@@ -32,6 +32,9 @@ app = typer.Typer(
 def _configured() -> list[ToolContract]:
     """The contracts of the configured tools (OUTBOX_CONFIG, OUTBOX_TOOLS), loaded as the
     workers load them; none configured is an error (there would be nothing to publish)."""
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+    from outbox.contracts import CONTRACTS  # noqa: PLC0415 -- not for --help
+
     settings = get_settings()
     if settings.config is None and not settings.tools:
         fail("no tools are configured: set OUTBOX_CONFIG (a TOML file) or OUTBOX_TOOLS (modules)")
@@ -50,6 +53,9 @@ def publish(
     """Publish the configured tools' contracts (approval policy, input_schema) and budgets,
     as a starting worker does, without starting one: `enqueue` in any process then accepts
     these tools and checks their payloads. Safe to run again (unchanged rows are left alone)."""
+    from outbox.approval import publish_policies_committed  # noqa: PLC0415 -- not for --help
+    from outbox.budgets import BUDGETS, publish_budgets_committed  # noqa: PLC0415 -- not for --help
+
     contracts = _configured()
     with connected() as engine:
         count = publish_policies_committed(engine, contracts)

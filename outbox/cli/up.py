@@ -17,22 +17,23 @@ import typer
 from rich.console import Group
 from rich.live import Live
 from rich.table import Table
-from sqlalchemy import Engine
 
-from outbox import migrate
 from outbox.cli.common import await_database, connected
 from outbox.cli.extras import needs_extra
 from outbox.cli.options import LogLevel
 from outbox.cli.output import console, fail
 from outbox.cli.toolset import NoToolsOption, load_toolset
 from outbox.config import Settings, get_settings, variable
-from outbox.db import redact
 from outbox.errors import ConfigError
 from outbox.states import State
-from outbox.supervise import ChildSpec, ChildStatus, Supervisor
+from outbox.supervise import ChildSpec, Supervisor
 
 if TYPE_CHECKING:  # prometheus_client: the [worker] extra, imported by up_command
+    from sqlalchemy import Engine
+
     from outbox.metrics import MetricsServer, OutboxCollector
+    from outbox.supervise import ChildStatus
+
 
 #: The states the panel lists, in the order an operation meets them.
 PANEL_STATES = (
@@ -166,6 +167,9 @@ def up_command(
     loaded and from where (OUTBOX_CONFIG, OUTBOX_TOOLS), and refuses to start with none
     (exit 2) unless `--no-tools` is given.
     """
+    # Imported here, not for `outbox up --help`: SQLAlchemy and Alembic (issue 33).
+    from outbox import db, migrate  # noqa: PLC0415 -- not for --help
+
     with needs_extra("worker", "up"):
         # prometheus_client (and the children: Celery), checked before anything starts.
         importlib.import_module("outbox.metrics")
@@ -216,7 +220,7 @@ def up_command(
         watcher = Watcher(server.collector if server else _collector(engine))
         broker = "RabbitMQ" if settings.broker_url else "the database (no OUTBOX_BROKER_URL)"
         lines = [
-            f"database: {redact(url)}",
+            f"database: {db.redact(url)}",
             f"broker:   {broker}",
             f"tools:    {tools} from {source}",
             f"logs:     {supervisor.log_dir}",

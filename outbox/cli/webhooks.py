@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
-from outbox import sql, webhooks
+from outbox import sql
 from outbox.cli.common import transaction
 from outbox.cli.output import age, console, print_json
-from outbox.config import get_settings
-from outbox.models import Delivery, DeliveryStatus
+from outbox.models import DeliveryStatus
+
+if TYPE_CHECKING:
+    from outbox.models import Delivery
+
 
 app = typer.Typer(help="Escalation webhooks and their deliveries.", no_args_is_help=True)
 
@@ -27,6 +30,9 @@ def list_deliveries(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON array.")] = False,
 ) -> None:
     """List webhook deliveries, newest first."""
+    from outbox import webhooks  # noqa: PLC0415 -- not for --help
+    from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
+
     settings = get_settings()
     # Refuse a half-configured webhook here too: the operator sees it before wondering why
     # nothing arrives.

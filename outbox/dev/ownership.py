@@ -8,11 +8,15 @@ so a database it did not create is refused unless the caller names that very dat
 
 from __future__ import annotations
 
-from sqlalchemy.engine import URL
+from typing import TYPE_CHECKING
 
-from outbox import urls
-from outbox.db import redact
 from outbox.errors import DatabaseUnavailable
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
+
+# SQLAlchemy's URL handling is imported by the functions that compare or print a URL, not
+# with the flag's name, which `outbox dev --help` shows (issue 33).
 
 #: The flag that names a database the caller owns and lets a run empty it.
 OWN_DATABASE_FLAG = "--i-own-this-database"
@@ -29,6 +33,10 @@ def _identity(url: str) -> URL:
     name the URL as printed (passwords masked). So is the driver (``postgresql://``,
     ``postgres://`` and ``postgresql+psycopg://`` are the same database).
     """
+    from sqlalchemy.engine import URL  # noqa: PLC0415
+
+    from outbox import urls  # noqa: PLC0415
+
     try:
         parsed = urls.parse(url)
     except DatabaseUnavailable as exc:
@@ -54,6 +62,8 @@ def confirm_owned(url: str, named: str | None, *, doing: str) -> None:
     ``doing`` says what the run would do to it, e.g. ``"outbox dev scenario empties the
     outbox tables of"``.
     """
+    from outbox.db import redact  # noqa: PLC0415
+
     shown = redact(url)
     if named is None:
         raise NotOwned(

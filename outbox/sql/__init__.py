@@ -44,29 +44,33 @@ state moves' statements, run only by :mod:`outbox.transitions`) and :mod:`~outbo
 (statements only the dev tooling runs: the demo's and chaos's reports, the scenario's reset).
 """
 
-from outbox.sql import (
-    approval,
-    broker,
-    budgets,
-    console,
-    deployment,
-    dev,
-    intents,
-    locks,
-    metrics,
-    moves,
-    notify,
-    operators,
-    reconcile,
-    relay,
-    resolve,
-    retention,
-    sagas,
-    signins,
-    tokens,
-    web,
-    webhooks,
-)
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from outbox.sql import (
+        approval,
+        broker,
+        budgets,
+        console,
+        deployment,
+        dev,
+        intents,
+        locks,
+        metrics,
+        moves,
+        notify,
+        operators,
+        reconcile,
+        relay,
+        resolve,
+        retention,
+        sagas,
+        signins,
+        tokens,
+        web,
+        webhooks,
+    )
 
 __all__ = [
     "approval",
@@ -91,3 +95,16 @@ __all__ = [
     "web",
     "webhooks",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Import a statement module the first time it is asked for (``sql.tokens``...): a command
+    that runs one module's statements loads no other (issue 33: ``outbox tokens --help``)."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def __dir__() -> list[str]:
+    """The statement modules, loaded or not."""
+    return sorted({*globals(), *__all__})
