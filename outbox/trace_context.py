@@ -86,6 +86,12 @@ def parse(traceparent: str | None, tracestate: str | None = None) -> TraceContex
     return TraceContext(value, state)
 
 
+def stored(traceparent: str | None, tracestate: str | None) -> TraceContext | None:
+    """An operation's stored context (checked by :func:`parse` when it was recorded), or
+    ``None`` for an operation enqueued without a caller's trace."""
+    return None if traceparent is None else TraceContext(traceparent, tracestate)
+
+
 #: The context a door passed on for the call it runs (:func:`within`), over the current span.
 _passed: ContextVar[TraceContext | None] = ContextVar("outbox_trace_context", default=None)
 

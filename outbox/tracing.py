@@ -30,6 +30,8 @@ from outbox.trace_context import TraceContext
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+__all__ = ["Span", "TracingConfig", "operation_span", "setup"]
+
 log = logging.getLogger(__name__)
 
 #: The instrumentation scope of every span here.
@@ -220,6 +222,22 @@ def state_event(span: Span | None, op: Operation, *, reason: str = "") -> None:
     if reason:
         attributes["outbox.reason"] = reason
     span.add_event(f"outbox.state.{op.state}", attributes)
+
+
+def outcome(span: Span | None, outcome: str, *, attempt: int | None = None) -> None:
+    """The stage's outcome, as an attribute and an event of its span."""
+    if span is None:
+        return
+    span.set_attribute(OUTCOME, outcome)
+    if attempt is not None:
+        span.set_attribute(ATTEMPT, attempt)
+    span.add_event("outbox.outcome", {OUTCOME: outcome})
+
+
+def result(span: Span | None, kind: str) -> None:
+    """A tool call's result kind (``Applied``, ``Ambiguous``...): never its content."""
+    if span is not None:
+        span.set_attribute("outbox.result", kind)
 
 
 def current_context(op: Operation) -> TraceContext | None:

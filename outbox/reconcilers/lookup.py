@@ -23,7 +23,7 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, guard_state, sql, transitions
+from outbox import faults, guard_state, sql, trace_context, transitions
 from outbox.backoff import exponential_s, jittered
 from outbox.contracts import ToolContract
 from outbox.guards import GuardKey
@@ -211,6 +211,7 @@ def _call(facts: ReconcileFacts, tool: Tool) -> ToolCall:
         payload=op.payload,
         attempt=op.attempts,
         timeout_s=tool.contract.timeout_s,
+        trace=trace_context.stored(op.traceparent, op.tracestate),
     )
 
 

@@ -17,7 +17,7 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
-from outbox import storable
+from outbox import storable, trace_context
 from outbox.errors import SendDeadlinePassed
 from outbox.segments import dot_segment_refusal, has_dot_segment
 from outbox.tools.base import Tool, ToolCall
@@ -154,6 +154,12 @@ class HttpTool(Tool):
         headers = dict(self._headers)
         if self.spec.idempotency_header is not None:
             headers[self.spec.idempotency_header] = call.operation_id
+        if self.spec.propagate_trace:
+            # The span of ours current for this call if there is one (the remote's spans are
+            # then its children), else the agent's stored context: the remote joins its trace.
+            trace = trace_context.current() or call.trace
+            if trace is not None:
+                headers.update(trace.headers())
         return headers
 
     def _timeout(self, call: ToolCall) -> aiohttp.ClientTimeout:

@@ -1,0 +1,138 @@
+"""The dispatch attempt's spans, with an OpenTelemetry SDK set up in process: in the trace of
+the agent that enqueued the operation, the tool call a child of the attempt, the state changes
+and the outcome as events, the remote handed the call span's context, no payload value."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+from sqlalchemy import Engine
+
+from outbox import tracing
+from outbox.contracts import ContractTable
+from outbox.tools import Ambiguous, Applied, DispatchResult, ToolCall, ToolRegistry, tool
+from outbox.workers.dispatch import CALL_SPAN, DISPATCH_SPAN, Outcome, dispatch
+from tests.factories import make_operation
+
+TOOL = "deploy.create_release"
+TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
+AGENT_SPAN_ID = 0xB7AD6B7169203331
+PAYLOAD_VALUE = "payload-value-never-in-a-span"
+
+_EXPORTER = InMemorySpanExporter()
+_SET_UP = threading.Lock()
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """This process's SDK tracer provider (set once: OpenTelemetry allows one), its finished
+    spans collected in memory, cleared for each test."""
+    with _SET_UP:
+        if not tracing.active():
+            provider = TracerProvider()
+            provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+            trace.set_tracer_provider(provider)
+    assert tracing.active()
+    _EXPORTER.clear()
+    yield _EXPORTER
+    _EXPORTER.clear()
+
+
+class Remote:
+    """A Python tool's remote recording the trace context each call was handed."""
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self.answer: DispatchResult = Applied("ref-1")
+
+    def __call__(self, call: ToolCall) -> DispatchResult:
+        self.calls.append(call)
+        return self.answer
+
+
+@pytest.fixture
+def registry() -> ToolRegistry:
+    return ToolRegistry(ContractTable())
+
+
+@pytest.fixture
+def remote(registry: ToolRegistry) -> Remote:
+    target = Remote()
+    tool(TOOL, timeout=2, send_deadline=2, inflight_horizon=60, registry=registry)(target)
+    return target
+
+
+def _enqueued_in_agent_span(engine: Engine, **kwargs: Any) -> Any:
+    span = NonRecordingSpan(
+        SpanContext(TRACE_ID, AGENT_SPAN_ID, is_remote=False, trace_flags=TraceFlags(1))
+    )
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        return make_operation(engine, payload={"secret": PAYLOAD_VALUE}, **kwargs)
+    finally:
+        otel_context.detach(token)
+
+
+def _by_name(finished: tuple[ReadableSpan, ...]) -> dict[str, ReadableSpan]:
+    return {span.name: span for span in finished}
+
+
+def _no_payload_value(finished: tuple[ReadableSpan, ...]) -> None:
+    for span in finished:
+        values = [str(v) for v in (span.attributes or {}).values()]
+        values += [str(v) for e in span.events for v in (e.attributes or {}).values()]
+        assert not any(PAYLOAD_VALUE in value for value in values), span.name
+
+
+def test_an_attempt_is_a_child_of_the_agents_span_and_its_call_a_child_of_it(
+    engine: Engine, registry: ToolRegistry, remote: Remote, spans: InMemorySpanExporter
+) -> None:
+    """outbox.dispatch (CONSUMER) has the agent's span as parent, outbox.tool.call (CLIENT) the
+    attempt; sent and the outcome are events; the tool was handed the call span's context."""
+    op = _enqueued_in_agent_span(engine)
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.CONFIRMED
+    finished = spans.get_finished_spans()
+    named = _by_name(finished)
+    attempt, call = named[DISPATCH_SPAN], named[CALL_SPAN]
+    assert attempt.context is not None
+    assert call.context is not None
+    assert attempt.context.trace_id == call.context.trace_id == TRACE_ID
+    assert attempt.parent is not None
+    assert attempt.parent.span_id == AGENT_SPAN_ID
+    assert call.parent is not None
+    assert call.parent.span_id == attempt.context.span_id
+    assert (attempt.kind, call.kind) == (SpanKind.CONSUMER, SpanKind.CLIENT)
+    attributes = attempt.attributes or {}
+    assert attributes[tracing.OPERATION_ID] == str(op.id)
+    assert (attributes[tracing.TOOL], attributes[tracing.TARGET]) == (TOOL, "project-a")
+    assert (attributes[tracing.OUTCOME], attributes[tracing.ATTEMPT]) == ("confirmed", 1)
+    assert [e.name for e in attempt.events] == ["outbox.state.sent", "outbox.outcome"]
+    assert (call.attributes or {})["outbox.result"] == "Applied"
+    (handed,) = remote.calls
+    assert handed.trace is not None
+    assert handed.trace.trace_id == f"{TRACE_ID:032x}"
+    assert handed.trace.span_id == f"{call.context.span_id:016x}"
+    _no_payload_value(finished)
+
+
+def test_an_operation_without_a_caller_trace_gets_a_trace_of_its_own(
+    engine: Engine, registry: ToolRegistry, remote: Remote, spans: InMemorySpanExporter
+) -> None:
+    """No stored context: the attempt is a root span; an ambiguous answer's outcome is unknown."""
+    remote.answer = Ambiguous("timeout")
+    op = make_operation(engine, payload={"secret": PAYLOAD_VALUE})
+    assert op.traceparent is None
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.UNKNOWN
+    named = _by_name(spans.get_finished_spans())
+    assert named[DISPATCH_SPAN].parent is None
+    assert (named[DISPATCH_SPAN].attributes or {})[tracing.OUTCOME] == "unknown"
+    _no_payload_value(spans.get_finished_spans())
