@@ -18,17 +18,35 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
+from uuid import UUID
 
 from outbox import trace_context
 from outbox.models import Operation
 from outbox.trace_context import TraceContext
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
     from opentelemetry.trace import Span
+
+
+class Claimed(Protocol):
+    """What a publish span names of a claimed operation (``outbox.sql.relay.ClaimedIntent``)."""
+
+    @property
+    def id(self) -> UUID: ...
+    @property
+    def tool(self) -> str: ...
+    @property
+    def target(self) -> str: ...
+    @property
+    def traceparent(self) -> str | None: ...
+    @property
+    def tracestate(self) -> str | None: ...
+
 
 __all__ = ["Span", "TracingConfig", "operation_span", "setup"]
 
@@ -46,6 +64,9 @@ ATTEMPT = "outbox.attempt"
 INTENT_KEY = "outbox.intent_key"
 AGENT = "outbox.agent"
 OUTCOME = "outbox.outcome"
+
+#: The relay's span for one operation's dispatch message.
+PUBLISH_SPAN = "outbox.publish"
 
 SpanKind = Literal["internal", "client", "producer", "consumer"]
 
@@ -194,16 +215,8 @@ def operation_span(
         yield None
         return
     from opentelemetry import trace  # noqa: PLC0415 -- imported already (active)
-    from opentelemetry.trace.propagation.tracecontext import (  # noqa: PLC0415
-        TraceContextTextMapPropagator,
-    )
 
-    parent = None
-    if op.traceparent is not None and not child:
-        carrier = {"traceparent": op.traceparent}
-        if op.tracestate:
-            carrier["tracestate"] = op.tracestate
-        parent = TraceContextTextMapPropagator().extract(carrier)
+    parent = None if child else _stored(op.traceparent, op.tracestate)
     tracer = trace.get_tracer(SCOPE)
     with tracer.start_as_current_span(
         name,
@@ -238,6 +251,71 @@ def result(span: Span | None, kind: str) -> None:
     """A tool call's result kind (``Applied``, ``Ambiguous``...): never its content."""
     if span is not None:
         span.set_attribute("outbox.result", kind)
+
+
+class PublishSpans:
+    """The relay's publish spans of one batch (:func:`publish_spans`)."""
+
+    def __init__(self, spans: dict[UUID, Span]) -> None:
+        self._spans = spans
+
+    def confirmed(self, ids: set[UUID]) -> None:
+        """Say which operations' messages the broker confirmed (the others were not)."""
+        for operation_id, span in self._spans.items():
+            span.set_attribute("outbox.published", operation_id in ids)
+
+
+@contextmanager
+def publish_spans(claimed: Sequence[Claimed]) -> Iterator[PublishSpans]:
+    """An ``outbox.publish`` PRODUCER span for each claimed operation, child of its stored
+    trace context (a root span without one), ended when the block ends; nothing when
+    tracing is off. Started and ended together: a batch is one broker round trip."""
+    if not active():
+        yield PublishSpans({})
+        return
+    from opentelemetry import trace  # noqa: PLC0415 -- imported already (active)
+    from opentelemetry.context import Context  # noqa: PLC0415
+
+    tracer = trace.get_tracer(SCOPE)
+    spans: dict[UUID, Span] = {}
+    for c in claimed:
+        parent = _stored(c.traceparent, c.tracestate) or Context()
+        spans[c.id] = tracer.start_span(
+            PUBLISH_SPAN,
+            context=parent,
+            kind=trace.SpanKind.PRODUCER,
+            attributes={
+                OPERATION_ID: str(c.id),
+                TOOL: c.tool,
+                TARGET: c.target,
+                "messaging.operation.type": "send",
+                "messaging.destination.name": "dispatch",
+            },
+        )
+    try:
+        yield PublishSpans(spans)
+    except BaseException as exc:
+        for span in spans.values():
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
+        raise
+    finally:
+        for span in spans.values():
+            span.end()
+
+
+def _stored(traceparent: str | None, tracestate: str | None) -> Context | None:
+    """The OpenTelemetry context of a stored W3C trace context (``None`` without one)."""
+    if traceparent is None:
+        return None
+    from opentelemetry.trace.propagation.tracecontext import (  # noqa: PLC0415
+        TraceContextTextMapPropagator,
+    )
+
+    carrier = {"traceparent": traceparent}
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    return TraceContextTextMapPropagator().extract(carrier)
 
 
 def current_context(op: Operation) -> TraceContext | None:

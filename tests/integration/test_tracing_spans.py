@@ -19,6 +19,7 @@ from sqlalchemy import Engine
 
 from outbox import tracing
 from outbox.contracts import ContractTable
+from outbox.relay import Relay, RelayConfig
 from outbox.tools import Ambiguous, Applied, DispatchResult, ToolCall, ToolRegistry, tool
 from outbox.workers.dispatch import CALL_SPAN, DISPATCH_SPAN, Outcome, dispatch
 from tests.factories import make_operation
@@ -136,3 +137,43 @@ def test_an_operation_without_a_caller_trace_gets_a_trace_of_its_own(
     assert named[DISPATCH_SPAN].parent is None
     assert (named[DISPATCH_SPAN].attributes or {})[tracing.OUTCOME] == "unknown"
     _no_payload_value(spans.get_finished_spans())
+
+
+class _Confirming:
+    """A publisher whose broker confirms every message but ``refused``'s."""
+
+    def __init__(self, refused: set[Any]) -> None:
+        self.refused = refused
+
+    def publish(self, messages: Any) -> set[Any]:
+        return {m.operation_id for m in messages} - self.refused
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_relay_publish_is_a_producer_span_in_each_operations_trace(
+    engine: Engine, spans: InMemorySpanExporter
+) -> None:
+    """Each claimed operation gets an outbox.publish PRODUCER span, child of its agent's span
+    (a root span without one), saying whether the broker confirmed it."""
+    traced = _enqueued_in_agent_span(engine)
+    untraced = make_operation(engine)
+    relay = Relay(engine, _Confirming({untraced.id}), RelayConfig())
+    assert relay.run_once().claimed == 2
+    published = {
+        (s.attributes or {})[tracing.OPERATION_ID]: s
+        for s in spans.get_finished_spans()
+        if s.name == tracing.PUBLISH_SPAN
+    }
+    one, other = published[str(traced.id)], published[str(untraced.id)]
+    assert one.kind is SpanKind.PRODUCER
+    assert one.context is not None
+    assert one.context.trace_id == TRACE_ID
+    assert one.parent is not None
+    assert one.parent.span_id == AGENT_SPAN_ID
+    assert other.parent is None
+    assert (
+        (one.attributes or {})["outbox.published"],
+        (other.attributes or {})["outbox.published"],
+    ) == (True, False)
