@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,10 +20,14 @@ from sqlalchemy import Engine
 
 from outbox import tracing
 from outbox.contracts import ContractTable
+from outbox.dev.service import DeployService
+from outbox.reconcilers.lookup import CALL_SPAN as LOOKUP_CALL_SPAN
+from outbox.reconcilers.lookup import LOOKUP_SPAN, LookupOutcome, lookup
 from outbox.relay import Relay, RelayConfig
 from outbox.tools import Ambiguous, Applied, DispatchResult, ToolCall, ToolRegistry, tool
 from outbox.workers.dispatch import CALL_SPAN, DISPATCH_SPAN, Outcome, dispatch
 from tests.factories import make_operation
+from tests.tool_configs import http_registry
 
 TOOL = "deploy.create_release"
 TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
@@ -177,3 +182,28 @@ def test_the_relay_publish_is_a_producer_span_in_each_operations_trace(
         (one.attributes or {})["outbox.published"],
         (other.attributes or {})["outbox.published"],
     ) == (True, False)
+
+
+def test_a_lookup_of_an_unknown_operation_lands_in_the_agents_trace(
+    engine: Engine, spans: InMemorySpanExporter, tmp_path: Path
+) -> None:
+    """An attempt that committed then timed out is unknown; its lookup's span (outbox.lookup,
+    its call outbox.tool.lookup a CLIENT child) is in the agent's trace, outcome confirmed."""
+    with DeployService(port=0, fault_delay_s=2.0) as service:
+        registry = http_registry(tmp_path, service.url, inflight_horizon_s=60)
+        op = _enqueued_in_agent_span(engine)
+        service.faults.arm_key(str(op.id), "commit_then_timeout", 1)
+        assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.UNKNOWN
+        spans.clear()
+        assert lookup(op.id, engine=engine, registry=registry).outcome is LookupOutcome.CONFIRMED
+    named = _by_name(spans.get_finished_spans())
+    looked, call = named[LOOKUP_SPAN], named[LOOKUP_CALL_SPAN]
+    assert looked.context is not None
+    assert looked.context.trace_id == TRACE_ID
+    assert looked.parent is not None
+    assert looked.parent.span_id == AGENT_SPAN_ID
+    assert call.parent is not None
+    assert call.parent.span_id == looked.context.span_id
+    assert call.kind is SpanKind.CLIENT
+    assert (looked.attributes or {})[tracing.OUTCOME] == "confirmed"
+    _no_payload_value(spans.get_finished_spans())
