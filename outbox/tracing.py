@@ -64,6 +64,7 @@ ATTEMPT = "outbox.attempt"
 INTENT_KEY = "outbox.intent_key"
 AGENT = "outbox.agent"
 OUTCOME = "outbox.outcome"
+DECIDED_BY = "outbox.decided_by"
 
 #: The relay's span for one operation's dispatch message.
 PUBLISH_SPAN = "outbox.publish"
@@ -316,6 +317,14 @@ def _stored(traceparent: str | None, tracestate: str | None) -> Context | None:
     if tracestate:
         carrier["tracestate"] = tracestate
     return TraceContextTextMapPropagator().extract(carrier)
+
+
+def decision(name: str, op: Operation, *, by: str) -> None:
+    """A person's decision on ``op`` (``outbox.approve``, ``outbox.reject``,
+    ``outbox.resolve``) as a span in the agent's trace, naming who (``outbox.decided_by``),
+    with the move as an event. Recorded when decided, before the caller commits."""
+    with operation_span(name, op, attributes={DECIDED_BY: by}) as span:
+        state_event(span, op)
 
 
 def current_context(op: Operation) -> TraceContext | None:

@@ -18,12 +18,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from sqlalchemy import Engine
 
-from outbox import tracing
+from outbox import approval, tracing
 from outbox.contracts import ContractTable
 from outbox.dev.service import DeployService
 from outbox.reconcilers.lookup import CALL_SPAN as LOOKUP_CALL_SPAN
 from outbox.reconcilers.lookup import LOOKUP_SPAN, LookupOutcome, lookup
 from outbox.relay import Relay, RelayConfig
+from outbox.states import State
 from outbox.tools import Ambiguous, Applied, DispatchResult, ToolCall, ToolRegistry, tool
 from outbox.workers.dispatch import CALL_SPAN, DISPATCH_SPAN, Outcome, dispatch
 from tests.factories import make_operation
@@ -207,3 +208,29 @@ def test_a_lookup_of_an_unknown_operation_lands_in_the_agents_trace(
     assert call.kind is SpanKind.CLIENT
     assert (looked.attributes or {})[tracing.OUTCOME] == "confirmed"
     _no_payload_value(spans.get_finished_spans())
+
+
+def test_an_approval_and_a_rejection_are_spans_naming_the_approver(
+    engine: Engine, spans: InMemorySpanExporter
+) -> None:
+    """outbox.approve and outbox.reject spans are in the agent's trace, with
+    outbox.decided_by and the move as an event."""
+    approved = _enqueued_in_agent_span(engine, state=State.AWAITING_APPROVAL)
+    rejected = _enqueued_in_agent_span(engine, state=State.AWAITING_APPROVAL)
+    with engine.begin() as conn:
+        approval.approve(conn, approved.id, payload_hash=approved.payload_hash, by="alice")
+        approval.reject(conn, rejected.id, by="bob", reason="not today")
+    named = _by_name(spans.get_finished_spans())
+    for name, op, who, state in (
+        ("outbox.approve", approved, "alice", "planned"),
+        ("outbox.reject", rejected, "bob", "cancelled"),
+    ):
+        span = named[name]
+        assert span.parent is not None
+        assert span.parent.span_id == AGENT_SPAN_ID
+        attributes = span.attributes or {}
+        assert (attributes[tracing.OPERATION_ID], attributes[tracing.DECIDED_BY]) == (
+            str(op.id),
+            who,
+        )
+        assert [e.name for e in span.events] == [f"outbox.state.{state}"]
