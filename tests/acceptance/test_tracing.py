@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -28,9 +29,12 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 import outbox
+from outbox import tokens
 from outbox.dev.tool_config import http_tool_toml
+from outbox.models import TokenScope
 from outbox.states import State
 from tests.acceptance.conftest import clean_environment
+from tests.api_server import running_api
 from tests.processes import Services, wait_until
 from tests.tool_configs import TOOL
 
@@ -42,6 +46,7 @@ AGENT_SPAN_ID = 0x00F067AA0BA902B7
 #: Payload values that must appear in no span (nor in any span event or attribute).
 CONFIRMED_VERSION = "9.8.7-payload-only"
 UNKNOWN_VERSION = "6.5.4-payload-only"
+APPROVED_VERSION = "3.2.1-payload-only"
 
 
 @dataclass
@@ -247,7 +252,9 @@ def stack_env(
     )
 
 
-def _enqueue_in_agent_span(engine: Engine, target: str, version: str) -> outbox.Operation:
+def _enqueue_in_agent_span(
+    engine: Engine, target: str, version: str, *, require_approval: bool = False
+) -> outbox.Operation:
     """Enqueue as an agent does inside its own span (the caller's trace context)."""
     agent = SpanContext(
         AGENT_TRACE_ID, AGENT_SPAN_ID, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED)
@@ -257,7 +264,13 @@ def _enqueue_in_agent_span(engine: Engine, target: str, version: str) -> outbox.
         Session(engine) as session,
         session.begin(),
     ):
-        return outbox.enqueue(session, tool=TOOL, target=target, payload={"version": version})
+        return outbox.enqueue(
+            session,
+            tool=TOOL,
+            target=target,
+            payload={"version": version},
+            require_approval=require_approval,
+        )
 
 
 def _state(engine: Engine, operation_id: object) -> str:
@@ -275,14 +288,23 @@ def _named(spans: list[Span], name: str) -> list[Span]:
 
 @pytest.mark.timeout(240)
 def test_one_trace_from_the_agents_span_to_the_remotes_answer(
-    engine: Engine, services: Services, remote: Remote, receiver: Receiver
+    engine: Engine,
+    services: Services,
+    stack_env: dict[str, str],
+    remote: Remote,
+    receiver: Receiver,
+    tmp_path: Path,
 ) -> None:
     """The operation's publish, dispatch attempt and HTTP call spans are in the agent's
     trace with the right parents, the remote receives a traceparent of that trace, a forced
     unknown outcome's lookup lands in the same trace, no span carries a payload value, and
-    the worker's log lines inside those spans carry the trace id."""
+    the worker's log lines inside those spans carry the trace id; an approval through the
+    HTTP API is a span of the same trace naming the approver."""
     confirmed = _enqueue_in_agent_span(engine, "web", CONFIRMED_VERSION)
     unknown = _enqueue_in_agent_span(engine, "api", UNKNOWN_VERSION)
+    gated = _enqueue_in_agent_span(engine, "db", APPROVED_VERSION, require_approval=True)
+    with Session(engine) as session, session.begin():
+        operator = tokens.create_token(session, name="alice", scope=TokenScope.OPERATOR).token
     assert confirmed.traceparent == f"00-{AGENT_TRACE_ID:032x}-{AGENT_SPAN_ID:016x}-01"
     remote.fail_key = str(unknown.id)
 
@@ -355,10 +377,38 @@ def test_one_trace_from_the_agents_span_to_the_remotes_answer(
     assert gets
     assert all(h["traceparent"].startswith(f"00-{AGENT_TRACE_ID:032x}-") for h in gets)
 
+    # An approval through the API: a span of the agent's trace naming the approver.
+    home = tmp_path / "api-home"
+    home.mkdir()
+    api_env = {
+        **stack_env,
+        "OUTBOX_HOME": str(home),
+        "OUTBOX_CONSOLE_HASH_RATE": "1000",
+        "OTEL_SERVICE_NAME": "outbox-api",
+    }
+    with running_api(api_env, tmp_path / "api.log") as api:
+        answer = httpx.post(
+            f"{api.url}/v1/operations/{gated.id}/approve",
+            json={"payload_hash": gated.payload_hash},
+            headers={"Authorization": f"Bearer {operator}"},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        wait_until(
+            lambda: bool(_named(receiver.of(str(gated.id)), "outbox.approve")),
+            timeout=30,
+            what="the approval's span exported",
+        )
+    (approve,) = _named(receiver.of(str(gated.id)), "outbox.approve")
+    assert approve.trace_id == AGENT_TRACE_ID
+    assert approve.parent_span_id == AGENT_SPAN_ID
+    assert approve.attributes["outbox.decided_by"] == "alice"
+    assert approve.service == "outbox-api"
+
     # No payload value in any span, its attributes or events.
     for span in receiver.all():
-        assert CONFIRMED_VERSION.encode() not in span.raw, span.name
-        assert UNKNOWN_VERSION.encode() not in span.raw, span.name
+        for version in (CONFIRMED_VERSION, UNKNOWN_VERSION, APPROVED_VERSION):
+            assert version.encode() not in span.raw, span.name
 
     # The worker's log lines written inside the operation's spans carry the trace id.
     worker_log = dict(services.logs())["worker"]
