@@ -68,6 +68,8 @@ DECIDED_BY = "outbox.decided_by"
 
 #: The relay's span for one operation's dispatch message.
 PUBLISH_SPAN = "outbox.publish"
+#: One attempt to deliver an escalation webhook.
+WEBHOOK_SPAN = "outbox.webhook.deliver"
 
 SpanKind = Literal["internal", "client", "producer", "consumer"]
 
@@ -215,15 +217,38 @@ def operation_span(
     if not active():
         yield None
         return
+    with stored_span(
+        name,
+        None if child else op.traceparent,
+        None if child else op.tracestate,
+        kind=kind,
+        attributes={**operation_attributes(op), **(attributes or {})},
+    ) as span:
+        yield span
+
+
+@contextmanager
+def stored_span(
+    name: str,
+    traceparent: str | None,
+    tracestate: str | None,
+    *,
+    kind: SpanKind = "internal",
+    attributes: Mapping[str, str | int | bool] | None = None,
+) -> Iterator[Span | None]:
+    """A span ``name``, current within the block, child of a stored W3C trace context (else
+    of the current span); ``None`` when tracing is off."""
+    if not active():
+        yield None
+        return
     from opentelemetry import trace  # noqa: PLC0415 -- imported already (active)
 
-    parent = None if child else _stored(op.traceparent, op.tracestate)
     tracer = trace.get_tracer(SCOPE)
     with tracer.start_as_current_span(
         name,
-        context=parent,
+        context=_stored(traceparent, tracestate),
         kind=trace.SpanKind[kind.upper()],
-        attributes={**operation_attributes(op), **(attributes or {})},
+        attributes=dict(attributes or {}),
     ) as span:
         yield span
 

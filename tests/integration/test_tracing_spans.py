@@ -39,10 +39,9 @@ _EXPORTER = InMemorySpanExporter()
 _SET_UP = threading.Lock()
 
 
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
+def collecting() -> InMemorySpanExporter:
     """This process's SDK tracer provider (set once: OpenTelemetry allows one), its finished
-    spans collected in memory, cleared for each test."""
+    spans collected in memory, emptied."""
     with _SET_UP:
         if not tracing.active():
             provider = TracerProvider()
@@ -50,7 +49,13 @@ def spans() -> Iterator[InMemorySpanExporter]:
             trace.set_tracer_provider(provider)
     assert tracing.active()
     _EXPORTER.clear()
-    yield _EXPORTER
+    return _EXPORTER
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """The spans finished during the test (:func:`collecting`)."""
+    yield collecting()
     _EXPORTER.clear()
 
 
