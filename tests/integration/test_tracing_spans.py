@@ -23,11 +23,13 @@ from outbox.contracts import ContractTable
 from outbox.dev.service import DeployService
 from outbox.reconcilers.lookup import CALL_SPAN as LOOKUP_CALL_SPAN
 from outbox.reconcilers.lookup import LOOKUP_SPAN, LookupOutcome, lookup
+from outbox.reconcilers.route import RECONCILE_SPAN
+from outbox.reconcilers.sweep import SweepConfig, Sweeper
 from outbox.relay import Relay, RelayConfig
 from outbox.states import State
 from outbox.tools import Ambiguous, Applied, DispatchResult, ToolCall, ToolRegistry, tool
 from outbox.workers.dispatch import CALL_SPAN, DISPATCH_SPAN, Outcome, dispatch
-from tests.factories import make_operation
+from tests.factories import age, make_operation
 from tests.tool_configs import http_registry
 
 TOOL = "deploy.create_release"
@@ -239,3 +241,24 @@ def test_an_approval_and_a_rejection_are_spans_naming_the_approver(
             who,
         )
         assert [e.name for e in span.events] == [f"outbox.state.{state}"]
+
+
+def test_an_escalation_by_the_sweep_lands_in_the_agents_trace(
+    engine: Engine, registry: ToolRegistry, remote: Remote, spans: InMemorySpanExporter
+) -> None:
+    """An unknown operation without lookup or dedup, past its horizon, is escalated by the
+    sweep: an outbox.reconcile span in the agent's trace, decision human, needs_human event."""
+    remote.answer = Ambiguous("timeout")
+    op = _enqueued_in_agent_span(engine)
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.UNKNOWN
+    age(engine, op.id, 120, "sent_at", "first_sent_at")
+    spans.clear()
+    sweeper = Sweeper(
+        engine, registry=registry, config=SweepConfig(sent_timeout_s=5, sent_max_age_s=60)
+    )
+    assert sweeper.run_once().escalated == 1
+    (span,) = [s for s in spans.get_finished_spans() if s.name == RECONCILE_SPAN]
+    assert span.parent is not None
+    assert (span.parent.trace_id, span.parent.span_id) == (TRACE_ID, AGENT_SPAN_ID)
+    assert (span.attributes or {})["outbox.decision"] == "human"
+    assert [e.name for e in span.events] == ["outbox.state.needs_human"]
