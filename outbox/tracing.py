@@ -359,6 +359,4 @@ def current_context(op: Operation) -> TraceContext | None:
         here = trace_context.current()
         if here is not None:
             return here
-    if op.traceparent is None:
-        return None
-    return TraceContext(op.traceparent, op.tracestate)
+    return trace_context.stored(op.traceparent, op.tracestate)

@@ -157,7 +157,11 @@ def _ask(conn: Connection, facts: ReconcileFacts, tool: Tool, config: LookupConf
     # The lookup's span, in the trace of the agent that enqueued it, hours later maybe.
     with tracing.operation_span(LOOKUP_SPAN, facts.operation) as span:
         with tracing.operation_span(
-            CALL_SPAN, facts.operation, kind="client", child=True
+            CALL_SPAN,
+            facts.operation,
+            kind="client",
+            child=True,
+            attributes=tool.span_attributes("lookup") if tracing.active() else None,
         ) as call_span:
             result = run_lookup(tool, _call(facts, tool))
             tracing.result(call_span, type(result).__name__)

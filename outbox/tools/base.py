@@ -97,6 +97,11 @@ class Tool(abc.ABC):
         """Where the tool was defined, for error messages."""
         return type(self).__name__
 
+    def span_attributes(self, stage: str) -> dict[str, str]:
+        """OpenTelemetry semantic-convention attributes of a call span (``stage``:
+        ``dispatch`` or ``lookup``): none for a tool whose protocol the outbox does not know."""
+        return {}
+
     @abc.abstractmethod
     def dispatch(self, call: ToolCall) -> DispatchResult | Awaitable[DispatchResult]:
         """Send the request for ``call`` once and classify the answer."""

@@ -198,7 +198,13 @@ def _attempt_in_span(
     tracing.state_event(span, sent)
     if time.monotonic() > send_by:
         return _not_sent(conn, sent, tool.contract)
-    with tracing.operation_span(CALL_SPAN, sent, kind="client", child=True) as call_span:
+    with tracing.operation_span(
+        CALL_SPAN,
+        sent,
+        kind="client",
+        child=True,
+        attributes=tool.span_attributes("dispatch") if tracing.active() else None,
+    ) as call_span:
         result = run_dispatch(
             tool,
             ToolCall(

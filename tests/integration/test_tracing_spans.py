@@ -213,6 +213,8 @@ def test_a_lookup_of_an_unknown_operation_lands_in_the_agents_trace(
     assert call.parent is not None
     assert call.parent.span_id == looked.context.span_id
     assert call.kind is SpanKind.CLIENT
+    http = call.attributes or {}
+    assert (http["http.request.method"], http["server.address"]) == ("GET", "127.0.0.1")
     assert (looked.attributes or {})[tracing.OUTCOME] == "confirmed"
     _no_payload_value(spans.get_finished_spans())
 

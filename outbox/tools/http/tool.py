@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from string import Formatter
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 from yarl import URL
@@ -181,6 +181,16 @@ class HttpTool(Tool):
     def origin(self) -> str:
         """``http tool in <file>``."""
         return f"http tool in {self.source}"
+
+    def span_attributes(self, stage: str) -> dict[str, str]:
+        """HTTP client semantic conventions: the method and, when the URL template names its
+        host outright, ``server.address`` (never the rendered URL: it carries the target)."""
+        template = self.spec.lookup_url if stage == "lookup" else self.spec.url
+        attributes = {"http.request.method": "GET" if stage == "lookup" else self.spec.method}
+        host = urlsplit(template or "").hostname
+        if host and "{" not in host:
+            attributes["server.address"] = host
+        return attributes
 
     def same_definition(self, other: Tool) -> bool:
         """The same table (the file loaded again) defines the same tool."""
