@@ -31,7 +31,7 @@ from uuid import UUID
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
-from outbox import api, approval, listener, sagas
+from outbox import api, approval, listener, sagas, trace_context
 from outbox.api import Intent, _as_uuid
 from outbox.db import database_errors
 from outbox.errors import OperationNotFound, WaitTimeout
@@ -79,6 +79,8 @@ async def _run(session: AsyncExecutor, call: Callable[[Executor], T]) -> T:
     """``call(sync twin of session)`` in the caller's transaction, on its async connection;
     a connection that cannot be made or a schema that is missing raise the typed errors the
     sync API raises (:func:`outbox.db.database_errors`), here too where the session connects."""
+    # The caller's trace context, taken here: run_sync's greenlet has a context of its own.
+    call = trace_context.within(trace_context.current(), call)
     with database_errors():
         if isinstance(session, AsyncSession):
             return await session.run_sync(call)

@@ -18,7 +18,7 @@ from uuid import UUID
 
 from sqlalchemy import Engine
 
-from outbox import budgets, sql, transitions, webhooks
+from outbox import budgets, sql, trace_context, transitions, webhooks
 from outbox.canonical import NotCanonicalizable, canonical_json, intent_hash, payload_hash
 from outbox.config import get_settings
 from outbox.contracts import CONTRACTS
@@ -40,6 +40,7 @@ from outbox.published import PUBLISHED
 from outbox.segments import dot_segment_refusal, has_dot_segment
 from outbox.states import State
 from outbox.storable import unstorable_text
+from outbox.trace_context import TraceContext
 
 #: Dotted names of letters, digits, ``_`` and ``-``: ``deploy.create_release``.
 TOOL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*(\.[A-Za-z][A-Za-z0-9_-]*)*")
@@ -179,6 +180,8 @@ def enqueue_intent(
             requested_by=one.requested_by,
             require_approval=one.require_approval,
             approval_ttl_s=one.approval_ttl_s,
+            traceparent=one.trace.traceparent if one.trace else None,
+            tracestate=one.trace.tracestate if one.trace else None,
         )
         if isinstance(created, sql.intents.Budgeted):
             created = _insert_budgeted(session, [one], created.definitions).get(0)
@@ -224,6 +227,8 @@ class _Checked:
     require_approval: bool
     #: The approval TTL of this process's loaded contract, if it has one (else the policy's).
     approval_ttl_s: float | None
+    #: The caller's W3C trace context, if it has one (outbox.trace_context).
+    trace: TraceContext | None
 
     @property
     def scoped_key(self) -> IntentKey | None:
@@ -243,6 +248,8 @@ class _Columns(TypedDict):
     requested_by: list[str | None]
     require_approval: list[bool]
     approval_ttl_s: list[float | None]
+    traceparents: list[str | None]
+    tracestates: list[str | None]
 
 
 def _columns(checked: Sequence[_Checked]) -> _Columns:
@@ -259,6 +266,8 @@ def _columns(checked: Sequence[_Checked]) -> _Columns:
         "requested_by": [c.requested_by for c in checked],
         "require_approval": [c.require_approval for c in checked],
         "approval_ttl_s": [c.approval_ttl_s for c in checked],
+        "traceparents": [c.trace.traceparent if c.trace else None for c in checked],
+        "tracestates": [c.trace.tracestate if c.trace else None for c in checked],
     }
 
 
@@ -419,6 +428,7 @@ def _check(session: Executor, intent: Intent) -> _Checked:
         require_approval=intent.require_approval
         or (contract is not None and contract.approval_required),
         approval_ttl_s=contract.approval_ttl_s if contract is not None else None,
+        trace=trace_context.current(),
     )
 
 

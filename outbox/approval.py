@@ -22,7 +22,7 @@ from uuid import UUID
 
 from sqlalchemy import Connection, Engine
 
-from outbox import sql, transitions
+from outbox import sql, tracing, transitions
 from outbox.api import _as_uuid
 from outbox.contracts import ToolContract
 from outbox.db import translated
@@ -87,6 +87,7 @@ def approve(
     )
     moved = _apply(session, move, given_hash=digest)
     sql.approval.ring_relay(session)
+    tracing.decision("outbox.approve", moved.operation, by=by)
     return moved.operation
 
 
@@ -107,7 +108,9 @@ def reject(session: Executor, op_id: UUID | str, *, by: str, reason: str) -> Ope
         reason=f"rejected by {by}: {why}",
         detail={"by": by, "reason": why},
     )
-    return _apply(session, move, given_hash=None).operation
+    rejected = _apply(session, move, given_hash=None).operation
+    tracing.decision("outbox.reject", rejected, by=by)
+    return rejected
 
 
 def approve_command(operation: Operation) -> str:

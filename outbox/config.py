@@ -34,6 +34,7 @@ OTHER_VARIABLES = {
     "OUTBOX_BENCH_URL": "the benchmarks' PostgreSQL server",
     "OUTBOX_IMAGE": "compose.yaml: the image to run",
     "OUTBOX_TOOLS_FILE": "compose.yaml: the tools file mounted as OUTBOX_CONFIG",
+    "OUTBOX_OTEL": "`outbox up --otel`: trace every component (outbox.tracing.setup)",
 }
 
 #: Events an escalation webhook may subscribe to.

@@ -245,6 +245,21 @@ def escape_controls(value: object) -> object:
     return str(value).translate(_CONTROL_ESCAPES)
 
 
+def _trace_ids(_: Any, __: str, event: EventDict) -> EventDict:
+    """``trace_id`` and ``span_id`` of the span current where the line was logged (a handler
+    formats in the logging thread), so that logs join traces (docs/observability.md). A
+    process that never imported the tracing API has no current span: nothing is imported."""
+    if "opentelemetry.trace" not in sys.modules:
+        return event
+    from opentelemetry import trace  # noqa: PLC0415 -- imported already (above): no cost
+
+    context = trace.get_current_span().get_span_context()
+    if context.is_valid:
+        event["trace_id"] = f"{context.trace_id:032x}"
+        event["span_id"] = f"{context.span_id:016x}"
+    return event
+
+
 def _escaped(_: Any, __: str, event: EventDict) -> EventDict:
     """Every key and value with its control characters escaped, in one place for both
     formats: structlog's logfmt escapes only ``\\n`` and ``"`` (CR, ESC, DEL, C1 and U+2028
@@ -283,6 +298,7 @@ def formatter(log_format: LogFormat) -> logging.Formatter:
         foreign_pre_chain=[
             structlog.stdlib.ExtraAdder(),
             _from_record,
+            _trace_ids,
             _database_errors_in_one_line,
         ],
         processors=[

@@ -81,6 +81,10 @@ class Operation:
     #: The agent whose intent key this is (``""``: the deployment's shared scope): the same
     #: key from another agent names another operation.
     agent: str = ""
+    #: The W3C trace context of the caller that enqueued it (``None`` without a caller's
+    #: trace): every later stage's span joins that trace (docs/observability.md).
+    traceparent: str | None = None
+    tracestate: str | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> Operation:

@@ -29,7 +29,7 @@ import psycopg
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, sql
+from outbox import faults, sql, tracing
 from outbox.backoff import Backoff
 from outbox.errors import BrokerUnavailable
 from outbox.logs import Action, describe_error
@@ -138,7 +138,10 @@ class Relay:
                 return RelayResult(0, 0)
             faults.point("relay_before_publish")
             messages = [OutboundMessage(c.id, c.tool, c.target) for c in claimed]
-            confirmed = self.publisher.publish(messages)
+            # One PRODUCER span per operation, in its agent's trace (none without an SDK).
+            with tracing.publish_spans(claimed) as published_spans:
+                confirmed = self.publisher.publish(messages)
+                published_spans.confirmed(confirmed)
             faults.point("relay_after_publish")
             published = sql.relay.mark_published(
                 conn, [m.operation_id for m in messages if m.operation_id in confirmed]

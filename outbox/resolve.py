@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from uuid import UUID
 
-from outbox import sql, transitions
+from outbox import sql, tracing, transitions
 from outbox.api import _as_uuid
 from outbox.approval import approve_command, reject_command
 from outbox.contracts import CONTRACTS, ToolContract
@@ -122,10 +122,12 @@ def resolve(
         detail={"by": by, "note": note, "forced": force, "applied": applied, "replay": replay},
     )
     try:
-        return transitions.apply(session, verdict).operation
+        resolved = transitions.apply(session, verdict).operation
     except StaleTransition as exc:
         # Under our lock only a writer that takes no lock can get here first; same answer.
         raise _stale(operation_id, current.attempts, exc.actual) from exc
+    tracing.decision("outbox.resolve", resolved, by=by)
+    return resolved
 
 
 def waiting_reasons(executor: Executor, operation_ids: Iterable[UUID]) -> dict[UUID, str]:

@@ -103,6 +103,10 @@ operations = Table(
     # rule, so a search by key alone (an operator's) reads the same index.
     Column("agent", Text, nullable=False, server_default=text("''")),
     UniqueConstraint("intent_key", "agent"),
+    # The caller's W3C trace context at enqueue (migration 0026; NULL without a caller's
+    # trace): later stages' spans join that trace. Immutable like the payload.
+    Column("traceparent", Text),
+    Column("tracestate", Text),
     # The row's fifteen invariants (the state machine's, the key's and the hash's shapes), in
     # one PL/pgSQL function that names the rule a bad row breaks (ck_operations_state_known,
     # ck_operations_sent_has_attempt, ...): PostgreSQL prepares every CHECK expression again

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -90,12 +91,16 @@ def enqueue_command(
     Prints the operation. Run it again with the same --key and the same input and you get
     the same operation back; the same --key with another tool, target or payload fails with
     an intent key conflict and writes nothing. With OUTBOX_TOOLS or OUTBOX_CONFIG set, the
-    tools are loaded first and a tool they do not register is refused.
+    tools are loaded first and a tool they do not register is refused. A TRACEPARENT (and
+    TRACESTATE) in the environment, a traced script's W3C trace context, is recorded with it.
     """
-    from outbox import api  # noqa: PLC0415 -- not for --help
+    from outbox import api, trace_context  # noqa: PLC0415 -- not for --help
 
     _load_configured_tools()
-    with transaction() as session:
+    # A traced script's context, in OpenTelemetry's environment carrier (TRACEPARENT,
+    # TRACESTATE): recorded with the operation like an agent's current span.
+    trace = trace_context.parse(os.environ.get("TRACEPARENT"), os.environ.get("TRACESTATE"))
+    with trace_context.passed(trace), transaction() as session:
         op = api.enqueue(
             session,
             tool=tool,

@@ -3,7 +3,7 @@
 # ruff: noqa: E501
 
 #: The SHA-256 of outbox/config.py the copy was made from.
-CONFIG_SHA256 = "887f17746193d74d151d01d42332907ad426f0037c4a5d88d0e891d6c4911d8c"
+CONFIG_SHA256 = "543f1e4c1e8d9d045f87bb5ca7d145f5789e9e6972335620d90bc96a4563fef0"
 
 #: :func:`outbox.cli.output.environment_help` as it was then.
 TEXT = "\n\n".join(
@@ -18,6 +18,7 @@ TEXT = "\n\n".join(
         "`OUTBOX_SENT_TIMEOUT` (default: 60): A `sent` row older than this is checked by the sweep.",
         "`OUTBOX_SENT_MAX_AGE` (default: 3600): A `sent` row still locked by its dispatcher after this goes to a human.",
         "`OUTBOX_SWEEP_INTERVAL` (default: 15): Seconds between sweeps.",
+        "`OUTBOX_BROKER_POLL_INTERVAL` (default: 5): On the database broker: seconds between a worker's polls of its empty queues; a publish wakes it at once (LISTEN/NOTIFY), the poll only covers a lost notification.",
         "`OUTBOX_LOOKUP_LEASE` (default: 60): An `unknown` row the sweep sent to a lookup is not routed again for this long; on the database broker (no redelivery) a lost lookup message delays that operation by up to this.",
         "`OUTBOX_REPUBLISH_AFTER` (default: 30): A published `planned` row is published again after this.",
         "`OUTBOX_OPS_PER_MESSAGE` (default: 8): Operations one dispatch message may name (each still gets its own lock and attempt); a batch is still spread over at least 16 messages when it can be.",

@@ -57,7 +57,10 @@ def relay_command(
         from outbox.workers.app import OUTBOX_DEPLOYMENT_KEY, app  # noqa: PLC0415
         from outbox.workers.publish import CeleryPublisher  # noqa: PLC0415
 
+    from outbox import tracing  # noqa: PLC0415 -- only the components set tracing up
+
     start_logging(log_level)
+    tracing.setup("outbox-relay")
     await_database("relay")
     require_schema()
     settings = get_settings()
@@ -87,6 +90,7 @@ def relay_command(
             },
         )
         relay.run_forever()
+    tracing.shutdown()
     log.info("relay stopped", extra={"action": Action.RELAY_STOPPED})
 
 

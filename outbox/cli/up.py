@@ -154,6 +154,14 @@ def up_command(
         typer.Option("--log-level", case_sensitive=False, help="The processes' log level."),
     ] = LogLevel.WARNING,
     no_tools: NoToolsOption = False,
+    otel: Annotated[
+        bool,
+        typer.Option(
+            "--otel",
+            help="Trace every component with OpenTelemetry (OTLP/HTTP to "
+            "OTEL_EXPORTER_OTLP_ENDPOINT, default localhost:4318; needs agent-outbox[otel]).",
+        ),
+    ] = False,
 ) -> None:
     """Run everything on this host: migrations, relay, workers, beat, metrics, the HTTP API
     (and Flower, and the MCP server over HTTP with --mcp).
@@ -199,7 +207,13 @@ def up_command(
     with connected() as engine:
         url = engine.url.render_as_string(hide_password=False)
         migrate.upgrade(engine)
-        env = {**os.environ, "OUTBOX_DATABASE_URL": url, "OUTBOX_HOME": str(settings.home)}
+        env = {
+            **os.environ,
+            "OUTBOX_DATABASE_URL": url,
+            "OUTBOX_HOME": str(settings.home),
+            # --otel: outbox.tracing.setup in each component.
+            **({"OUTBOX_OTEL": "1"} if otel else {}),
+        }
         supervisor = Supervisor(
             _specs(workers, concurrency, relays, flower, flower_port, log_level, no_tools)
             + ([ChildSpec("api", _api_arguments(api_port, api_workers))] if api else [])

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from outbox import __version__
+from outbox import __version__, trace_context
 from outbox.contracts import ContractTable
 from outbox.mcp.auth import (
     REQUIRED_SCOPE,
@@ -133,7 +133,12 @@ def create_server(context: McpContext) -> Server[Any]:
         if tool is None:
             known = ", ".join([*names, *OWN_TOOLS])
             raise MCPError(_INVALID_PARAMS, f"unknown tool {params.name!r}; tools: {known}")
-        return await calls.call_registered(tool, params.arguments, caller())
+        # The client's W3C trace context, when it sends one in the request's _meta (as
+        # OpenTelemetry's MCP instrumentation does): recorded with the operation.
+        meta = params.meta or {}
+        trace = trace_context.parse(_text(meta.get("traceparent")), _text(meta.get("tracestate")))
+        with trace_context.passed(trace):
+            return await calls.call_registered(tool, params.arguments, caller())
 
     async def list_templates(
         _ctx: ServerRequestContext[Any], _params: types.PaginatedRequestParams | None
@@ -196,6 +201,10 @@ def create_server(context: McpContext) -> Server[Any]:
         on_list_resource_templates=list_templates,
         on_read_resource=read_resource,
     )
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 async def serve_stdio(context: McpContext) -> None:

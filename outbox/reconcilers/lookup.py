@@ -23,7 +23,7 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, guard_state, sql, transitions
+from outbox import faults, guard_state, sql, tracing, transitions
 from outbox.backoff import exponential_s, jittered
 from outbox.contracts import ToolContract
 from outbox.guards import GuardKey
@@ -154,17 +154,33 @@ def _ask(conn: Connection, facts: ReconcileFacts, tool: Tool, config: LookupConf
     )
     if held is not None:
         return _deferred(conn, facts, held)
-    result = run_lookup(tool, _call(facts, tool))
-    faults.point("lookup_after_call")
-    try:
-        report = _record(conn, facts, tool, result, config)
-    except Exception as exc:  # whatever refused the write, the call itself happened
-        if isinstance(exc, DBAPIError) and exc.connection_invalidated:
-            raise  # the lock went with the connection; the lookup's lease asks again
-        report = _unrecordable(conn, facts, tool.contract, exc, config)
+    # The lookup's span, in the trace of the agent that enqueued it, hours later maybe.
+    with tracing.operation_span(LOOKUP_SPAN, facts.operation) as span:
+        with tracing.operation_span(
+            CALL_SPAN,
+            facts.operation,
+            kind="client",
+            child=True,
+            attributes=tool.span_attributes("lookup") if tracing.active() else None,
+        ) as call_span:
+            result = run_lookup(tool, _call(facts, tool))
+            tracing.result(call_span, type(result).__name__)
+        faults.point("lookup_after_call")
+        try:
+            report = _record(conn, facts, tool, result, config)
+        except Exception as exc:  # whatever refused the write, the call itself happened
+            if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+                raise  # the lock went with the connection; the lookup's lease asks again
+            report = _unrecordable(conn, facts, tool.contract, exc, config)
+        tracing.outcome(span, report.outcome.value)
     faults.point("lookup_after_commit")
     _count_for_breaker(conn, facts, tool.contract, result)
     return report
+
+
+#: The span of one lookup of an ``unknown`` operation, and of its tool call.
+LOOKUP_SPAN = "outbox.lookup"
+CALL_SPAN = "outbox.tool.lookup"
 
 
 def _deferred(conn: Connection, facts: ReconcileFacts, held: guard_state.Hold) -> LookupReport:
@@ -211,6 +227,8 @@ def _call(facts: ReconcileFacts, tool: Tool) -> ToolCall:
         payload=op.payload,
         attempt=op.attempts,
         timeout_s=tool.contract.timeout_s,
+        # The lookup call span's context, else the agent's stored one (outbox.tracing).
+        trace=tracing.current_context(op),
     )
 
 

@@ -7,7 +7,7 @@ from uuid import UUID
 
 from sqlalchemy import Connection
 
-from outbox import sql, transitions
+from outbox import sql, tracing, transitions
 from outbox.logs import Action as LogAction
 from outbox.reconcilers.decide import Action, Decision
 from outbox.sql.reconcile import ReconcileFacts
@@ -31,6 +31,24 @@ def apply_decision_and_commit(conn: Connection, facts: ReconcileFacts, decision:
     Fenced on the state and attempt the facts were read at: a row that moved on meanwhile
     is left alone. LOOKUP is the caller's to arrange (it runs elsewhere).
     """
+    # A span in the agent's trace: a replay or an escalation hours after the attempt.
+    with tracing.operation_span(
+        RECONCILE_SPAN, facts.operation, attributes={"outbox.decision": str(decision.action)}
+    ) as span:
+        applied = _apply_decision_and_commit(conn, facts, decision)
+        if span is not None:
+            span.set_attribute("outbox.applied", applied)
+            if applied and decision.action is not Action.WAIT:
+                moved_to = State.PLANNED if decision.action is Action.REPLAY else State.NEEDS_HUMAN
+                span.add_event(f"outbox.state.{moved_to}", {"outbox.reason": decision.reason})
+        return applied
+
+
+#: The span of a decision carried out for an `unknown` operation (replay, escalation, wait).
+RECONCILE_SPAN = "outbox.reconcile"
+
+
+def _apply_decision_and_commit(conn: Connection, facts: ReconcileFacts, decision: Decision) -> bool:
     op = facts.operation
     if decision.action is Action.WAIT:
         with conn.begin():

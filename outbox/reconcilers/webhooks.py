@@ -32,7 +32,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 from standardwebhooks import Webhook
 
-from outbox import faults, sql, webhooks
+from outbox import faults, sql, tracing, webhooks
 from outbox.backoff import Backoff, exponential_s, jittered
 from outbox.config import Settings, get_settings
 from outbox.logs import Action, describe_error
@@ -177,7 +177,21 @@ class WebhookDeliverer:
         self, endpoint: Endpoint, row: Claimed, claimed_at: float
     ) -> DeliveryStatus | None:
         """POST one claimed row and record the outcome; ``None`` if its lease was lost."""
-        status, error = self._post(endpoint, row, database_now(row, self.config, claimed_at))
+        # A CLIENT span in the operation's trace (the agent's), naming the event, not its body.
+        with tracing.stored_span(
+            tracing.WEBHOOK_SPAN,
+            row.traceparent,
+            row.tracestate,
+            kind="client",
+            attributes={
+                "outbox.webhook.event": str(row.event),
+                "outbox.webhook.attempt": row.attempts + 1,
+                **({tracing.OPERATION_ID: str(row.operation_id)} if row.operation_id else {}),
+            },
+        ) as span:
+            status, error = self._post(endpoint, row, database_now(row, self.config, claimed_at))
+            if span is not None and status is not None:
+                span.set_attribute("http.response.status_code", status)
         faults.point("webhook_after_send")
         retry_in = backoff_s(row.attempts + 1, self.config)
         with self.engine.begin() as conn:

@@ -38,10 +38,11 @@ _INSERT_INTENT = DriverStatement.of(
     inserted AS (
         INSERT INTO outbox.operations
             (id, intent_key, agent, tool, target, payload, payload_hash, intent_hash, metadata,
-             requested_by, state, approval_required, approval_expires_at)
+             requested_by, traceparent, tracestate, state, approval_required,
+             approval_expires_at)
         SELECT new.id, coalesce(:intent_key, new.id::text), :agent, :tool, :target,
                CAST(:payload AS jsonb), :payload_hash, :intent_hash, CAST(:metadata AS jsonb),
-               :requested_by,
+               :requested_by, :traceparent, :tracestate,
                CASE WHEN new.approval THEN 'awaiting_approval' ELSE 'planned' END,
                new.approval,
                CASE WHEN new.approval
@@ -118,6 +119,8 @@ def insert_intent(
     requested_by: str | None,
     require_approval: bool = False,
     approval_ttl_s: float | None = None,
+    traceparent: str | None = None,
+    tracestate: str | None = None,
 ) -> Operation | Budgeted | None:
     """Insert a ``planned`` operation and its first event; ``None`` if ``agent``'s key is
     taken (by an operation, or by a pruned one: :func:`find_pruned_intents`); :class:`Budgeted`,
@@ -144,6 +147,8 @@ def insert_intent(
             "requested_by": requested_by,
             "require_approval": require_approval,
             "approval_ttl_s": approval_ttl_s,
+            "traceparent": traceparent,
+            "tracestate": tracestate,
         },
     )
     if row is None:
@@ -183,6 +188,8 @@ def insert_intent(
         intent_hash=intent_hash,
         approval_required=state is State.AWAITING_APPROVAL,
         approval_expires_at=row["approval_expires_at"],
+        traceparent=traceparent,
+        tracestate=tracestate,
     )
 
 
@@ -214,10 +221,11 @@ _INSERT_INTENTS = text(
             CAST(:payloads AS jsonb[]), CAST(:payload_hashes AS text[]),
             CAST(:intent_hashes AS text[]), CAST(:metadata AS jsonb[]),
             CAST(:requested_by AS text[]), CAST(:require_approval AS boolean[]),
-            CAST(:approval_ttl_s AS double precision[])
+            CAST(:approval_ttl_s AS double precision[]), CAST(:traceparents AS text[]),
+            CAST(:tracestates AS text[])
         ) WITH ORDINALITY
           AS i(intent_key, agent, tool, target, payload, payload_hash, intent_hash, metadata,
-               requested_by, require_approval, approval_ttl_s, n)
+               requested_by, require_approval, approval_ttl_s, traceparent, tracestate, n)
     ),
     new AS (
         -- Each tool's approval policy, one primary-key probe per intent (see _INSERT_INTENT).
@@ -233,9 +241,10 @@ _INSERT_INTENTS = text(
     inserted AS (
         INSERT INTO outbox.operations
             (id, intent_key, agent, tool, target, payload, payload_hash, intent_hash, metadata,
-             requested_by, state, approval_required, approval_expires_at)
+             requested_by, traceparent, tracestate, state, approval_required,
+             approval_expires_at)
         SELECT id, coalesce(intent_key, id::text), agent, tool, target, payload, payload_hash,
-               intent_hash, metadata, requested_by,
+               intent_hash, metadata, requested_by, traceparent, tracestate,
                CASE WHEN approval THEN 'awaiting_approval' ELSE 'planned' END, approval,
                CASE WHEN approval THEN statement_timestamp() + make_interval(secs => ttl_s) END
         FROM new
@@ -288,6 +297,8 @@ def insert_intents(
     requested_by: Sequence[str | None],
     require_approval: Sequence[bool] | None = None,
     approval_ttl_s: Sequence[float | None] | None = None,
+    traceparents: Sequence[str | None] | None = None,
+    tracestates: Sequence[str | None] | None = None,
     usage: Sequence[UsageRow] = (),
     budgets_checked: bool = False,
 ) -> InsertedIntents:
@@ -314,6 +325,8 @@ def insert_intents(
             "requested_by": list(requested_by),
             "require_approval": list(require_approval or [False] * len(tools)),
             "approval_ttl_s": list(approval_ttl_s or [None] * len(tools)),
+            "traceparents": list(traceparents or [None] * len(tools)),
+            "tracestates": list(tracestates or [None] * len(tools)),
             "budgets_checked": budgets_checked,
             "usage_positions": [u.position + 1 for u in usage],
             "usage_budgets": [u.budget for u in usage],

@@ -254,7 +254,8 @@ _LOCK_AND_READ = DriverStatement.of(
            op.published_at, op.first_sent_at, op.sent_at, op.next_check_at, op.replay_deadline,
            op.resolved_at, op.attempt_budget_base, op.intent_hash, op.approval_required,
            op.approval_expires_at, op.decided_by, op.decided_at, op.approved_payload_hash,
-           op.agent, op.available_at <= clock_timestamp() AS due,
+           op.agent, op.traceparent, op.tracestate,
+           op.available_at <= clock_timestamp() AS due,
            op.replay_deadline IS NOT NULL AND op.replay_deadline <= clock_timestamp()
              AS replay_expired
     -- The row comes from a function fed with the lock's result: its query runs after the

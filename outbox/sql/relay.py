@@ -19,6 +19,9 @@ class ClaimedIntent:
     id: UUID
     tool: str
     target: str
+    #: The caller's trace context recorded at enqueue (the publish span's parent), if any.
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 # The queue scans bound time with statement_timestamp(), not clock_timestamp(): a volatile
@@ -36,8 +39,8 @@ class ClaimedIntent:
 _CLAIM_DUE = DriverStatement.of(
     text(
         """
-    SELECT id, tool, target FROM (
-        SELECT id, tool, target FROM outbox.operations
+    SELECT id, tool, target, traceparent, tracestate FROM (
+        SELECT id, tool, target, traceparent, tracestate FROM outbox.operations
         WHERE state = 'planned' AND published_at IS NULL
           AND available_at <= statement_timestamp()
         ORDER BY available_at
@@ -45,8 +48,8 @@ _CLAIM_DUE = DriverStatement.of(
         FOR UPDATE SKIP LOCKED
     ) AS never_published
     UNION ALL
-    SELECT id, tool, target FROM (
-        SELECT id, tool, target FROM outbox.operations
+    SELECT id, tool, target, traceparent, tracestate FROM (
+        SELECT id, tool, target, traceparent, tracestate FROM outbox.operations
         WHERE state = 'planned' AND published_at IS NOT NULL
           AND published_at <= statement_timestamp() - make_interval(secs => :republish_after)
           AND available_at <= statement_timestamp()
@@ -57,7 +60,7 @@ _CLAIM_DUE = DriverStatement.of(
     LIMIT :limit
     """
     ),
-    ["id", "tool", "target"],
+    ["id", "tool", "target", "traceparent", "tracestate"],
 )
 
 
@@ -71,7 +74,10 @@ def claim_due(executor: Executor, *, limit: int, republish_after_s: float) -> li
     caller's transaction ends, so a batch is published by one relay at a time.
     """
     rows = _CLAIM_DUE.fetch_all(executor, {"limit": limit, "republish_after": republish_after_s})
-    return [ClaimedIntent(row["id"], row["tool"], row["target"]) for row in rows]
+    return [
+        ClaimedIntent(row["id"], row["tool"], row["target"], row["traceparent"], row["tracestate"])
+        for row in rows
+    ]
 
 
 _MARK_PUBLISHED = DriverStatement.of(

@@ -46,6 +46,9 @@ class Claimed:
     attempts: int
     #: ``next_attempt_at`` as the claim set it; the outcome is written only if it is unchanged.
     lease: datetime
+    #: The operation's stored trace context (the delivery span's parent), if any.
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 _CLAIM_DUE = text(
@@ -63,7 +66,12 @@ _CLAIM_DUE = text(
     SET next_attempt_at = clock_timestamp() + make_interval(secs => :lease)
     FROM due WHERE d.id = due.id
     RETURNING d.id, d.operation_id, d.event, d.payload::text AS body, d.attempts,
-              d.next_attempt_at AS lease
+              d.next_attempt_at AS lease,
+              -- The operation's trace context (a primary-key probe; NULL for a guard event).
+              (SELECT o.traceparent FROM outbox.operations AS o WHERE o.id = d.operation_id)
+                AS traceparent,
+              (SELECT o.tracestate FROM outbox.operations AS o WHERE o.id = d.operation_id)
+                AS tracestate
     """
 )
 
@@ -87,6 +95,8 @@ def claim_due(
             body=row.body,
             attempts=row.attempts,
             lease=row.lease,
+            traceparent=row.traceparent,
+            tracestate=row.tracestate,
         )
         for row in rows
     ]

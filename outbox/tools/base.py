@@ -19,6 +19,7 @@ from outbox.api import MAX_TOOL_LENGTH, TOOL_NAME
 from outbox.contracts import ToolContract
 from outbox.errors import ConfigError, SendDeadlinePassed
 from outbox.tools.results import DispatchResult, LookupResult
+from outbox.trace_context import TraceContext
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class ToolCall:
     #: tool's ``send_deadline_s`` counted from the start of the ``sent`` commit (``None``
     #: for a lookup, which has no such deadline). Check it with :meth:`check_send_deadline`.
     send_by: float | None = None
+    #: The operation's stored W3C trace context (the agent's trace, recorded at enqueue), or
+    #: ``None``: what an HTTP tool sends the remote when no span of ours is current.
+    trace: TraceContext | None = None
 
     def send_time_left(self) -> float | None:
         """Seconds left before the send deadline (negative once past; ``None``: none)."""
@@ -92,6 +96,11 @@ class Tool(abc.ABC):
     def origin(self) -> str:
         """Where the tool was defined, for error messages."""
         return type(self).__name__
+
+    def span_attributes(self, stage: str) -> dict[str, str]:
+        """OpenTelemetry semantic-convention attributes of a call span (``stage``:
+        ``dispatch`` or ``lookup``): none for a tool whose protocol the outbox does not know."""
+        return {}
 
     @abc.abstractmethod
     def dispatch(self, call: ToolCall) -> DispatchResult | Awaitable[DispatchResult]:

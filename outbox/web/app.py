@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.multiprocess import MultiProcessCollector
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox import __version__, aio, migrate
+from outbox import __version__, aio, migrate, tracing
 from outbox.config import Settings, get_settings
 from outbox.db import create_async_engine, create_engine, database_url
 from outbox.web import console, health, operations, problems, sagas
@@ -67,7 +67,10 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        # Approvals and resolutions as spans, when the OTEL_* variables ask for tracing.
+        tracing.setup("outbox-api")
         yield
+        tracing.shutdown()
         await aio.close()  # the long-polls' shared LISTEN, and its two connections
         for signins in closing:  # the console's sign-in engine and hashing threads
             await signins.close()

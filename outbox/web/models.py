@@ -206,6 +206,12 @@ class OperationOut(BaseModel):
         description="The agent whose intent key this is (an agent token's agent): the same "
         "key from another agent names another operation."
     )
+    traceparent: str | None = Field(
+        default=None,
+        description="The W3C traceparent of the caller that enqueued it (null without one): "
+        "every later stage's span joins that trace.",
+    )
+    tracestate: str | None = Field(default=None, description="The caller's W3C tracestate.")
 
     @classmethod
     def of(cls, operation: Operation) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import Connection
 from starlette.concurrency import run_in_threadpool
 
-from outbox import aio, api, approval, sql
+from outbox import aio, api, approval, sql, trace_context
 from outbox.errors import WaitTimeout
 from outbox.models import ApiToken, Operation, TokenScope
 from outbox.resolve import resolve
@@ -96,6 +96,7 @@ def _not_found(operation_id: UUID) -> Problem:
 )
 async def create_operation(
     request: Request,
+    *,
     caller: Caller,
     body: EnqueueRequest,
     idempotency_key: Annotated[
@@ -105,15 +106,26 @@ async def create_operation(
             description="The intent key: names the effect across retries (required).",
         ),
     ] = None,
+    traceparent: Annotated[
+        str | None,
+        Header(
+            description="The caller's W3C trace context, recorded with a new operation so "
+            "that its later stages join the caller's trace (ignored when not valid).",
+        ),
+    ] = None,
+    tracestate: Annotated[
+        str | None, Header(description="The caller's W3C tracestate, with its traceparent.")
+    ] = None,
 ) -> JSONResponse:
     """201 with the new operation; 200 with the existing one for the same key and the same
     tool, target and payload; 422 naming the differing field for the same key with other
     input; 400 without a key: an agent must name the effect it intends."""
     key = _intent_key(idempotency_key)
     ctx = context(request)
+    trace = trace_context.parse(traceparent, tracestate)
 
     def record() -> api.Enqueued:
-        with ctx.sync_engine.begin() as conn:
+        with trace_context.passed(trace), ctx.sync_engine.begin() as conn:
             require_known_tool(ctx, conn, body.tool)
             intent = api.Intent(
                 tool=body.tool,

@@ -39,7 +39,7 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, guard_state, sql, transitions
+from outbox import faults, guard_state, sql, tracing, transitions
 from outbox.backoff import exponential_s, jittered
 from outbox.canonical import canonical_json, intent_hash, payload_hash
 from outbox.contracts import ToolContract
@@ -160,6 +160,32 @@ def _attempt(
 ) -> DispatchReport:
     if found is None:
         return _unknown_operation(conn, op_id)
+    # The attempt's span, in the trace of the agent that enqueued the operation (a no-op
+    # without an SDK tracer provider): docs/observability.md.
+    with tracing.operation_span(DISPATCH_SPAN, found.operation, kind="consumer") as span:
+        report = _attempt_in_span(
+            engine, conn, found, span, registry=registry, config=config, finish_by=finish_by
+        )
+        tracing.outcome(span, report.outcome.value, attempt=report.attempt)
+        return report
+
+
+#: The span of one dispatch message's work on one operation, and of its tool call.
+DISPATCH_SPAN = "outbox.dispatch"
+CALL_SPAN = "outbox.tool.call"
+
+
+def _attempt_in_span(
+    engine: Engine,
+    conn: Connection,
+    found: DispatchView,
+    span: tracing.Span | None,
+    *,
+    registry: ToolRegistry,
+    config: DispatchConfig,
+    finish_by: float | None,
+) -> DispatchReport:
+    op_id = found.operation.id
     ready = _ready_to_send(conn, found.operation, found.due, found.replay_expired, registry)
     if isinstance(ready, DispatchReport):
         return ready
@@ -169,21 +195,33 @@ def _attempt(
     if isinstance(committed, DispatchReport):
         return committed
     sent, send_by = committed
+    tracing.state_event(span, sent)
     if time.monotonic() > send_by:
         return _not_sent(conn, sent, tool.contract)
-    result = run_dispatch(
-        tool,
-        ToolCall(
-            operation_id=str(op_id),
-            intent_key=sent.intent_key,
-            tool=sent.tool,
-            target=sent.target,
-            payload=sent.payload,
-            attempt=sent.attempts,
-            timeout_s=tool.contract.timeout_s,
-            send_by=send_by,
-        ),
-    )
+    with tracing.operation_span(
+        CALL_SPAN,
+        sent,
+        kind="client",
+        child=True,
+        attributes=tool.span_attributes("dispatch") if tracing.active() else None,
+    ) as call_span:
+        result = run_dispatch(
+            tool,
+            ToolCall(
+                operation_id=str(op_id),
+                intent_key=sent.intent_key,
+                tool=sent.tool,
+                target=sent.target,
+                payload=sent.payload,
+                attempt=sent.attempts,
+                timeout_s=tool.contract.timeout_s,
+                send_by=send_by,
+                # The call span's context (the remote's spans are its children), else the
+                # agent's stored one: the remote joins the agent's trace either way.
+                trace=tracing.current_context(sent),
+            ),
+        )
+        tracing.result(call_span, type(result).__name__)
     faults.point("after_call")
     try:
         report = _settle(conn, sent, result, tool.contract, config)

@@ -6,12 +6,13 @@ import functools
 import logging
 import sys
 
-from celery.signals import worker_init, worker_process_init
+from celery.signals import worker_init, worker_process_init, worker_shutdown
 from celery.worker import WorkController
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
+from outbox import tracing
 from outbox.approval import publish_policies_committed
 from outbox.budgets import BUDGETS, publish_budgets_committed
 from outbox.config import get_settings
@@ -55,6 +56,20 @@ def _forget_parent_engine(**_: object) -> None:
 @worker_init.connect  # type: ignore[untyped-decorator]
 def _short_switch_interval(**_: object) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
+@worker_init.connect  # type: ignore[untyped-decorator]
+def _start_tracing(sender: object = None, **_: object) -> None:
+    """The OpenTelemetry SDK, when the OTEL_* variables ask for it (docs/observability.md).
+    In the main process before the pool starts: the SDK's batch exporter restarts its thread
+    in a forked child."""
+    if isinstance(sender, WorkController):
+        tracing.setup("outbox-worker")
+
+
+@worker_shutdown.connect  # type: ignore[untyped-decorator]
+def _stop_tracing(**_: object) -> None:
+    tracing.shutdown()  # export what is buffered before the process exits
 
 
 @worker_init.connect  # type: ignore[untyped-decorator]

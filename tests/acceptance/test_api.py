@@ -149,6 +149,29 @@ def test_a_new_intent_is_201_with_its_location_and_etag(agent: httpx.Client) -> 
     )
 
 
+def test_the_callers_trace_context_headers_are_recorded_with_the_operation(
+    agent: httpx.Client,
+) -> None:
+    """traceparent and tracestate headers are stored with a new operation; an invalid
+    traceparent is ignored (W3C), and without one nothing is recorded."""
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    traced = agent.post(
+        "/v1/operations",
+        json={"tool": TOOL, "target": "project-a", "payload": {"version": "1.2.3"}},
+        headers={"Idempotency-Key": "traced", "traceparent": traceparent, "tracestate": "k=v"},
+    )
+    assert traced.status_code == 201, traced.text
+    assert (traced.json()["traceparent"], traced.json()["tracestate"]) == (traceparent, "k=v")
+    invalid = agent.post(
+        "/v1/operations",
+        json={"tool": TOOL, "target": "project-a", "payload": {"version": "1.2.4"}},
+        headers={"Idempotency-Key": "traced-badly", "traceparent": "00-nonsense"},
+    )
+    assert invalid.status_code == 201, invalid.text
+    assert (invalid.json()["traceparent"], invalid.json()["tracestate"]) == (None, None)
+    assert enqueue(agent, "untraced").json()["traceparent"] is None
+
+
 def test_an_intent_over_its_budget_is_a_429_problem_and_writes_nothing(
     agent: httpx.Client, other_agent: httpx.Client, engine: Engine
 ) -> None:

@@ -23,6 +23,28 @@ def _enqueue(outbox_cli: CLI, payload: str, *extra: str) -> Result:
     )
 
 
+def test_enqueue_records_the_traceparent_of_its_environment(
+    cli_env: dict[str, str], engine: object
+) -> None:
+    """TRACEPARENT/TRACESTATE in the environment are recorded with the operation; an invalid
+    TRACEPARENT is ignored."""
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    args = ("enqueue", "--tool", TOOL, "--target", "project-a", "--json")
+    traced = run_outbox(
+        *args,
+        "--payload",
+        '{"version": "1"}',
+        env={**cli_env, "TRACEPARENT": traceparent, "TRACESTATE": "k=v"},
+    )
+    assert traced.code == 0, traced.stderr
+    assert (traced.json()["traceparent"], traced.json()["tracestate"]) == (traceparent, "k=v")
+    invalid = run_outbox(
+        *args, "--payload", '{"version": "2"}', env={**cli_env, "TRACEPARENT": "nonsense"}
+    )
+    assert invalid.code == 0, invalid.stderr
+    assert invalid.json()["traceparent"] is None
+
+
 def _assert_one_line_error(stderr: str, *fragments: str) -> None:
     assert "Traceback" not in stderr
     lines = [line for line in stderr.splitlines() if line.strip()]

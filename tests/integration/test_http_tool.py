@@ -39,6 +39,7 @@ from outbox.tools import (
 )
 from outbox.tools.http.transport import _env_proxy
 from outbox.tools.results import NotSent
+from outbox.trace_context import TraceContext
 
 NAME = "deploy.create_release"
 OPERATION_ID = "5d0c3f8e-0000-4000-8000-000000000001"
@@ -183,8 +184,9 @@ def http_tool(
     timeout_s: float = 2.0,
     remote_ref: str = "id",
     method: str = "POST",
+    extra: tuple[str, ...] = (),
 ) -> HttpTool:
-    """The DESIGN.md tool pointed at ``port``, with short deadlines."""
+    """The DESIGN.md tool pointed at ``port``, with short deadlines (and ``extra`` lines)."""
     lines = [
         f'[tools."{NAME}"]',
         'kind = "http"',
@@ -202,6 +204,7 @@ def http_tool(
         "inflight_horizon_s = 60",
         'headers = { X-Client = "outbox-tests" }',
         'env_headers = { Authorization = "TEST_DEPLOY_TOKEN" }',
+        *extra,
     ]
     path = tmp_path / "tools.toml"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -246,6 +249,42 @@ def test_created_with_an_id_is_applied(remote: Remote, tmp_path: Path) -> None:
     assert seen.headers["X-Client"] == "outbox-tests"
     assert seen.headers["Content-Type"] == "application/json"
     assert json.loads(seen.body) == {"version": "1.2.3"}
+
+
+TRACE = TraceContext("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "k=v")
+
+
+def test_the_operations_trace_context_goes_to_the_remote(remote: Remote, tmp_path: Path) -> None:
+    """The stored W3C context is sent as traceparent/tracestate, on dispatch and lookup, so
+    the remote's spans join the agent's trace; an operation without one sends neither."""
+    remote.post = respond(201, {"id": "rel-7"})
+    remote.get = respond(200, {"id": "rel-7"})
+    tool = http_tool(tmp_path, remote.port)
+    run_dispatch(tool, make_call(trace=TRACE))
+    run_lookup(tool, make_call(trace=TRACE))
+    run_dispatch(tool, make_call())
+    traced_post, traced_get, plain = remote.seen
+    for seen in (traced_post, traced_get):
+        assert (seen.headers["traceparent"], seen.headers["tracestate"]) == (
+            TRACE.traceparent,
+            TRACE.tracestate,
+        )
+    assert "traceparent" not in plain.headers
+    assert "tracestate" not in plain.headers
+
+
+def test_propagate_trace_false_keeps_the_trace_from_the_remote(
+    remote: Remote, tmp_path: Path
+) -> None:
+    """A tool declared with propagate_trace = false sends no trace context."""
+    remote.post = respond(201, {"id": "rel-7"})
+    remote.get = respond(200, {"id": "rel-7"})
+    tool = http_tool(tmp_path, remote.port, extra=("propagate_trace = false",))
+    run_dispatch(tool, make_call(trace=TRACE))
+    run_lookup(tool, make_call(trace=TRACE))
+    for seen in remote.seen:
+        assert "traceparent" not in seen.headers
+        assert "tracestate" not in seen.headers
 
 
 def test_a_nested_remote_ref_is_followed(remote: Remote, tmp_path: Path) -> None:

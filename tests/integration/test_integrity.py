@@ -20,7 +20,8 @@ from outbox.states import LIVE_STATES, TERMINAL_STATES, State
 from tests.conftest import Databases
 from tests.factories import events_of, make_operation, reload
 
-IDENTITY = importlib.import_module("outbox.migrations.versions.0010_immutable_identity")
+#: The immutable columns as the latest revision touching them (0026) left them.
+IDENTITY = importlib.import_module("outbox.migrations.versions.0026_trace_context")
 
 #: A different value for each immutable column.
 NEW_VALUES = {
@@ -33,6 +34,9 @@ NEW_VALUES = {
     "intent_hash": "repeat('e', 64)",
     "requested_by": "'mallory'",
     "metadata": """'{"who": "mallory"}'""",
+    "agent": "'mallory'",
+    "traceparent": "'00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01'",
+    "tracestate": "'vendor=x'",
 }
 
 

@@ -121,6 +121,8 @@ def test_upgrade_from_empty_matches_create_all(
     budget_share = importlib.import_module("outbox.migrations.versions.0021_budget_share_returned")
     # 0010's immutable columns and 0011's pruned intents as 0023 left them (with the agent).
     scope = importlib.import_module("outbox.migrations.versions.0023_agent_scope")
+    # The immutable columns as 0026 left them (with the trace context).
+    trace = importlib.import_module("outbox.migrations.versions.0026_trace_context")
     reference = create_engine(databases.create())
     try:
         with reference.begin() as conn:
@@ -130,7 +132,7 @@ def test_upgrade_from_empty_matches_create_all(
             metadata.create_all(conn)
             conn.exec_driver_sql(initial.APPEND_ONLY)
             conn.exec_driver_sql(lock_and_read.OPERATION_IF_LOCKED)
-            for ddl in (identity.INTENT_HASH, scope.IMMUTABLE, identity.DELETE_GUARD):
+            for ddl in (identity.INTENT_HASH, trace.IMMUTABLE, identity.DELETE_GUARD):
                 conn.exec_driver_sql(ddl)
             conn.exec_driver_sql(identity.EVENTS_KEPT)
             conn.exec_driver_sql(pruned.REMEMBER)

@@ -15,6 +15,8 @@ from typing import Any
 from uuid import UUID
 
 import pytest
+from opentelemetry import trace as otel_trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import IntegrityError
 from standardwebhooks import Webhook
@@ -32,6 +34,7 @@ from outbox.reconcilers.webhooks import (
 )
 from outbox.states import Actor, State
 from tests.factories import apply_move, make_operation, move, reload
+from tests.integration.test_tracing_spans import AGENT_SPAN_ID, TRACE_ID, collecting
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
 
@@ -422,6 +425,30 @@ def test_the_deliverer_posts_a_message_the_library_verifies(
     )
     assert done.delivered_at is not None
     assert make_deliverer().run_once().attempted == 0
+
+
+def test_a_delivery_is_a_client_span_in_the_operations_trace(
+    engine: Engine, webhook: Receiver, make_deliverer: MakeDeliverer
+) -> None:
+    """With tracing on, each delivery attempt is an outbox.webhook.deliver CLIENT span, child
+    of the trace context the operation was enqueued with, naming the event and the status."""
+    spans = collecting()
+    agent = NonRecordingSpan(
+        SpanContext(TRACE_ID, AGENT_SPAN_ID, is_remote=False, trace_flags=TraceFlags(1))
+    )
+    with otel_trace.use_span(agent):
+        op = make_operation(engine, State.NEEDS_HUMAN)
+    assert make_deliverer().run_once().delivered == 1
+    (span,) = [s for s in spans.get_finished_spans() if s.name == "outbox.webhook.deliver"]
+    assert span.kind is SpanKind.CLIENT
+    assert span.parent is not None
+    assert (span.parent.trace_id, span.parent.span_id) == (TRACE_ID, AGENT_SPAN_ID)
+    attributes = span.attributes or {}
+    assert attributes["outbox.operation.id"] == str(op.id)
+    assert (attributes["outbox.webhook.event"], attributes["http.response.status_code"]) == (
+        "needs_human",
+        200,
+    )
 
 
 def test_a_failing_receiver_gets_the_same_id_with_fresh_signatures_until_it_accepts(

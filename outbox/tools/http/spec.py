@@ -91,6 +91,9 @@ class HttpToolSpec(BaseModel):
     headers: dict[str, str] = Field(default_factory=dict)
     env_headers: dict[str, str] = Field(default_factory=dict)
     allowed_hosts: list[str] | None = None
+    #: Send the W3C ``traceparent`` / ``tracestate`` headers so the remote's spans join the
+    #: agent's trace; ``false`` for a remote that must not see it.
+    propagate_trace: bool = True
     approval: Literal["none", "required"] = "none"
     approval_ttl_s: float | None = None
     #: The JSON Schema of the payload (a TOML table), checked at enqueue where the tool is known.

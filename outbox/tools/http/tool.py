@@ -12,12 +12,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from string import Formatter
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 from yarl import URL
 
-from outbox import storable
+from outbox import storable, trace_context
 from outbox.errors import SendDeadlinePassed
 from outbox.segments import dot_segment_refusal, has_dot_segment
 from outbox.tools.base import Tool, ToolCall
@@ -154,6 +154,12 @@ class HttpTool(Tool):
         headers = dict(self._headers)
         if self.spec.idempotency_header is not None:
             headers[self.spec.idempotency_header] = call.operation_id
+        if self.spec.propagate_trace:
+            # The span of ours current for this call if there is one (the remote's spans are
+            # then its children), else the agent's stored context: the remote joins its trace.
+            trace = trace_context.current() or call.trace
+            if trace is not None:
+                headers.update(trace.headers())
         return headers
 
     def _timeout(self, call: ToolCall) -> aiohttp.ClientTimeout:
@@ -175,6 +181,16 @@ class HttpTool(Tool):
     def origin(self) -> str:
         """``http tool in <file>``."""
         return f"http tool in {self.source}"
+
+    def span_attributes(self, stage: str) -> dict[str, str]:
+        """HTTP client semantic conventions: the method and, when the URL template names its
+        host outright, ``server.address`` (never the rendered URL: it carries the target)."""
+        template = self.spec.lookup_url if stage == "lookup" else self.spec.url
+        attributes = {"http.request.method": "GET" if stage == "lookup" else self.spec.method}
+        host = urlsplit(template or "").hostname
+        if host and "{" not in host:
+            attributes["server.address"] = host
+        return attributes
 
     def same_definition(self, other: Tool) -> bool:
         """The same table (the file loaded again) defines the same tool."""

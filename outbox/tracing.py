@@ -1,0 +1,362 @@
+"""The outbox's own spans, in the trace of the agent that enqueued each operation (issue 34).
+
+Every span about an operation is a child of the trace context recorded with it at enqueue
+(:mod:`outbox.trace_context`, migration 0026), so that one trace view shows the agent's step,
+the dispatch attempts hours later and the remote's own spans. An operation enqueued without a
+caller's trace gets spans in a trace of their own. Span names and attributes:
+docs/observability.md. Attributes name the operation (``outbox.operation.id``, tool, target,
+state, attempt), never a payload value.
+
+Tracing is on only where an OpenTelemetry SDK tracer provider is set: by :func:`setup` from
+the standard ``OTEL_*`` variables (``outbox up --otel``), or by the embedding application. Off,
+:func:`operation_span` yields ``None`` after one dictionary lookup: no span object is built
+and OpenTelemetry is not imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
+from uuid import UUID
+
+from outbox import trace_context
+from outbox.models import Operation
+from outbox.trace_context import TraceContext
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span
+
+
+class Claimed(Protocol):
+    """What a publish span names of a claimed operation (``outbox.sql.relay.ClaimedIntent``)."""
+
+    @property
+    def id(self) -> UUID: ...
+    @property
+    def tool(self) -> str: ...
+    @property
+    def target(self) -> str: ...
+    @property
+    def traceparent(self) -> str | None: ...
+    @property
+    def tracestate(self) -> str | None: ...
+
+
+__all__ = ["Span", "TracingConfig", "operation_span", "setup"]
+
+log = logging.getLogger(__name__)
+
+#: The instrumentation scope of every span here.
+SCOPE = "agent-outbox"
+
+#: Attribute names (docs/observability.md).
+OPERATION_ID = "outbox.operation.id"
+TOOL = "outbox.tool"
+TARGET = "outbox.target"
+STATE = "outbox.operation.state"
+ATTEMPT = "outbox.attempt"
+INTENT_KEY = "outbox.intent_key"
+AGENT = "outbox.agent"
+OUTCOME = "outbox.outcome"
+DECIDED_BY = "outbox.decided_by"
+
+#: The relay's span for one operation's dispatch message.
+PUBLISH_SPAN = "outbox.publish"
+#: One attempt to deliver an escalation webhook.
+WEBHOOK_SPAN = "outbox.webhook.deliver"
+
+SpanKind = Literal["internal", "client", "producer", "consumer"]
+
+
+@dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """What the standard ``OTEL_*`` variables ask for (:func:`config_from`)."""
+
+    #: Whether an SDK should be set up at all.
+    enabled: bool
+    #: ``otlp`` (OTLP over HTTP/protobuf) or ``console``.
+    exporter: str = "otlp"
+    #: Why not, when not enabled (for the start-up log line).
+    reason: str = ""
+
+
+def config_from(environ: Mapping[str, str], *, forced: bool = False) -> TracingConfig:
+    """The tracing an environment asks for, by the OpenTelemetry variables.
+
+    ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none`` turn it off; otherwise an
+    ``OTEL_TRACES_EXPORTER`` of ``otlp`` or ``console``, an ``OTEL_EXPORTER_OTLP_ENDPOINT``
+    or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, or ``forced`` (``outbox up --otel``, OTLP to
+    the SDK's default endpoint unless one is set) turn it on. Only the first exporter of a
+    list is used; ``otlp``'s protocol is HTTP/protobuf.
+    """
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return TracingConfig(False, reason="OTEL_SDK_DISABLED=true")
+    exporters = [
+        e.strip().lower() for e in environ.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()
+    ]
+    if exporters:
+        exporter = exporters[0]
+        if exporter == "none":
+            return TracingConfig(False, reason="OTEL_TRACES_EXPORTER=none")
+        if exporter not in {"otlp", "console"}:
+            return TracingConfig(
+                False, reason=f"OTEL_TRACES_EXPORTER={exporter} (only otlp and console)"
+            )
+        return TracingConfig(True, exporter)
+    endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if endpoint or forced:
+        return TracingConfig(True, "otlp")
+    return TracingConfig(False, reason="no OTEL_EXPORTER_OTLP_ENDPOINT nor OTEL_TRACES_EXPORTER")
+
+
+def setup(service_name: str, *, environ: Mapping[str, str] | None = None) -> bool:
+    """Set up the OpenTelemetry SDK for this process when the ``OTEL_*`` variables (or
+    ``OUTBOX_OTEL=1``, which ``outbox up --otel`` sets) ask for it and the SDK is installed
+    (``agent-outbox[otel]``); True if tracing is on afterwards.
+
+    ``service_name`` is the resource's ``service.name`` unless ``OTEL_SERVICE_NAME`` or
+    ``OTEL_RESOURCE_ATTRIBUTES`` name one; the sampler is ``OTEL_TRACES_SAMPLER``'s (the
+    SDK's default: parent-based, always on); the exporter's endpoint, headers and timeout
+    are ``OTEL_EXPORTER_OTLP_*``'s. An application that set up its own tracer provider keeps
+    it. Call it in each process (a forked worker child too: the batch exporter's thread does
+    not survive a fork).
+    """
+    env = os.environ if environ is None else environ
+    config = config_from(env, forced=env.get("OUTBOX_OTEL", "") == "1")
+    if not config.enabled:
+        return False
+    try:
+        from opentelemetry import trace  # noqa: PLC0415 -- only a traced process pays it
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource  # noqa: PLC0415
+        from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+        from opentelemetry.sdk.trace.export import (  # noqa: PLC0415
+            BatchSpanProcessor,
+            ConsoleSpanExporter,
+            SpanExporter,
+        )
+    except ImportError:
+        log.warning(
+            "tracing asked for by OTEL_* but the OpenTelemetry SDK is not installed: "
+            "pip install 'agent-outbox[otel]'"
+        )
+        return False
+    if active():
+        return True  # the embedding application's provider
+    exporter: SpanExporter
+    if config.exporter == "console":
+        exporter = ConsoleSpanExporter()
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
+            OTLPSpanExporter,
+        )
+
+        exporter = OTLPSpanExporter()
+    # Resource.create adds OTEL_RESOURCE_ATTRIBUTES (and OTEL_SERVICE_NAME) to this default.
+    resource = Resource.create({SERVICE_NAME: env.get("OTEL_SERVICE_NAME") or service_name})
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return True
+
+
+def shutdown() -> None:
+    """Export what is still buffered (a process about to exit): a no-op when tracing is off."""
+    if "opentelemetry.trace" not in sys.modules:
+        return
+    from opentelemetry import trace  # noqa: PLC0415 -- imported already (above)
+
+    provider = trace.get_tracer_provider()
+    stop = getattr(provider, "shutdown", None)
+    if callable(stop):
+        stop()
+
+
+def active() -> bool:
+    """Whether an SDK tracer provider is set in this process (spans are recorded)."""
+    if "opentelemetry.trace" not in sys.modules:
+        return False
+    from opentelemetry import trace  # noqa: PLC0415 -- imported already (above)
+
+    return not isinstance(
+        trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider
+    )
+
+
+def operation_attributes(op: Operation) -> dict[str, str | int]:
+    """The attributes naming ``op`` on every span about it: never a payload value."""
+    return {
+        OPERATION_ID: str(op.id),
+        TOOL: op.tool,
+        TARGET: op.target,
+        STATE: str(op.state),
+        ATTEMPT: op.attempts,
+    }
+
+
+@contextmanager
+def operation_span(
+    name: str,
+    op: Operation,
+    *,
+    kind: SpanKind = "internal",
+    attributes: Mapping[str, str | int | bool] | None = None,
+    child: bool = False,
+) -> Iterator[Span | None]:
+    """A span ``name`` about ``op``, current within the block, child of the trace context
+    recorded with ``op`` (else of the current span), or of the current span when ``child``
+    (a stage within another span about ``op``); ``None`` when tracing is off. An exception
+    escaping the block is recorded on the span and re-raised."""
+    if not active():
+        yield None
+        return
+    with stored_span(
+        name,
+        None if child else op.traceparent,
+        None if child else op.tracestate,
+        kind=kind,
+        attributes={**operation_attributes(op), **(attributes or {})},
+    ) as span:
+        yield span
+
+
+@contextmanager
+def stored_span(
+    name: str,
+    traceparent: str | None,
+    tracestate: str | None,
+    *,
+    kind: SpanKind = "internal",
+    attributes: Mapping[str, str | int | bool] | None = None,
+) -> Iterator[Span | None]:
+    """A span ``name``, current within the block, child of a stored W3C trace context (else
+    of the current span); ``None`` when tracing is off."""
+    if not active():
+        yield None
+        return
+    from opentelemetry import trace  # noqa: PLC0415 -- imported already (active)
+
+    tracer = trace.get_tracer(SCOPE)
+    with tracer.start_as_current_span(
+        name,
+        context=_stored(traceparent, tracestate),
+        kind=trace.SpanKind[kind.upper()],
+        attributes=dict(attributes or {}),
+    ) as span:
+        yield span
+
+
+def state_event(span: Span | None, op: Operation, *, reason: str = "") -> None:
+    """A span event for ``op``'s move to its current state (docs/observability.md)."""
+    if span is None:
+        return
+    attributes: dict[str, str | int] = {STATE: str(op.state), ATTEMPT: op.attempts}
+    if reason:
+        attributes["outbox.reason"] = reason
+    span.add_event(f"outbox.state.{op.state}", attributes)
+
+
+def outcome(span: Span | None, outcome: str, *, attempt: int | None = None) -> None:
+    """The stage's outcome, as an attribute and an event of its span."""
+    if span is None:
+        return
+    span.set_attribute(OUTCOME, outcome)
+    if attempt is not None:
+        span.set_attribute(ATTEMPT, attempt)
+    span.add_event("outbox.outcome", {OUTCOME: outcome})
+
+
+def result(span: Span | None, kind: str) -> None:
+    """A tool call's result kind (``Applied``, ``Ambiguous``...): never its content."""
+    if span is not None:
+        span.set_attribute("outbox.result", kind)
+
+
+class PublishSpans:
+    """The relay's publish spans of one batch (:func:`publish_spans`)."""
+
+    def __init__(self, spans: dict[UUID, Span]) -> None:
+        self._spans = spans
+
+    def confirmed(self, ids: set[UUID]) -> None:
+        """Say which operations' messages the broker confirmed (the others were not)."""
+        for operation_id, span in self._spans.items():
+            span.set_attribute("outbox.published", operation_id in ids)
+
+
+@contextmanager
+def publish_spans(claimed: Sequence[Claimed]) -> Iterator[PublishSpans]:
+    """An ``outbox.publish`` PRODUCER span for each claimed operation, child of its stored
+    trace context (a root span without one), ended when the block ends; nothing when
+    tracing is off. Started and ended together: a batch is one broker round trip."""
+    if not active():
+        yield PublishSpans({})
+        return
+    from opentelemetry import trace  # noqa: PLC0415 -- imported already (active)
+    from opentelemetry.context import Context  # noqa: PLC0415
+
+    tracer = trace.get_tracer(SCOPE)
+    spans: dict[UUID, Span] = {}
+    for c in claimed:
+        parent = _stored(c.traceparent, c.tracestate) or Context()
+        spans[c.id] = tracer.start_span(
+            PUBLISH_SPAN,
+            context=parent,
+            kind=trace.SpanKind.PRODUCER,
+            attributes={
+                OPERATION_ID: str(c.id),
+                TOOL: c.tool,
+                TARGET: c.target,
+                "messaging.operation.type": "send",
+                "messaging.destination.name": "dispatch",
+            },
+        )
+    try:
+        yield PublishSpans(spans)
+    except BaseException as exc:
+        for span in spans.values():
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
+        raise
+    finally:
+        for span in spans.values():
+            span.end()
+
+
+def _stored(traceparent: str | None, tracestate: str | None) -> Context | None:
+    """The OpenTelemetry context of a stored W3C trace context (``None`` without one)."""
+    if traceparent is None:
+        return None
+    from opentelemetry.trace.propagation.tracecontext import (  # noqa: PLC0415
+        TraceContextTextMapPropagator,
+    )
+
+    carrier = {"traceparent": traceparent}
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    return TraceContextTextMapPropagator().extract(carrier)
+
+
+def decision(name: str, op: Operation, *, by: str) -> None:
+    """A person's decision on ``op`` (``outbox.approve``, ``outbox.reject``,
+    ``outbox.resolve``) as a span in the agent's trace, naming who (``outbox.decided_by``),
+    with the move as an event. Recorded when decided, before the caller commits."""
+    with operation_span(name, op, attributes={DECIDED_BY: by}) as span:
+        state_event(span, op)
+
+
+def current_context(op: Operation) -> TraceContext | None:
+    """The trace context a remote should see for a call about ``op``: the current span's
+    when tracing is on (the call's span), else the one recorded with ``op``."""
+    if active():
+        here = trace_context.current()
+        if here is not None:
+            return here
+    return trace_context.stored(op.traceparent, op.tracestate)

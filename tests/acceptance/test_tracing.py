@@ -1,0 +1,415 @@
+"""Issue 34's acceptance test: one trace from the agent's span to the remote's answer, with the
+relay, a worker and beat as real processes exporting OTLP over HTTP to a receiver in this test
+(decoded with opentelemetry-proto).
+
+The agent's span is the caller's context at ``enqueue`` here (its trace and span ids chosen by
+the test); every outbox span about the operation must land in that trace, the remote must be
+sent a ``traceparent`` of it, no span may carry a payload value, and the processes' log lines
+written inside those spans carry the trace id.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry import trace
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+import outbox
+from outbox import tokens
+from outbox.dev.tool_config import http_tool_toml
+from outbox.models import TokenScope
+from outbox.states import State
+from tests.acceptance.conftest import clean_environment
+from tests.api_server import running_api
+from tests.processes import Services, wait_until
+from tests.tool_configs import TOOL
+
+pytestmark = pytest.mark.slow
+
+#: The agent's span: the caller's context at enqueue.
+AGENT_TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
+AGENT_SPAN_ID = 0x00F067AA0BA902B7
+#: Payload values that must appear in no span (nor in any span event or attribute).
+CONFIRMED_VERSION = "9.8.7-payload-only"
+UNKNOWN_VERSION = "6.5.4-payload-only"
+APPROVED_VERSION = "3.2.1-payload-only"
+
+
+@dataclass
+class Remote:
+    """The test's HTTP service: what it saw, and the first POST of ``fail_key`` is a 500."""
+
+    fail_key: str | None = None
+    port: int = 0
+    requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _RemoteServer(ThreadingHTTPServer):
+    remote: Remote
+
+
+class _RemoteHandler(BaseHTTPRequestHandler):
+    server: _RemoteServer
+
+    def do_POST(self) -> None:
+        """A dispatch: 201 with an id, except the forced failure (500: the outcome is
+        unknown, and the lookup then finds the release)."""
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        remote = self.server.remote
+        key = self.headers.get("Idempotency-Key", "")
+        with remote.lock:
+            remote.requests.append(("POST", self.path, dict(self.headers.items())))
+            failing = key == remote.fail_key
+        if failing:
+            self._answer(500, {"error": "lost the answer"})
+        else:
+            self._answer(201, {"id": f"rel-{key}"})
+
+    def do_GET(self) -> None:
+        """A lookup by key: the release exists."""
+        remote = self.server.remote
+        with remote.lock:
+            remote.requests.append(("GET", self.path, dict(self.headers.items())))
+        self._answer(200, {"id": "rel-" + self.path.rsplit("/", 1)[-1]})
+
+    def _answer(self, status: int, body: dict[str, Any]) -> None:
+        raw = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """One exported span, decoded."""
+
+    service: str
+    name: str
+    kind: int
+    trace_id: int
+    span_id: int
+    parent_span_id: int | None
+    attributes: dict[str, Any]
+    events: list[tuple[str, dict[str, Any]]]
+    links: list[tuple[int, int]]
+    raw: bytes
+
+
+@dataclass
+class Receiver:
+    """An OTLP/HTTP trace receiver: every span exported to it."""
+
+    spans: list[Span] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    port: int = 0
+
+    def of(self, operation_id: str) -> list[Span]:
+        """The spans naming ``operation_id``."""
+        with self.lock:
+            return [
+                s for s in self.spans if s.attributes.get("outbox.operation.id") == operation_id
+            ]
+
+    def all(self) -> list[Span]:
+        """Every span received so far."""
+        with self.lock:
+            return list(self.spans)
+
+
+class _ReceiverServer(ThreadingHTTPServer):
+    receiver: Receiver
+
+
+class _ReceiverHandler(BaseHTTPRequestHandler):
+    server: _ReceiverServer
+
+    def do_POST(self) -> None:
+        """An ExportTraceServiceRequest (protobuf, maybe gzipped)."""
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        if self.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        decoded = list(_decode(request))
+        with self.server.receiver.lock:
+            self.server.receiver.spans.extend(decoded)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet."""
+
+
+def _value(value: AnyValue) -> Any:
+    kind = value.WhichOneof("value")
+    return None if kind is None else getattr(value, kind)
+
+
+def _decode(request: ExportTraceServiceRequest) -> Iterator[Span]:
+    for resource_spans in request.resource_spans:
+        resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                yield Span(
+                    service=str(resource.get("service.name", "")),
+                    name=span.name,
+                    kind=span.kind,
+                    trace_id=int.from_bytes(span.trace_id, "big"),
+                    span_id=int.from_bytes(span.span_id, "big"),
+                    parent_span_id=(
+                        int.from_bytes(span.parent_span_id, "big") if span.parent_span_id else None
+                    ),
+                    attributes={a.key: _value(a.value) for a in span.attributes},
+                    events=[
+                        (e.name, {a.key: _value(a.value) for a in e.attributes})
+                        for e in span.events
+                    ],
+                    links=[
+                        (int.from_bytes(link.trace_id, "big"), int.from_bytes(link.span_id, "big"))
+                        for link in span.links
+                    ],
+                    raw=span.SerializeToString(),
+                )
+
+
+@pytest.fixture
+def remote() -> Iterator[Remote]:
+    """The test's HTTP service, on a free port."""
+    server = _RemoteServer(("127.0.0.1", 0), _RemoteHandler)
+    server.remote = Remote()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    server.remote.port = server.server_address[1]
+    try:
+        yield server.remote
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    """The OTLP receiver, on a free port."""
+    server = _ReceiverServer(("127.0.0.1", 0), _ReceiverHandler)
+    server.receiver = Receiver(port=server.server_address[1])
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.receiver
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def stack_env(
+    database_url: str, rabbitmq_url: str, remote: Remote, receiver: Receiver, tmp_path: Path
+) -> dict[str, str]:
+    """Every process exports OTLP/HTTP to the receiver, quickly (200 ms batches); the tool's
+    in-flight horizon is short, so a lookup follows an unknown outcome within seconds."""
+    config = tmp_path / "tools.toml"
+    config.write_text(
+        http_tool_toml(
+            f"http://127.0.0.1:{remote.port}",
+            timeout_s=2.0,
+            send_deadline_s=1.0,
+            inflight_horizon_s=8,
+        ),
+        encoding="utf-8",
+    )
+    return clean_environment(
+        OUTBOX_DATABASE_URL=database_url,
+        OUTBOX_BROKER_URL=rabbitmq_url,
+        OUTBOX_CONFIG=str(config),
+        OUTBOX_HOME=str(tmp_path / "home"),
+        OUTBOX_REPUBLISH_AFTER="5",
+        OUTBOX_SWEEP_INTERVAL="1",
+        OUTBOX_OTEL="1",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{receiver.port}",
+        OTEL_BSP_SCHEDULE_DELAY="200",
+    )
+
+
+def _enqueue_in_agent_span(
+    engine: Engine, target: str, version: str, *, require_approval: bool = False
+) -> outbox.Operation:
+    """Enqueue as an agent does inside its own span (the caller's trace context)."""
+    agent = SpanContext(
+        AGENT_TRACE_ID, AGENT_SPAN_ID, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED)
+    )
+    with (
+        trace.use_span(NonRecordingSpan(agent)),
+        Session(engine) as session,
+        session.begin(),
+    ):
+        return outbox.enqueue(
+            session,
+            tool=TOOL,
+            target=target,
+            payload={"version": version},
+            require_approval=require_approval,
+        )
+
+
+def _state(engine: Engine, operation_id: object) -> str:
+    with engine.connect() as conn:
+        return str(
+            conn.execute(
+                text("SELECT state FROM outbox.operations WHERE id = :id"), {"id": operation_id}
+            ).scalar_one()
+        )
+
+
+def _named(spans: list[Span], name: str) -> list[Span]:
+    return [s for s in spans if s.name == name]
+
+
+@pytest.mark.timeout(240)
+def test_one_trace_from_the_agents_span_to_the_remotes_answer(
+    engine: Engine,
+    services: Services,
+    stack_env: dict[str, str],
+    remote: Remote,
+    receiver: Receiver,
+    tmp_path: Path,
+) -> None:
+    """The operation's publish, dispatch attempt and HTTP call spans are in the agent's
+    trace with the right parents, the remote receives a traceparent of that trace, a forced
+    unknown outcome's lookup lands in the same trace, no span carries a payload value, and
+    the worker's log lines inside those spans carry the trace id; an approval through the
+    HTTP API is a span of the same trace naming the approver."""
+    confirmed = _enqueue_in_agent_span(engine, "web", CONFIRMED_VERSION)
+    unknown = _enqueue_in_agent_span(engine, "api", UNKNOWN_VERSION)
+    gated = _enqueue_in_agent_span(engine, "db", APPROVED_VERSION, require_approval=True)
+    with Session(engine) as session, session.begin():
+        operator = tokens.create_token(session, name="alice", scope=TokenScope.OPERATOR).token
+    assert confirmed.traceparent == f"00-{AGENT_TRACE_ID:032x}-{AGENT_SPAN_ID:016x}-01"
+    remote.fail_key = str(unknown.id)
+
+    services.start("worker", "worker", "-c", "2", "-P", "threads")
+    services.start("relay", "relay")
+    services.start("beat", "beat")
+
+    wait_until(
+        lambda: _state(engine, confirmed.id) == State.CONFIRMED.value,
+        timeout=90,
+        what="the traced operation confirmed",
+    )
+    wait_until(
+        lambda: _state(engine, unknown.id) == State.CONFIRMED.value,
+        timeout=120,
+        what="the unknown operation confirmed by its lookup",
+    )
+    # Every span of both operations exported (batches every 200 ms).
+    wait_until(
+        lambda: (
+            bool(_named(receiver.of(str(unknown.id)), "outbox.lookup"))
+            and bool(_named(receiver.of(str(confirmed.id)), "outbox.dispatch"))
+        ),
+        timeout=30,
+        what="the spans exported",
+    )
+
+    # The remote saw the trace: the HTTP call span's context, in the agent's trace.
+    posts = [headers for method, _path, headers in remote.requests if method == "POST"]
+    assert posts, remote.requests
+    for headers in posts:
+        assert headers["traceparent"].startswith(f"00-{AGENT_TRACE_ID:032x}-"), headers
+
+    spans = receiver.of(str(confirmed.id))
+    assert {s.trace_id for s in spans} == {AGENT_TRACE_ID}
+    (publish,) = _named(spans, "outbox.publish")
+    (dispatch,) = _named(spans, "outbox.dispatch")
+    (call,) = _named(spans, "outbox.tool.call")
+    # publish and dispatch are children of the agent's span; the call of the attempt.
+    assert publish.parent_span_id == AGENT_SPAN_ID
+    assert publish.kind == 4  # SPAN_KIND_PRODUCER
+    assert dispatch.parent_span_id == AGENT_SPAN_ID
+    assert dispatch.kind == 5  # SPAN_KIND_CONSUMER
+    assert call.parent_span_id == dispatch.span_id
+    assert call.kind == 3  # SPAN_KIND_CLIENT
+    (confirmed_post,) = [
+        h
+        for m, _p, h in remote.requests
+        if m == "POST" and h["Idempotency-Key"] == str(confirmed.id)
+    ]
+    assert confirmed_post["traceparent"].split("-")[2] == f"{call.span_id:016x}"
+    # The outcome, and the state change to sent as an event.
+    assert dispatch.attributes["outbox.outcome"] == "confirmed"
+    assert "outbox.state.sent" in [name for name, _ in dispatch.events]
+    assert dispatch.attributes["outbox.tool"] == TOOL
+    assert dispatch.attributes["outbox.target"] == "web"
+
+    # The unknown outcome's lookup, later, in the same trace.
+    unknown_spans = receiver.of(str(unknown.id))
+    assert {s.trace_id for s in unknown_spans} == {AGENT_TRACE_ID}
+    (attempt,) = _named(unknown_spans, "outbox.dispatch")
+    assert attempt.attributes["outbox.outcome"] == "unknown"
+    lookups = _named(unknown_spans, "outbox.lookup")
+    assert lookups
+    assert all(
+        lookup.parent_span_id == AGENT_SPAN_ID or (AGENT_TRACE_ID, AGENT_SPAN_ID) in lookup.links
+        for lookup in lookups
+    )
+    gets = [h for m, _p, h in remote.requests if m == "GET"]
+    assert gets
+    assert all(h["traceparent"].startswith(f"00-{AGENT_TRACE_ID:032x}-") for h in gets)
+
+    # An approval through the API: a span of the agent's trace naming the approver.
+    home = tmp_path / "api-home"
+    home.mkdir()
+    api_env = {
+        **stack_env,
+        "OUTBOX_HOME": str(home),
+        "OUTBOX_CONSOLE_HASH_RATE": "1000",
+        "OTEL_SERVICE_NAME": "outbox-api",
+    }
+    with running_api(api_env, tmp_path / "api.log") as api:
+        answer = httpx.post(
+            f"{api.url}/v1/operations/{gated.id}/approve",
+            json={"payload_hash": gated.payload_hash},
+            headers={"Authorization": f"Bearer {operator}"},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        wait_until(
+            lambda: bool(_named(receiver.of(str(gated.id)), "outbox.approve")),
+            timeout=30,
+            what="the approval's span exported",
+        )
+    (approve,) = _named(receiver.of(str(gated.id)), "outbox.approve")
+    assert approve.trace_id == AGENT_TRACE_ID
+    assert approve.parent_span_id == AGENT_SPAN_ID
+    assert approve.attributes["outbox.decided_by"] == "alice"
+    assert approve.service == "outbox-api"
+
+    # No payload value in any span, its attributes or events.
+    for span in receiver.all():
+        for version in (CONFIRMED_VERSION, UNKNOWN_VERSION, APPROVED_VERSION):
+            assert version.encode() not in span.raw, span.name
+
+    # The worker's log lines written inside the operation's spans carry the trace id.
+    worker_log = dict(services.logs())["worker"]
+    assert f"trace_id={AGENT_TRACE_ID:032x}" in worker_log, worker_log[-3000:]
