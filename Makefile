@@ -42,6 +42,7 @@ bench: $(INSTALLED)  ## The full benchmark suite (docs/performance.md): about an
 	$(BIN)/python bench/guards.py
 	$(BIN)/python bench/cli.py --importtime
 	$(BIN)/python bench/tracing_overhead.py
+	$(BIN)/python bench/idle.py
 
 bench-quick: $(INSTALLED)  ## Every benchmark in its few-second smoke form: do they still run.
 	$(BIN)/python bench/limits.py --smoke
@@ -54,6 +55,7 @@ bench-quick: $(INSTALLED)  ## Every benchmark in its few-second smoke form: do t
 	$(BIN)/python bench/guards.py --smoke
 	$(BIN)/python bench/cli.py --smoke
 	$(BIN)/python bench/tracing_overhead.py --smoke
+	$(BIN)/python bench/idle.py --smoke
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -17,13 +17,14 @@ import threading
 from typing import Any
 
 import psycopg
-from sqlalchemy import text
 from sqlalchemy.engine import make_url
+
+from outbox.sql import notify as notify_sql
 
 log = logging.getLogger(__name__)
 
 #: The NOTIFY channel of the database broker's publishes; the payload is the queue's name.
-BROKER_CHANNEL = "outbox_broker"
+BROKER_CHANNEL = notify_sql.BROKER_CHANNEL
 
 # Between attempts to open a lost listening connection again: doubling from the first.
 _RECONNECT_FIRST_S = 0.05
@@ -33,12 +34,9 @@ _RECONNECT_MAX_S = 2.0
 # closed: a wake-up of a thread, not a statement.
 _LISTEN_TICK_S = 5.0
 
-_NOTIFY = text("SELECT pg_notify(:channel, :queue)")
-
-
 def notify(session: Any, queue: str) -> None:
     """NOTIFY the broker's consumers, in ``session``'s transaction, of a message on ``queue``."""
-    session.execute(_NOTIFY, {"channel": BROKER_CHANNEL, "queue": queue})
+    notify_sql.notify_broker(session, queue)
 
 
 def libpq_url(url: str) -> str:
@@ -103,7 +101,7 @@ class Doorbell:
         while not self._closed.is_set():
             try:
                 with psycopg.connect(self._url, autocommit=True) as conn:
-                    conn.execute(f"LISTEN {BROKER_CHANNEL}")
+                    conn.execute(notify_sql.LISTEN_BROKER)
                     self._listening.set()
                     # A message may have come while no connection listened: poll now.
                     self._event.set()

@@ -21,6 +21,10 @@ PLANNED_CHANNEL = "outbox_planned"
 #: not have; its payload is the task (``dispatch``, ``lookup``). ``outbox metrics`` counts them.
 UNKNOWN_OPERATION_CHANNEL = "outbox_unknown_operation"
 
+#: NOTIFY channel of the database broker's publishes (:mod:`outbox.doorbell`); its payload is
+#: the queue's name.
+BROKER_CHANNEL = "outbox_broker"
+
 _LISTEN_SETTLED = text("LISTEN outbox_settled")
 
 # The relay's doorbell connection also writes the idle flag, which is advice (a lost one
@@ -28,6 +32,11 @@ _LISTEN_SETTLED = text("LISTEN outbox_settled")
 _LISTEN_PLANNED = text("SET synchronous_commit = off; LISTEN outbox_planned")
 
 _LISTEN_UNKNOWN_OPERATION = text("LISTEN outbox_unknown_operation")
+
+#: Run by the doorbell's own psycopg connection (no SQLAlchemy session there), hence a string.
+LISTEN_BROKER = "LISTEN outbox_broker"
+
+_NOTIFY_BROKER = text("SELECT pg_notify(:channel, :queue)")
 
 _UNLISTEN_ALL = text("UNLISTEN *")
 
@@ -69,3 +78,9 @@ def notify_unknown_operation(executor: Executor, task: str) -> None:
     """Tell whoever counts (``outbox metrics``) that a ``task`` message named an operation
     this database does not have. Sent with the caller's commit (now, in autocommit mode)."""
     executor.execute(_NOTIFY_UNKNOWN_OPERATION, {"task": task})
+
+
+def notify_broker(executor: Executor, queue: str) -> None:
+    """NOTIFY :data:`BROKER_CHANNEL` of a message on ``queue``, in ``executor``'s transaction
+    (delivered at its commit)."""
+    executor.execute(_NOTIFY_BROKER, {"channel": BROKER_CHANNEL, "queue": queue})
