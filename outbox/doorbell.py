@@ -34,6 +34,7 @@ _RECONNECT_MAX_S = 2.0
 # closed: a wake-up of a thread, not a statement.
 _LISTEN_TICK_S = 5.0
 
+
 def notify(session: Any, queue: str) -> None:
     """NOTIFY the broker's consumers, in ``session``'s transaction, of a message on ``queue``."""
     notify_sql.notify_broker(session, queue)
