@@ -83,7 +83,8 @@ def replicated() -> Iterator[Replicated]:
 
 
 def _worker(services: Services, name: str, **env: str) -> Service:
-    return services.start(name, "worker", "-P", "threads", "-c", "1", env=env)
+    # No tools: what is checked here is the start-up's replica check, not a tool.
+    return services.start(name, "worker", "-P", "threads", "-c", "1", "--no-tools", env=env)
 
 
 def _ready(worker: Service) -> bool:
