@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import subprocess
 import sys
 
 import pytest
 
 import outbox
+import outbox.sql
 
 
 @pytest.mark.parametrize("name", outbox.__all__)
@@ -62,3 +64,13 @@ def test_importing_the_package_loads_no_database_machinery() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_every_statement_module_is_reachable_from_the_lazy_sql_package() -> None:
+    """``outbox.sql`` lists its modules for its lazy ``__getattr__``: every module in the
+    folder must be there, or ``sql.guards`` fails in a process that has not imported it by
+    another way (the metrics scrape did)."""
+    folder = {info.name for info in pkgutil.iter_modules(outbox.sql.__path__)}
+    assert folder == set(outbox.sql.__all__)
+    code = "import outbox.sql as s; [getattr(s, name) for name in s.__all__]"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
