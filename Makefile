@@ -32,9 +32,10 @@ demo: $(INSTALLED)  ## The main job on one machine: embedded PostgreSQL, a scrip
 
 bench: $(INSTALLED)  ## The full benchmark suite (docs/performance.md): about an hour, quiet machine.
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
+	$(BIN)/python bench/machine.py --seconds 10
 	$(BIN)/python bench/limits.py
 	$(BIN)/python bench/pipeline.py --broker both --mode both
-	$(BIN)/python bench/peers.py --rounds 3
+	$(BIN)/python bench/peers.py --rounds 3 --systems ours,ours-traced,celery,procrastinate,dbos
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/claim_backlog.py
 	$(BIN)/python bench/aio.py
@@ -45,6 +46,7 @@ bench: $(INSTALLED)  ## The full benchmark suite (docs/performance.md): about an
 	$(BIN)/python bench/idle.py
 
 bench-quick: $(INSTALLED)  ## Every benchmark in its few-second smoke form: do they still run.
+	$(BIN)/python bench/machine.py --smoke
 	$(BIN)/python bench/limits.py --smoke
 	$(BIN)/python bench/pipeline.py --smoke
 	$(BIN)/python bench/peers.py --smoke --systems ours,celery

@@ -10,6 +10,9 @@ The systems (``--systems``, default all; one module each in ``bench/peer_drivers
 docstrings say exactly how each is driven and configured):
 
 * ``ours``: bench/pipeline.py's ``Pipeline`` itself (relay + workers, RabbitMQ);
+* ``ours-traced``: the same with OpenTelemetry tracing on at 100 % (agents' spans, relay and
+  workers exporting OTLP/HTTP to a receiver in its own process): tracing's cost, beside
+  ``ours`` in the same rounds (not a default: ask for it);
 * ``celery``: naive Celery, no outbox: COMMIT the intent, then ``task.delay(id)``;
 * ``procrastinate``: the job deferred in the intent's own transaction (PostgreSQL queue);
 * ``dbos``: a DBOS workflow (transaction, step, transaction) enqueued on a DBOS queue.
@@ -65,6 +68,7 @@ from types import FrameType
 
 # The bench directory is not a package: `python bench/peers.py` puts it on sys.path.
 from arguments import add_common_arguments
+from otlp_sink import OtlpSink
 from peer_drivers.base import Load, Settings, System, stop_stray_children, tell
 from report import Results, print_table, write_json
 from rich.markup import escape
@@ -72,9 +76,16 @@ from rounds import run_rounds
 from services import ServiceProcess
 from throwaway import rabbitmq_available, throwaway_database, throwaway_vhost
 
-SYSTEMS = ("ours", "celery", "procrastinate", "dbos")
-#: The package each peer needs (ours and naive Celery need only our own dependencies).
-PACKAGES = {"celery": "celery", "procrastinate": "procrastinate", "dbos": "dbos"}
+SYSTEMS = ("ours", "ours-traced", "celery", "procrastinate", "dbos")
+#: What runs when --systems is not given (tracing's cost is asked for by name).
+DEFAULT_SYSTEMS = ("ours", "celery", "procrastinate", "dbos")
+#: The package each system needs beyond our own dependencies.
+PACKAGES = {
+    "ours-traced": "opentelemetry.sdk",
+    "celery": "celery",
+    "procrastinate": "procrastinate",
+    "dbos": "dbos",
+}
 INSTALL = "pip install -e '.[bench]'"
 
 
@@ -117,8 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--systems",
         type=_systems,
-        default=list(SYSTEMS),
-        help=f"comma-separated, from {','.join(SYSTEMS)} (default: all)",
+        default=list(DEFAULT_SYSTEMS),
+        help=f"comma-separated, from {','.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)})",
     )
     parser.add_argument("--broker-url", help="an AMQP URL to use as it is (no vhost is made)")
     parser.add_argument(
@@ -153,7 +164,7 @@ def _build(
 ) -> System:
     """The system ``name`` on throw-away databases (and vhost), removed by ``stack``."""
     system: System
-    if name == "ours":
+    if name in ("ours", "ours-traced"):
         from peer_drivers.ours import Ours  # noqa: PLC0415 -- only what is chosen is imported
 
         rabbitmq = bool(args.broker_url) or rabbitmq_available()
@@ -162,6 +173,7 @@ def _build(
             settings,
             database_url=stack.enter_context(throwaway_database(args.url)),
             broker_url=broker,
+            sink=stack.enter_context(OtlpSink()) if name == "ours-traced" else None,
         )
     elif name == "celery":
         from peer_drivers.naive_celery import NaiveCelery  # noqa: PLC0415
@@ -246,6 +258,43 @@ def _targets(results: Results, systems: Sequence[System]) -> None:
     )
 
 
+def _spans_received(results: Results, systems: Sequence[System], intents: int) -> None:
+    """For a traced system: the spans its OTLP receiver decoded, said under the table; a
+    problem if no dispatch span arrived (tracing was not on, so its figures mean nothing)."""
+    for system in systems:
+        sink = getattr(system, "sink", None)
+        if sink is None:
+            continue
+        spans = sink.spans()
+        total = sum(spans.values())
+        top = ", ".join(f"{name} {count}" for name, count in sorted(spans.items()))
+        results.note(
+            f"{system.label}: {total:,} spans received for {intents:,} measured intents "
+            f"(and warm-ups): {top or 'none'}"
+        )
+        if not spans.get("outbox.dispatch"):
+            system.problems.append(f"{system.label}: no outbox.dispatch span was received")
+
+
+def _notes(results: Results, systems: Sequence[System], rate: float) -> None:
+    """What to read the table with: a system that could not keep up, the clocks, the ratios."""
+    for system in systems:
+        steady = results.find((system.label, "steady: throughput"))
+        if steady is not None and steady.values and min(steady.values) < 0.95 * rate:
+            results.note(
+                f"{system.label} did not keep up with {rate:g}/s in some round: its steady "
+                "latencies include a backlog that grows with --intents (compare at a lower --rate)"
+            )
+    results.note(
+        "Latency: from the agent's commit (time.time() after COMMIT returned) to the request "
+        "reaching the service; result: to the result's clock_timestamp(). One host, one clock."
+    )
+    results.note(
+        "Ratios, ours / peer, per round then the median: throughput above 1 and latency below "
+        "1 mean ours is better."
+    )
+
+
 def _loads(args: argparse.Namespace) -> list[Load]:
     """Flat and steady with the most agent threads; flat again with each smaller count."""
     _, *fewer = args.agents  # largest first
@@ -300,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except RuntimeError as exc:
                 tell(f"FAILED: {exc}")
                 failed = True
+            _spans_received(results, systems, args.intents * args.rounds * len(loads))
             tell("cleaning up")
     except KeyboardInterrupt:
         tell("interrupted: workers stopped, databases and vhosts removed")
@@ -313,21 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.note("ours ran on the database broker: no RabbitMQ was reachable")
     _ratios(results, systems)
     _targets(results, systems)
-    for system in systems:
-        steady = results.find((system.label, "steady: throughput"))
-        if steady is not None and steady.values and min(steady.values) < 0.95 * args.rate:
-            results.note(
-                f"{system.label} did not keep up with {args.rate:g}/s in some round: its steady "
-                "latencies include a backlog that grows with --intents (compare at a lower --rate)"
-            )
-    results.note(
-        "Latency: from the agent's commit (time.time() after COMMIT returned) to the request "
-        "reaching the service; result: to the result's clock_timestamp(). One host, one clock."
-    )
-    results.note(
-        "Ratios, ours / peer, per round then the median: throughput above 1 and latency below "
-        "1 mean ours is better."
-    )
+    _notes(results, systems, args.rate)
     print_table(results)
     print_table(cpu)
     write_json(args.json, [results, cpu], vars(args))

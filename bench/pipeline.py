@@ -48,12 +48,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import sqlalchemy
 
 # The bench directory is not a package: `python bench/pipeline.py` puts it on sys.path.
 from arguments import add_common_arguments
 from cpu import CpuMeter, pids_named
+from otlp_sink import OtlpSink
 from report import Results, print_table, say, write_json
 from rounds import Case, percentile, run_rounds
 from services import ServiceProcess
@@ -65,6 +67,9 @@ from outbox import api
 from outbox.db import normalize_url
 from outbox.dev.stack import Services
 from outbox.dev.tool_config import TOOL, http_tool_toml
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 BROKERS = ("rabbitmq", "database")
 MODES = ("flat", "steady")
@@ -82,12 +87,50 @@ class Config:
     mode: str
     rate: float
     task_events: bool = True
+    #: Tracing on at 100 %: every agent intent in a span of its own, relay and workers
+    #: exporting OTLP to :class:`otlp_sink.OtlpSink` (issue 34's cost).
+    traced: bool = False
 
     @property
     def name(self) -> str:
-        """``rabbitmq, flat`` or ``database, steady 100/s, task events off``."""
+        """``rabbitmq, flat`` or ``database, steady 100/s, task events off, traced``."""
         load = "flat" if self.mode == "flat" else f"steady {self.rate:g}/s"
-        return f"{self.broker}, {load}" + ("" if self.task_events else ", task events off")
+        return (
+            f"{self.broker}, {load}"
+            + ("" if self.task_events else ", task events off")
+            + (", traced" if self.traced else "")
+        )
+
+
+def agent_tracer(sink_url: str) -> Tracer:
+    """The agents' tracer, exporting to ``sink_url`` in batches (the SDK's defaults), as an
+    application with tracing on has; installed as this process's tracer provider once, so
+    outbox's own enqueue spans export too. Untraced agents open no span, so they record no
+    trace context and cost what they did before."""
+    from opentelemetry import trace  # noqa: PLC0415 -- only a traced run needs the SDK
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
+        OTLPSpanExporter,
+    )
+    from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
+    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
+
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        provider = TracerProvider(resource=Resource.create({"service.name": "bench-agent"}))
+        provider.add_span_processor(
+            BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{sink_url}/v1/traces"))
+        )
+        trace.set_tracer_provider(provider)
+    return trace.get_tracer("bench.agent")
+
+
+def flush_agent_spans() -> None:
+    """Export the agents' finished spans now (end of a traced round)."""
+    from opentelemetry import trace  # noqa: PLC0415
+
+    flush = getattr(trace.get_tracer_provider(), "force_flush", None)
+    if flush is not None:
+        flush()
 
 
 class Agents:
@@ -97,10 +140,14 @@ class Agents:
     (an agent that falls behind goes on at once). Returns {operation id: commit wall time}.
     """
 
-    def __init__(self, engine: Engine, agents: int, rate: float | None) -> None:
+    def __init__(
+        self, engine: Engine, agents: int, rate: float | None, tracer: Tracer | None = None
+    ) -> None:
         self.engine = engine
         self.agents = agents
         self.rate = rate
+        #: Each intent in a span of its own (an agent's tool call), when tracing is on.
+        self.tracer = tracer
 
     def run(self, prefix: str, intents: int) -> dict[str, float]:
         commits: dict[str, float] = {}
@@ -121,7 +168,12 @@ class Agents:
                             wait = start + i / self.rate - time.monotonic()
                             if wait > 0:
                                 time.sleep(wait)
-                        with session.begin():
+                        span = (
+                            self.tracer.start_as_current_span("agent.tool_call")
+                            if self.tracer is not None
+                            else contextlib.nullcontext()
+                        )
+                        with span, session.begin():
                             op = api.enqueue(
                                 session,
                                 tool=TOOL,
@@ -162,6 +214,7 @@ class Pipeline:
         args: argparse.Namespace,
         workdir: Path,
         cpu: Results,
+        sink: OtlpSink | None = None,
     ) -> None:
         self.config = config
         self.db_url = db_url
@@ -191,6 +244,17 @@ class Pipeline:
             self.env["OUTBOX_BROKER_URL"] = broker_url
         if not config.task_events:
             self.env["OUTBOX_TASK_EVENTS"] = "false"
+        self.tracer: Tracer | None = None
+        self.sink = sink
+        if config.traced:
+            if sink is None:
+                raise ValueError(f"{config.name}: a traced configuration needs an OTLP sink")
+            self.env |= {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                "OTEL_TRACES_SAMPLER": "always_on",
+            }
+            self.tracer = agent_tracer(sink.url)
 
     def case(self) -> Case:
         """This configuration as a case of :func:`run_rounds`."""
@@ -243,7 +307,8 @@ class Pipeline:
             )
         # Warm up: every worker thread, the relay, the HTTP connections; then the clock.
         warm = self.args.workers * self.args.concurrency
-        Agents(self.engine, min(self.args.agents, warm), None).run(f"warm-{self.rounds}", warm)
+        warming = Agents(self.engine, min(self.args.agents, warm), None, self.tracer)
+        warming.run(f"warm-{self.rounds}", warm)
         self._wait_decided(warm, stack, "warming up")
         self.service.clear()
 
@@ -263,9 +328,12 @@ class Pipeline:
         meter = CpuMeter(groups)
         meter.start()
         rate = config.rate if config.mode == "steady" else None
-        commits = Agents(self.engine, args.agents, rate).run(f"bench-{self.rounds}", args.intents)
+        agents = Agents(self.engine, args.agents, rate, self.tracer)
+        commits = agents.run(f"bench-{self.rounds}", args.intents)
         self._wait_decided(warm + args.intents, stack, "measuring")
         usage = meter.stop()
+        if self.tracer is not None:
+            flush_agent_spans()
         for name, percent in usage.items():
             self.cpu.add(name, percent, unit=CORE, section=config.name)
         return self._rows(commits)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from machine import STEAL_LIMIT, MachineState
 from rich.console import Console
 from rich.table import Table
 
@@ -32,6 +33,33 @@ class Row:
     values: list[float] = field(default_factory=list)
     #: Shown with an "x" and computed round by round from two other rows.
     ratio: bool = False
+    #: Per value: measured above the steal limit (kept in min-max and JSON, not in the median).
+    marked: list[bool] = field(default_factory=list)
+
+    def kept(self) -> list[float]:
+        """The values the median is taken over: the unmarked ones (all, if every one is)."""
+        unmarked = [v for v, m in zip(self.values, self._marks(), strict=True) if not m]
+        return unmarked or self.values
+
+    def _marks(self) -> list[bool]:
+        return self.marked + [False] * (len(self.values) - len(self.marked))
+
+    def median(self) -> float:
+        """The median of :meth:`kept` (NaN if none is finite)."""
+        return _median(self.kept())
+
+    def marked_count(self) -> int:
+        """How many values were measured above the steal limit."""
+        return sum(self._marks())
+
+
+@dataclass(frozen=True)
+class MachineRecord:
+    """The machine's state while one case ran in one round (``machine``)."""
+
+    round: int
+    case: str
+    state: MachineState
 
 
 #: A row by its name alone (unique in the table), or by (section, name).
@@ -46,13 +74,32 @@ class Results:
         self.title = title
         self.rows: dict[tuple[str, str], Row] = {}
         self.notes: list[str] = []
+        self.machine: list[MachineRecord] = []
+        self.steal_limit = STEAL_LIMIT
 
-    def add(self, name: str, value: float, *, unit: str, section: str = "") -> None:
-        """Append one round's ``value`` to row ``name`` of ``section`` (made on first use)."""
+    def add(
+        self, name: str, value: float, *, unit: str, section: str = "", marked: bool = False
+    ) -> None:
+        """Append one round's ``value`` to row ``name`` of ``section`` (made on first use);
+        ``marked``: it was measured above the steal limit (left out of the median)."""
         row = self.rows.get((section, name))
         if row is None:
             row = self.rows[section, name] = Row(name, unit, section)
+        row.marked.extend([False] * (len(row.values) - len(row.marked)))
         row.values.append(value)
+        row.marked.append(marked)
+
+    def record_machine(self, round_number: int, case: str, state: MachineState) -> bool:
+        """Keep the machine's state while ``case`` ran in round ``round_number`` (1-based);
+        True if it ran above the steal limit (its values are then marked), with a note."""
+        self.machine.append(MachineRecord(round_number, case, state))
+        marked = state.marked(self.steal_limit)
+        if marked:
+            self.note(
+                f"marked: round {round_number}, {case} ran at {state.steal_pct:.1f} % steal "
+                f"(> {self.steal_limit:g} %): in min-max, not in the median"
+            )
+        return marked
 
     def find(self, ref: RowRef) -> Row | None:
         """The row ``ref`` names, if it exists (a bare name must be unique)."""
@@ -70,7 +117,8 @@ class Results:
         if top is None or bottom is None:
             return
         values = [a / b if b else math.nan for a, b in zip(top.values, bottom.values, strict=False)]
-        self.rows[section, name] = Row(name, "x", section, values, ratio=True)
+        marks = [a or b for a, b in zip(top._marks(), bottom._marks(), strict=False)]
+        self.rows[section, name] = Row(name, "x", section, values, ratio=True, marked=marks)
 
     def note(self, line: str) -> None:
         """A line printed under the table."""
@@ -87,7 +135,7 @@ class Results:
         """Say under the table whether row ``ref``'s median meets ``goal`` (``at_least`` or
         ``at_most`` a bound), with its min-max; None (and a line saying so) if not measured."""
         row = self.find(ref)
-        value = _median(row.values) if row is not None else math.nan
+        value = row.median() if row is not None else math.nan
         if row is None or not math.isfinite(value):
             self.note(f"target {goal}: not measured in this run")
             return None
@@ -109,12 +157,35 @@ class Results:
                     "unit": row.unit,
                     "section": row.section,
                     "values": row.values,
-                    "median": _median(row.values),
+                    "marked": row._marks(),
+                    "median": row.median(),
                 }
                 for row in self.rows.values()
             ],
+            "machine": [{"round": m.round, "case": m.case, **vars(m.state)} for m in self.machine],
+            "steal_limit": self.steal_limit,
             "notes": self.notes,
         }
+
+    def machine_summary(self) -> str | None:
+        """One line: steal, busy and the CPU probe over every case, median and worst; None
+        if nothing was recorded."""
+        if not self.machine:
+            return None
+        steal = [m.state.steal_pct for m in self.machine]
+        busy = [m.state.busy_pct for m in self.machine]
+        probe = [m.state.probe_ms for m in self.machine if math.isfinite(m.state.probe_ms)]
+        line = (
+            f"machine while measuring ({len(self.machine)} cases): steal median "
+            f"{statistics.median(steal):.1f} % (max {max(steal):.1f}), busy median "
+            f"{statistics.median(busy):.0f} % (max {max(busy):.0f})"
+        )
+        if probe:
+            line += (
+                f", CPU probe median {statistics.median(probe):.2f} ms "
+                f"(max {max(probe):.2f}; bench/machine.py)"
+            )
+        return line
 
 
 def _median(values: Sequence[float]) -> float:
@@ -126,6 +197,16 @@ def _spread(row: Row) -> str:
     """``min - max`` of the row's finite values, formatted; ``-`` if it has none."""
     finite = [v for v in row.values if math.isfinite(v)]
     return f"{fmt(min(finite), row.unit)} - {fmt(max(finite), row.unit)}" if finite else "-"
+
+
+def _count(row: Row) -> str:
+    """The table's ``n``: the finite values the median took, and ``+Km`` for K marked ones
+    left out (``Km`` alone: every value was marked, so the median took them all)."""
+    marked = row.marked_count()
+    finite = sum(1 for v in row.kept() if math.isfinite(v))
+    if not marked:
+        return str(finite)
+    return f"{marked}m" if marked == len(row.values) else f"{finite} +{marked}m"
 
 
 def fmt(value: float, unit: str = "") -> str:
@@ -165,12 +246,13 @@ def print_table(results: Results, out: Console | None = None) -> None:
         if row.section != section and row.section:
             table.add_row(f"[bold]{row.section}[/bold]", "", "", "", "")
         section = row.section
-        finite = [v for v in row.values if math.isfinite(v)]
         label = f"  {row.name}" if row.section else row.name
-        table.add_row(
-            label, row.unit, fmt(_median(row.values), row.unit), _spread(row), str(len(finite))
-        )
+        count = _count(row)
+        table.add_row(label, row.unit, fmt(row.median(), row.unit), _spread(row), count)
     out.print(table)
+    summary = results.machine_summary()
+    if summary:
+        out.print(summary)
     for line in results.notes:
         out.print(line)
 

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from machine import measuring
 from report import Results, say
 
 
@@ -32,18 +33,26 @@ def run_rounds(
 ) -> None:
     """Run every case once per round, side by side, the starting case rotating each round.
 
-    Rows are added in the cases' declared order, whatever order a round ran them in.
+    Rows are added in the cases' declared order, whatever order a round ran them in. The
+    machine's state over each case's own seconds (CPU steal, busy, the CPU probe:
+    :mod:`machine`) is kept in ``results``; a case run above its steal limit has its values
+    marked (in the min-max, not in the median).
     """
     report = progress or say
     for r in range(rounds):
         start = r % len(cases) if cases else 0
         measured: dict[int, Mapping[str, tuple[float, str]]] = {}
+        marked: dict[int, bool] = {}
         for i in [*range(start, len(cases)), *range(start)]:
             report(f"round {r + 1}/{rounds}: {cases[i].name}")
-            measured[i] = cases[i].run()
+            with measuring() as meter:
+                measured[i] = cases[i].run()
+                state = meter.stop()
+            report(f"  machine: {state.describe()}")
+            marked[i] = results.record_machine(r + 1, cases[i].name, state)
         for i, case in enumerate(cases):
             for row, (value, unit) in measured[i].items():
-                results.add(row, value, unit=unit, section=case.section)
+                results.add(row, value, unit=unit, section=case.section, marked=marked[i])
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -8,7 +8,10 @@ with ``W x C`` intents, has the agents ``api.enqueue`` one intent per transactio
 every operation is ``confirmed``, checks and stops the processes. Configured as pipeline.py's
 defaults: 1 relay with ``--batch-size 200``, the workers on every queue; the broker is
 RabbitMQ on a throw-away vhost (the database broker only when no RabbitMQ is reachable, and the
-section then says so).
+section then says so). ``ours-traced`` is the same with tracing on at 100 % (issue 34's cost):
+each agent intent in a span of its own (the bench process's SDK tracer provider, batch
+export), relay and workers with ``OTEL_EXPORTER_OTLP_ENDPOINT`` on an OTLP receiver in a
+process of its own (``otlp_sink``) that decodes every export.
 
 Its rows map onto the peers' names: ``throughput`` -> ``flat: throughput`` (confirmed count /
 (last ``confirmed`` - first commit)), ``commit -> arrival pN`` -> ``steady: commit -> arrival
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from otlp_sink import OtlpSink
 from pipeline import Config, Pipeline
 from report import Results
 from sqlalchemy import text
@@ -56,14 +60,24 @@ class Ours(base.System):
     key = "ours"
 
     def __init__(
-        self, settings: base.Settings, *, database_url: str, broker_url: str | None
+        self,
+        settings: base.Settings,
+        *,
+        database_url: str,
+        broker_url: str | None,
+        sink: OtlpSink | None = None,
     ) -> None:
         super().__init__()
         self.settings = settings
         self.database_url = database_url
         self.broker_url = broker_url
         self.broker = "rabbitmq" if broker_url else "database"
-        self.label = "ours" if broker_url else "ours (database broker)"
+        #: Tracing on at 100 % (``ours-traced``): spans exported to ``sink``.
+        self.sink = sink
+        if sink is not None:
+            self.key = "ours-traced"
+        details = [*([] if broker_url else ["database broker"]), *(["traced"] if sink else [])]
+        self.label = f"ours ({', '.join(details)})" if details else "ours"
         self.args = argparse.Namespace(
             intents=settings.intents,
             agents=settings.agents,
@@ -80,17 +94,18 @@ class Ours(base.System):
     def _pipeline(self, load: base.Load) -> tuple[Pipeline, Results]:
         if load not in self.pipelines:
             agents = load.agent_threads(self.settings)
-            workdir = Path(self.settings.workdir) / f"ours-{load.kind}-{agents}"
+            workdir = Path(self.settings.workdir) / f"{self.key}-{load.kind}-{agents}"
             workdir.mkdir(parents=True)
             cpu = Results("pipeline's CPU")
             pipeline = Pipeline(
-                Config(self.broker, load.kind, load.rate or 0.0),
+                Config(self.broker, load.kind, load.rate or 0.0, traced=self.sink is not None),
                 db_url=self.database_url,
                 broker_url=self.broker_url,
                 service=self.settings.service,
                 args=argparse.Namespace(**{**vars(self.args), "agents": agents}),
                 workdir=workdir,
                 cpu=cpu,
+                sink=self.sink,
             )
             self.pipelines[load] = (pipeline, cpu)
         return self.pipelines[load]

@@ -1,7 +1,8 @@
 """``bench/peers.py --smoke`` still runs: the same job on the peers and on ours, a ratio table.
 
 A real run against the test server (throw-away ``bench_*`` databases and RabbitMQ vhosts,
-removed at the end), as a subprocess. Procrastinate and DBOS come with the ``bench`` extra
+removed at the end), as a subprocess, with ``ours-traced`` (tracing on, an OTLP receiver) beside
+ours. Procrastinate and DBOS come with the ``bench`` extra
 (``pip install -e '.[bench]'``), which CI does not install: without them the smoke measures
 ours against naive Celery only; with them, all four. The script exits non-zero when an
 intent did not reach the service exactly once or its result was not recorded.
@@ -29,7 +30,7 @@ PEERS = ("procrastinate", "dbos")
 @pytest.mark.usefixtures("rabbitmq_url")  # skipped without RabbitMQ (a failure under CI=true)
 def test_peers_smoke(admin_url: str) -> None:
     installed = [peer for peer in PEERS if importlib.util.find_spec(peer) is not None]
-    systems = ["ours", "celery", *installed]
+    systems = ["ours", "ours-traced", "celery", *installed]
     env = {name: value for name, value in os.environ.items() if not name.startswith("OUTBOX_")}
     env["COLUMNS"] = "160"
     argv = [sys.executable, str(REPO / "bench" / "peers.py"), "--smoke", "--url", admin_url]
@@ -54,6 +55,11 @@ def test_peers_smoke(admin_url: str) -> None:
         assert f"flat throughput: ours / {peer}" in out, out
         assert f"flat, 1 agent enqueue rate: ours / {peer}" in out, out
         assert f"steady arrival p50: ours / {peer}" in out, out
+    # Tracing's cost beside ours in the same rounds, and the spans really exported.
+    assert "steady arrival p50: ours / ours (traced)" in out, out
+    assert re.search(r"ours \(traced\): [\d,]+ spans received .*outbox\.dispatch \d+", out), out
+    # The machine's state over the cases' own seconds (issue 35).
+    assert re.search(r"machine while measuring \(\d+ cases\): steal median", out), out
     # Each target this run measures is judged under the table, met or not.
     assert re.search(r"target flat throughput >= 1\.2x naive celery: .* (met|NOT met)", out), out
     assert re.search(r"target steady commit -> arrival p99 <= 15 ms: .* (met|NOT met)", out), out
