@@ -13,11 +13,20 @@ another process doing the same at the same instant: on a fresh database, process
 together (``outbox up``, a deployment) crashed at start-up with a duplicate-sequence error.
 Our channel creates them under a PostgreSQL advisory lock, and treats a queue row another
 process inserted first as found, not as an error.
+
+Publishing is kombu's ``_put`` made cheaper (issue 35: 5.8 ms per message on the relay's
+path): kombu looks the queue up, INSERTs through the ORM and commits, four round trips per
+message. Ours remembers each queue's id, INSERTs in one statement and NOTIFYs in the same
+transaction; and inside :meth:`Channel.batch` (the relay's publisher wraps a batch in it) the
+messages of the whole batch are written by one INSERT, one NOTIFY per queue and one COMMIT:
+all of them stored, or none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from queue import Empty
 from time import monotonic
 from typing import Any
@@ -77,16 +86,59 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
             if interval is not None:
                 options["polling_interval"] = interval
 
+    #: Queue name -> its row's id, looked up (or created) once per channel.
+    _queue_ids: dict[str, int]
+    #: Inside :meth:`batch`: queue name -> the serialised messages not yet written.
+    _pending: dict[str, list[str]] | None = None
+
+    def _queue_id(self, queue: str) -> int:
+        ids = self.__dict__.setdefault("_queue_ids", {})
+        if queue not in ids:
+            ids[queue] = int(self._get_or_create(queue).id)
+        return int(ids[queue])
+
     def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
-        # kombu's _put, with the NOTIFY in the message's transaction: delivered at commit.
-        obj = self._get_or_create(queue)
-        self.session.add(self.message_cls(dumps(payload), obj))
+        """Store one message: at once, or with the rest of the :meth:`batch` it is in."""
+        if self._pending is not None:
+            self._pending.setdefault(queue, []).append(dumps(payload))
+            return
+        self._write({queue: [dumps(payload)]})
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Messages published inside are written together when it ends: one INSERT per
+        queue, its NOTIFY and one COMMIT. If the block or the write fails, none is stored."""
+        if self._pending is not None:  # nested: the outer batch writes them
+            yield
+            return
+        self._pending = {}
         try:
-            notify(self.session, queue)
+            yield
+            pending = self._pending
+        finally:
+            self._pending = None
+        if pending:
+            self._write(pending)
+
+    def _write(self, messages: dict[str, list[str]]) -> None:
+        # The queues' ids first: creating a queue commits kombu's session.
+        ids = {queue: self._queue_id(queue) for queue in messages}
+        try:
+            for queue, payloads in messages.items():
+                sql.broker.insert_messages(
+                    self.session, self.message_cls.__table__, ids[queue], payloads
+                )
+                # In the messages' transaction: consumers are woken when they are committed.
+                notify(self.session, queue)
             self.session.commit()
         except OperationalError:
             # As kombu: the publish fails (and may be retried), never reported stored.
             self.session.rollback()
+            raise
+        except IntegrityError:
+            # A queue row removed since we looked its id up: forget the ids, look again.
+            self.session.rollback()
+            self.__dict__.pop("_queue_ids", None)
             raise
 
     def basic_ack(self, delivery_tag: Any, multiple: bool = False) -> None:

@@ -5,8 +5,9 @@ then the broker's ``basic.ack``/``basic.nack`` frames are collected, so a batch 
 round trip, not N. Only acknowledged messages count as published; a nack, a timeout or a
 broken connection leaves the rest unconfirmed (their rows stay unpublished).
 
-On the database broker (kombu's SQLAlchemy transport) a publish is an INSERT that kombu
-commits before returning: there is no confirm to wait for, and no redelivery either.
+On the database broker (kombu's SQLAlchemy transport) a batch is one INSERT, one NOTIFY and
+one COMMIT (:meth:`outbox.workers.dbbroker.Channel.batch`), done before ``publish`` returns:
+there is no confirm to wait for, and no redelivery either.
 
 A message names up to ``ops_per_message`` operations: everything a message costs (the
 publish and its confirm, the consumer's bookkeeping, the ack, the task events Flower reads)
@@ -17,6 +18,7 @@ instead of queueing behind one another inside a message.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -77,8 +79,11 @@ class CeleryPublisher:
             producer = self._ensure_producer()
             groups = group_messages(messages, self.ops_per_message, self.spread)
             if self.database_broker:
-                for group in groups:
-                    self._send(producer, group)
+                # One transaction for the batch's messages (outbox.workers.dbbroker).
+                batch = getattr(producer.channel, "batch", contextlib.nullcontext)
+                with batch():
+                    for group in groups:
+                        self._send(producer, group)
                 self._maybe_prune()
                 return {message.operation_id for message in messages}
             return self._publish_confirmed(producer, groups)

@@ -408,3 +408,47 @@ def test_a_database_outage_is_survived(
         runner.join(30)
         proxy.stop()
         proxied.dispose()
+
+
+def test_a_batch_on_the_database_broker_is_one_transaction(
+    engine: Engine, database_url: str, make_relay: MakeRelay
+) -> None:
+    """On the database broker a relay batch's messages are written by one transaction."""
+    app = _app(database_url, None)
+    _drain(app)
+    for _ in range(20):
+        make_operation(engine)
+    assert make_relay(app, spread=20).run_once().published == 20
+    with engine.connect() as conn:
+        messages, transactions = conn.execute(
+            text("SELECT count(*), count(DISTINCT xmin::text) FROM outbox_kombu_message")
+        ).one()
+    assert (messages, transactions) == (20, 1)
+    assert len(_drain(app)) == 20
+
+
+def test_a_database_broker_batch_that_fails_stores_nothing(
+    engine: Engine, database_url: str
+) -> None:
+    """A batch that fails before it ends leaves no message of it on the database broker."""
+    app = _app(database_url, None)
+    _drain(app)
+    publisher = CeleryPublisher(app)
+    try:
+        producer = publisher._ensure_producer()
+
+        def three_then_fail() -> None:
+            with producer.channel.batch():
+                for _ in range(3):
+                    app.send_task("outbox.dispatch", kwargs={}, producer=producer, queue="dispatch")
+                raise RuntimeError("half-way")
+
+        with pytest.raises(RuntimeError, match="half-way"):
+            three_then_fail()
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM outbox_kombu_message")).scalar() == 0
+        # The channel is usable again: a message outside a batch is stored at once.
+        app.send_task("outbox.dispatch", kwargs={}, producer=producer, queue="dispatch")
+        assert len(_drain(app)) == 1
+    finally:
+        publisher.close()
