@@ -234,7 +234,7 @@ def _ratios(results: Results, systems: Sequence[System]) -> None:
 
 
 def _targets(results: Results, systems: Sequence[System]) -> None:
-    """Issue 7's targets that this run measures, each said plainly: met or not."""
+    """Issues 7's and 35's targets that this run measures, each said plainly: met or not."""
     labels = {system.key: system.label for system in systems}
     if "ours" not in labels:
         return
@@ -256,6 +256,15 @@ def _targets(results: Results, systems: Sequence[System]) -> None:
         (labels["ours"], "steady: commit -> arrival p99"),
         at_most=15.0,
     )
+    # Issue 35: the agent's own act, enqueue + commit on its connection, one agent thread,
+    # against the peers' same act (Procrastinate's defer, DBOS's enqueue).
+    for key in ("procrastinate", "dbos"):
+        if key in labels:
+            results.target(
+                f"enqueue + commit, 1 agent >= 1.0x {labels[key]}",
+                ("ratios", f"flat, 1 agent enqueue rate: ours / {labels[key]}"),
+                at_least=1.0,
+            )
 
 
 def _spans_received(results: Results, systems: Sequence[System], intents: int) -> None:

@@ -475,6 +475,14 @@ def _ratios(results: Results, configs: Sequence[Config]) -> None:
         _broker_ratios(results, by, suffix="" if events else ", task events off")
 
 
+def _targets(results: Results) -> None:
+    """Issue 35's target this run measures: the database broker (the default with nothing
+    configured) within 2x RabbitMQ's steady commit -> arrival p50."""
+    row = "commit -> arrival p50, steady: database / rabbitmq"
+    if results.find(("ratios", row)) is not None:
+        results.target("database broker steady p50 <= 2x RabbitMQ's", ("ratios", row), at_most=2.0)
+
+
 def _task_event_ratios(results: Results, configs: Sequence[Config]) -> None:
     """Each configuration run without task events against the same one with them."""
     for off in configs:
@@ -592,6 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(f"FAILED: {exc}")
             return 1
     _ratios(results, configs)
+    _targets(results)
     results.note(
         "Latencies from the agent's commit (time.time() after COMMIT returned) to the request "
         "reaching the service, and to the `confirmed` event's clock_timestamp(): one host, "
