@@ -8,11 +8,16 @@ to 21 % within minutes while the load looked quiet). So every case a benchmark m
 * **steal**: the share of CPU time the hypervisor gave to someone else, from the ``steal``
   column of ``/proc/stat`` (percent of all CPU time, every core);
 * **busy**: the machine's busy share over the same seconds (percent of all cores);
-* **CPU probe**: the time a fixed pure-Python loop takes (:data:`PROBE_LOOPS` additions), run
-  every :data:`PROBE_PERIOD_S` by a process of its own at normal priority while the case runs;
-  its median. On a quiet host it takes about :func:`quiet_probe_ms`; a slower probe means the
-  case got less CPU than a quiet run would have, whatever the cause (steal, other work,
-  frequency scaling).
+* **CPU pressure**: the share of the time at least one runnable task waited for a CPU, from
+  ``/proc/pressure/cpu`` (Linux PSI; NaN where the kernel has none): other work contending
+  for the cores shows here, when steal shows only the hypervisor's;
+* **CPU probe**: the wall time of a fixed pure-Python loop (:data:`PROBE_LOOPS` additions,
+  about 20 ms of CPU on a quiet core here), run every :data:`PROBE_PERIOD_S` by a process of
+  its own at normal priority while the case runs; its median. A burst that long outlasts the
+  scheduler's credit for a task that slept, so on a contended machine it waits its turn like
+  the stack does; a slower probe means the case got less CPU than a quiet run would have,
+  whatever the cause (steal, other work, frequency scaling). Its own cost: about 2 % of one
+  core.
 
 A case measured at more than ``steal_limit`` percent steal is *marked*
 (:meth:`report.Results.add`): its values stay in the min-max and the JSON, but not in the
@@ -35,10 +40,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-#: Additions the probe times: about 2 ms on a quiet core of this machine.
-PROBE_LOOPS = 50_000
-#: How often the probe runs while a case is measured (its own CPU: about 1 % of a core).
-PROBE_PERIOD_S = 0.2
+#: Additions the probe times: about 20 ms on a quiet core of this machine. A 2 ms probe
+#: (tried first) measured 1.5-2.1 ms at a load average of 16: the scheduler's wake-up credit
+#: ran it at once.
+PROBE_LOOPS = 500_000
+#: How often the probe runs while a case is measured (its own CPU: about 2 % of a core).
+PROBE_PERIOD_S = 1.0
 #: A case measured above this steal (percent of all CPU time) is marked, not averaged in.
 STEAL_LIMIT = 10.0
 
@@ -65,6 +72,16 @@ def cpu_ticks() -> CpuTicks:
     return CpuTicks(steal=steal, busy=total - idle - steal, total=total)
 
 
+def cpu_pressure_us() -> float:
+    """Microseconds so far during which some runnable task waited for a CPU (PSI ``some``);
+    NaN without ``/proc/pressure/cpu``."""
+    try:
+        first = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return float(first.rsplit("total=", 1)[1])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def probe_once() -> float:
     """Milliseconds to run the fixed loop once."""
     start = time.perf_counter()
@@ -83,16 +100,19 @@ class MachineState:
     busy_pct: float
     probe_ms: float
     probes: int
+    #: Share of the time some runnable task waited for a CPU (NaN: not measured).
+    pressure_pct: float = float("nan")
 
     def marked(self, steal_limit: float = STEAL_LIMIT) -> bool:
         """Whether this stretch ran above ``steal_limit`` percent steal."""
         return self.steal_pct > steal_limit
 
     def describe(self) -> str:
-        """``steal 3.1 %, busy 87 %, probe 2.4 ms (n=40)``."""
+        """``steal 3.1 %, busy 87 %, CPU pressure 40 %, probe 24.1 ms (n=40)``."""
         return (
             f"steal {self.steal_pct:.1f} %, busy {self.busy_pct:.0f} %, "
-            f"probe {self.probe_ms:.2f} ms (n={self.probes})"
+            f"CPU pressure {self.pressure_pct:.0f} %, "
+            f"probe {self.probe_ms:.1f} ms (n={self.probes})"
         )
 
 
@@ -102,6 +122,7 @@ class MachineMeter:
 
     def __init__(self) -> None:
         self._ticks = CpuTicks(0, 0, 0)
+        self._pressure = 0.0
         self._started = 0.0
         self._probe: subprocess.Popen[str] | None = None
 
@@ -117,12 +138,14 @@ class MachineMeter:
         assert self._probe.stdout is not None  # noqa: S101 -- stdout=PIPE above
         self._probe.stdout.readline()
         self._ticks = cpu_ticks()
+        self._pressure = cpu_pressure_us()
         self._started = time.monotonic()
 
     def stop(self) -> MachineState:
         """Stop the probe and return the state since :meth:`start`."""
         seconds = time.monotonic() - self._started
         end = cpu_ticks()
+        pressure = cpu_pressure_us() - self._pressure
         timings: list[float] = []
         if self._probe is not None:
             # Closing its stdin tells the probe to print what it measured and exit.
@@ -136,6 +159,7 @@ class MachineMeter:
             busy_pct=100 * (end.busy - self._ticks.busy) / total,
             probe_ms=statistics.median(timings) if timings else float("nan"),
             probes=len(timings),
+            pressure_pct=min(100.0, pressure / 1e4 / max(seconds, 1e-9)),
         )
 
     def close(self) -> None:

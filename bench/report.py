@@ -180,10 +180,17 @@ class Results:
             f"{statistics.median(steal):.1f} % (max {max(steal):.1f}), busy median "
             f"{statistics.median(busy):.0f} % (max {max(busy):.0f})"
         )
+        pressure = [m.state.pressure_pct for m in self.machine]
+        pressure = [v for v in pressure if math.isfinite(v)]
+        if pressure:
+            line += (
+                f", CPU pressure median {statistics.median(pressure):.0f} % "
+                f"(max {max(pressure):.0f})"
+            )
         if probe:
             line += (
-                f", CPU probe median {statistics.median(probe):.2f} ms "
-                f"(max {max(probe):.2f}; bench/machine.py)"
+                f", CPU probe median {statistics.median(probe):.1f} ms "
+                f"(max {max(probe):.1f}; bench/machine.py)"
             )
         return line
 

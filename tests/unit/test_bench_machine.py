@@ -35,7 +35,7 @@ def machine() -> ModuleType:
 
 def _state(machine: ModuleType, steal: float) -> object:
     return machine.MachineState(
-        seconds=10.0, steal_pct=steal, busy_pct=80.0, probe_ms=2.0, probes=50
+        seconds=10.0, steal_pct=steal, busy_pct=80.0, probe_ms=2.0, probes=50, pressure_pct=30.0
     )
 
 
@@ -84,7 +84,8 @@ def test_a_case_above_the_steal_limit_is_marked_with_a_note_naming_it(
     summary = results.machine_summary()
     assert summary is not None
     assert "steal median 14.0 % (max 25.0)" in summary
-    assert "CPU probe median 2.00 ms" in summary
+    assert "CPU pressure median 30 % (max 30)" in summary
+    assert "CPU probe median 2.0 ms" in summary
     assert [m["steal_pct"] for m in results.to_json()["machine"]] == [3.0, 25.0]
 
 
@@ -92,8 +93,8 @@ def test_the_meter_times_the_probe_and_reads_the_machine_over_its_own_seconds(
     machine: ModuleType,
 ) -> None:
     with machine.measuring() as meter:
-        # Busy for a while, so the probe runs several times.
-        end = machine.time.monotonic() + 0.7
+        # Busy for a while, so the probe runs more than once.
+        end = machine.time.monotonic() + 1.3
         while machine.time.monotonic() < end:
             pass
         state = meter.stop()
@@ -102,4 +103,5 @@ def test_the_meter_times_the_probe_and_reads_the_machine_over_its_own_seconds(
     assert state.probe_ms > 0
     assert 0.0 <= state.steal_pct <= 100.0
     assert state.busy_pct > 0.0
+    assert 0.0 <= state.pressure_pct <= 100.0
     assert machine.cpu_ticks().total > 0
