@@ -28,6 +28,10 @@ RabbitMQ (a throw-away vhost; skipped when there is no RabbitMQ):
   (each publish waits for its ack); and the relay's own publisher (``CeleryPublisher``:
   Celery's ``send_task``, batches of 200 with the confirms collected per batch).
 
+The database as broker (the default with nothing configured): the relay's publisher on the
+throw-away database, batches of 200 and of 1 (a steady trickle's batches); each batch is one
+transaction since issue 35 (kombu's own transport committed every message).
+
 The reference service (``DeployService`` in a process of its own, in-memory ledger, no
 faults, no dedup: its fast configuration), POSTs with distinct keys from ``--clients``
 keep-alive connections: through httpx (as the HTTP tool calls it), and through raw sockets
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import socket
 import sys
@@ -435,18 +440,45 @@ def kombu_publish(url: str, messages: int, *, confirm: bool) -> float:
     return messages / elapsed
 
 
-def relay_publisher(url: str, messages: int, batch: int = 200) -> float:
-    """The relay's publisher (Celery ``send_task``, confirms in flight per batch)."""
+def relay_publisher(
+    url: str, messages: int, batch: int = 200, *, database_url: str | None = None
+) -> float:
+    """The relay's publisher (Celery ``send_task``, confirms in flight per batch) on the
+    broker at ``url``; with ``database_url`` instead, on that database as broker (one
+    transaction per batch, issue 35), its messages deleted afterwards."""
     from celery import Celery  # noqa: PLC0415
 
     from outbox.config import load_settings  # noqa: PLC0415
-    from outbox.relay import OutboundMessage  # noqa: PLC0415
-    from outbox.workers.app import celery_settings  # noqa: PLC0415
+    from outbox.workers.app import BROKER_MESSAGE_TABLE, celery_settings  # noqa: PLC0415
     from outbox.workers.publish import CeleryPublisher  # noqa: PLC0415
 
     app = Celery("bench-relay")
-    app.conf.update(celery_settings(load_settings(broker_url=url), deployment="bench-limits"))
-    publisher = CeleryPublisher(app)
+    settings = (
+        load_settings(database_url=database_url)
+        if database_url is not None
+        else load_settings(broker_url=url)
+    )
+    app.conf.update(celery_settings(settings, deployment="bench-limits"))
+    if database_url is not None:
+        try:
+            return _timed_publish(CeleryPublisher(app), messages, batch)
+        finally:
+            with create_engine(database_url).begin() as conn:
+                conn.execute(text(f"DELETE FROM {BROKER_MESSAGE_TABLE}"))
+    rate = _timed_publish(CeleryPublisher(app), messages, batch)
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        for name in (app.amqp.queues["dispatch"].name, "celeryev"):
+            with contextlib.suppress(Exception):
+                channel.queue_purge(name)
+    return rate
+
+
+def _timed_publish(publisher: Any, messages: int, batch: int) -> float:
+    """Messages per second through ``publisher`` (a ``CeleryPublisher``), in ``batch``es,
+    after one publish that connects and declares; closed at the end."""
+    from outbox.relay import OutboundMessage  # noqa: PLC0415
+
     try:
         out = [
             OutboundMessage(uuid.uuid4(), "deploy.create_release", "web")
@@ -459,15 +491,9 @@ def relay_publisher(url: str, messages: int, batch: int = 200) -> float:
             confirmed = publisher.publish(chunk)
             if len(confirmed) != len(chunk):
                 raise RuntimeError(f"{len(chunk) - len(confirmed)} messages not confirmed")
-        elapsed = time.perf_counter() - started
+        return messages / (time.perf_counter() - started)
     finally:
         publisher.close()
-    with app.connection_for_write() as connection:
-        channel = connection.default_channel
-        for name in (app.amqp.queues["dispatch"].name, "celeryev"):
-            with contextlib.suppress(Exception):
-                channel.queue_purge(name)
-    return messages / elapsed
 
 
 # --- the reference service ----------------------------------------------------------------
@@ -672,6 +698,19 @@ def _cases(
                 rabbit,
             ),
         ]
+    database_url = limits.engine.url.render_as_string(hide_password=False)
+    messages = args.messages
+    cases += [
+        Case(
+            f"db publisher {size}",
+            one(
+                f"relay publisher, database broker, batches of {size}",
+                functools.partial(relay_publisher, "", messages, size, database_url=database_url),
+            ),
+            "the database as broker",
+        )
+        for size in (200, 1)
+    ]
     requests, clients = args.requests, args.clients
     cases += [
         Case(
