@@ -18,10 +18,11 @@ dedup: its fast configuration) recording when each key's first request arrived:
    * commit -> arrival: from the agent's commit to the request reaching the service;
    * commit -> confirmed: to the ``at`` of the ``confirmed`` event in ``outbox.events``
      (``clock_timestamp()`` of the outcome statement, just before its COMMIT);
-   * where the time goes (p50, p99): commit -> published (the relay recorded the broker's
-     confirm: wake-up, claim, publish) and commit -> sent (the worker's ``sent`` event: the
-     message's delivery, the lock, the read); sent -> arrival is the ``sent`` commit's WAL
-     flush and the HTTP request;
+   * where the time goes (p50, p99): commit -> published (the relay's claim, which stamps
+     ``published_at`` since issue 35: wake-up and claim; the publish itself is now in the
+     next leg) and commit -> sent (the worker's ``sent`` event: the publish and the relay's
+     commit, the message's delivery, the lock, the read); sent -> arrival is the ``sent``
+     commit's WAL flush and the HTTP request;
    * CPU used meanwhile by each component, in % of one core (Linux ``/proc``).
 
 All three clocks (this process, the service's process, PostgreSQL's ``clock_timestamp()``)

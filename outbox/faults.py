@@ -31,7 +31,9 @@ EXIT_STATUS = 86
 
 #: Every fault point in the code base, with where it sits; arming an unknown name fails.
 POINTS: dict[str, str] = {
-    "relay_before_publish": "relay: rows claimed (locked), nothing published yet",
+    "relay_before_publish": (
+        "relay: rows claimed (locked, published_at stamped, not committed), nothing published"
+    ),
     "relay_after_publish": "relay: messages published and confirmed, published_at not committed",
     "relay_after_commit": "relay: published_at committed",
     "lock_granted": "locks: an advisory lock granted, its lock step (durability, commit) not done",

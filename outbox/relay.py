@@ -129,7 +129,9 @@ class Relay:
 
     def _run_once(self, conn: Connection) -> RelayResult:
         with conn.begin():
-            claimed = sql.relay.claim_due(
+            # Claimed and stamped published in one statement; the stamp commits only once
+            # the broker confirmed (any failure below rolls it back with the row locks).
+            claimed = sql.relay.claim_and_mark_due(
                 conn,
                 limit=self.config.batch_size,
                 republish_after_s=self.config.republish_after_s,
@@ -143,11 +145,9 @@ class Relay:
                 confirmed = self.publisher.publish(messages)
                 published_spans.confirmed(confirmed)
             faults.point("relay_after_publish")
-            published = sql.relay.mark_published(
-                conn, [m.operation_id for m in messages if m.operation_id in confirmed]
-            )
+            sql.relay.unmark_published(conn, [c for c in claimed if c.id not in confirmed])
         faults.point("relay_after_commit")
-        return RelayResult(len(claimed), published)
+        return RelayResult(len(claimed), sum(1 for c in claimed if c.id in confirmed))
 
     def stop(self) -> None:
         """Ask :meth:`run_forever` to finish its batch and return."""

@@ -7,8 +7,8 @@ The one style:
   query whose shape depends on the arguments (an optional filter) is built inside its
   function, from the same tables, its values bound too.
 * **The measured hot path is a** :class:`~outbox.driver.DriverStatement` **constant**: the
-  statements an enqueue or an attempt runs (``intents.insert_intent``, ``relay.claim_due``,
-  ``relay.mark_published``, ``locks.try_lock_and_read``, and the move statements) are compiled
+  statements an enqueue or an attempt runs (``intents.insert_intent``,
+  ``relay.claim_and_mark_due``, ``locks.try_lock_and_read``, and the move statements) are compiled
   once and run on psycopg directly, in the caller's transaction (why: :mod:`outbox.driver`).
   That is the only other mechanism.
 * **One function per statement** runs it in the caller's transaction (or autocommit

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from uuid import UUID
 
 from sqlalchemy import text
@@ -22,6 +23,8 @@ class ClaimedIntent:
     #: The caller's trace context recorded at enqueue (the publish span's parent), if any.
     traceparent: str | None = None
     tracestate: str | None = None
+    #: ``published_at`` before :func:`claim_and_mark_due` stamped it (None: never published).
+    previous_published_at: datetime | None = None
 
 
 # The queue scans bound time with statement_timestamp(), not clock_timestamp(): a volatile
@@ -78,6 +81,105 @@ def claim_due(executor: Executor, *, limit: int, republish_after_s: float) -> li
         ClaimedIntent(row["id"], row["tool"], row["target"], row["traceparent"], row["tracestate"])
         for row in rows
     ]
+
+
+# The claim above with the mark joined to it (issue 35): the rows it locks are stamped
+# published in the same statement, in the relay's transaction, which commits only once the
+# broker confirmed (a failure rolls the stamp back with the locks). The mark after the
+# publish was a round trip on every operation's critical path: a worker handed the message
+# waits for the row's lock until the relay commits. The claimed rows are read once (a CTE
+# is computed once however often it is referenced), in the claim's order (never published by
+# due time, then republished by their last publish). The update finds them by primary key
+# (`= ANY(ARRAY(...))`): written as a join, the planner hashed the whole table for it.
+_CLAIM_AND_MARK_DUE = DriverStatement.of(
+    text(
+        """
+    WITH claimed AS (
+        SELECT id, tool, target, traceparent, tracestate, published_at, 0 AS half,
+               available_at AS turn
+        FROM (
+            SELECT id, tool, target, traceparent, tracestate, published_at, available_at
+            FROM outbox.operations
+            WHERE state = 'planned' AND published_at IS NULL
+              AND available_at <= statement_timestamp()
+            ORDER BY available_at
+            LIMIT :limit
+            FOR UPDATE SKIP LOCKED
+        ) AS never_published
+        UNION ALL
+        SELECT id, tool, target, traceparent, tracestate, published_at, 1 AS half,
+               published_at AS turn
+        FROM (
+            SELECT id, tool, target, traceparent, tracestate, published_at
+            FROM outbox.operations
+            WHERE state = 'planned' AND published_at IS NOT NULL
+              AND published_at <= statement_timestamp() - make_interval(secs => :republish_after)
+              AND available_at <= statement_timestamp()
+            ORDER BY published_at
+            LIMIT :limit
+            FOR UPDATE SKIP LOCKED
+        ) AS republish
+        LIMIT :limit
+    ), marked AS (
+        UPDATE outbox.operations SET published_at = clock_timestamp()
+        WHERE id = ANY(ARRAY(SELECT id FROM claimed))
+        RETURNING id
+    )
+    SELECT c.id, c.tool, c.target, c.traceparent, c.tracestate,
+           c.published_at AS previous_published_at
+    FROM claimed AS c JOIN marked AS m ON m.id = c.id
+    ORDER BY c.half, c.turn
+    """
+    ),
+    ["id", "tool", "target", "traceparent", "tracestate", "previous_published_at"],
+)
+
+
+def claim_and_mark_due(
+    executor: Executor, *, limit: int, republish_after_s: float
+) -> list[ClaimedIntent]:
+    """:func:`claim_due`, and the claimed rows stamped ``published_at`` in the same statement.
+
+    The stamp is the caller's to keep or undo: commit it once the broker confirmed the
+    messages, roll the transaction back if the publish failed, and hand the rows the broker
+    did not confirm to :func:`unmark_published` before committing. Each intent carries the
+    ``published_at`` it had before (its ``previous_published_at``).
+    """
+    rows = _CLAIM_AND_MARK_DUE.fetch_all(
+        executor, {"limit": limit, "republish_after": republish_after_s}
+    )
+    return [
+        ClaimedIntent(
+            row["id"],
+            row["tool"],
+            row["target"],
+            row["traceparent"],
+            row["tracestate"],
+            row["previous_published_at"],
+        )
+        for row in rows
+    ]
+
+
+_UNMARK_PUBLISHED = text(
+    "UPDATE outbox.operations AS o SET published_at = u.previous "
+    "FROM unnest(CAST(:ids AS uuid[]), CAST(:previous AS timestamptz[])) AS u(id, previous) "
+    "WHERE o.id = u.id AND o.state = 'planned'"
+)
+
+
+def unmark_published(executor: Executor, claimed: list[ClaimedIntent]) -> None:
+    """Give ``claimed`` rows (stamped by :func:`claim_and_mark_due`, the broker did not confirm
+    their messages) back the ``published_at`` they had, in the caller's transaction."""
+    if not claimed:
+        return
+    executor.execute(
+        _UNMARK_PUBLISHED,
+        {
+            "ids": [c.id for c in claimed],
+            "previous": [c.previous_published_at for c in claimed],
+        },
+    )
 
 
 _MARK_PUBLISHED = DriverStatement.of(
