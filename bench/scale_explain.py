@@ -55,6 +55,8 @@ def statement_name(sql: str) -> str:
     """A short, recognisable name for one of our statements."""
     flat = " ".join(sql.split())
     known = [
+        ("marked AS", "claim_and_mark_due"),
+        ("u(id, previous)", "unmark_published"),
         ("SKIP LOCKED", "claim_due"),
         ("state = 'sent' AND sent_at", "stale_sent"),
         ("state = 'unknown' AND next_check_at", "due_unknown"),
