@@ -48,7 +48,7 @@ class Claimed(Protocol):
     def tracestate(self) -> str | None: ...
 
 
-__all__ = ["Span", "TracingConfig", "operation_span", "setup"]
+__all__ = ["Enqueuing", "Span", "TracingConfig", "enqueue_spans", "operation_span", "setup"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,14 @@ AGENT = "outbox.agent"
 OUTCOME = "outbox.outcome"
 DECIDED_BY = "outbox.decided_by"
 
+#: An intent recorded in the caller's transaction (one span per operation of a batch).
+ENQUEUE_SPAN = "outbox.enqueue"
+#: Whether an enqueue found the same intent recorded already (its intent key's operation).
+EXISTING = "outbox.intent.existing"
+#: One run of the reconciler's sweep, naming how many rows it looked at and moved.
+SWEEP_SPAN = "outbox.sweep"
+SWEEP_EXAMINED = "outbox.sweep.examined"
+SWEEP_MOVED = "outbox.sweep.moved"
 #: The relay's span for one operation's dispatch message.
 PUBLISH_SPAN = "outbox.publish"
 #: One attempt to deliver an escalation webhook.
@@ -244,11 +252,16 @@ def stored_span(
     from opentelemetry import trace  # noqa: PLC0415 -- imported already (active)
 
     tracer = trace.get_tracer(SCOPE)
+    parent = _stored(traceparent, tracestate)
+    # Parented elsewhere (the operation's trace), the span links the work it is part of
+    # here (a sweep run, an instrumented Celery task): both traces lead to each other.
+    here = trace.get_current_span().get_span_context() if parent is not None else None
     with tracer.start_as_current_span(
         name,
-        context=_stored(traceparent, tracestate),
+        context=parent,
         kind=trace.SpanKind[kind.upper()],
         attributes=dict(attributes or {}),
+        links=[trace.Link(here)] if here is not None and here.is_valid else None,
     ) as span:
         yield span
 
@@ -328,6 +341,99 @@ def publish_spans(claimed: Sequence[Claimed]) -> Iterator[PublishSpans]:
     finally:
         for span in spans.values():
             span.end()
+
+
+class EnqueueSpans:
+    """The ``outbox.enqueue`` spans of one enqueue or batch (:func:`enqueue_spans`)."""
+
+    def __init__(self, spans: Mapping[int, Span]) -> None:
+        self._spans = spans
+
+    def __bool__(self) -> bool:
+        """Whether any span was started (tracing on and a caller's trace)."""
+        return bool(self._spans)
+
+    def context(self, position: int, caller: TraceContext | None) -> TraceContext | None:
+        """The trace context to record with the intent at ``position``: its enqueue span's
+        (so the operation's later spans are its children), else the caller's."""
+        span = self._spans.get(position)
+        return caller if span is None else _context_of(span)
+
+    def recorded(self, position: int, op: Operation, *, created: bool) -> None:
+        """Name the operation the intent at ``position`` became, new or found by its key."""
+        span = self._spans.get(position)
+        if span is None:
+            return
+        span.set_attribute(OPERATION_ID, str(op.id))
+        span.set_attribute(STATE, str(op.state))
+        span.set_attribute(EXISTING, not created)
+
+
+_NO_ENQUEUE_SPANS = EnqueueSpans({})
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueuing:
+    """An intent about to be recorded, as its ``outbox.enqueue`` span names it."""
+
+    caller: TraceContext | None
+    tool: str
+    target: str
+
+
+@contextmanager
+def enqueue_spans(intents: Sequence[Enqueuing]) -> Iterator[EnqueueSpans]:
+    """An ``outbox.enqueue`` PRODUCER span (messaging ``create``) for each intent with a
+    caller's trace, child of that trace, ended when the block (the insert, in the caller's
+    transaction) ends; current within the block when there is one intent. Nothing without a
+    caller's trace or when tracing is off (one dictionary lookup, no import)."""
+    if not active() or all(i.caller is None for i in intents):
+        yield _NO_ENQUEUE_SPANS
+        return
+    from opentelemetry import trace  # noqa: PLC0415 -- imported already (active)
+
+    tracer = trace.get_tracer(SCOPE)
+    spans: dict[int, Span] = {}
+    for position, intent in enumerate(intents):
+        if intent.caller is None:
+            continue
+        spans[position] = tracer.start_span(
+            ENQUEUE_SPAN,
+            context=_stored(intent.caller.traceparent, intent.caller.tracestate),
+            kind=trace.SpanKind.PRODUCER,
+            attributes={
+                TOOL: intent.tool,
+                TARGET: intent.target,
+                "messaging.operation.type": "create",
+                "messaging.destination.name": "dispatch",
+            },
+        )
+    only = next(iter(spans.values())) if len(spans) == 1 else None
+    try:
+        if only is None:
+            yield EnqueueSpans(spans)
+        else:
+            with trace.use_span(
+                only, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
+                yield EnqueueSpans(spans)
+    except BaseException as exc:
+        for span in spans.values():
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
+        raise
+    finally:
+        for span in spans.values():
+            span.end()
+
+
+def _context_of(span: Span) -> TraceContext:
+    """A span's own W3C trace context (what its children's remote parent is)."""
+    context = span.get_span_context()
+    return TraceContext(
+        f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}",
+        context.trace_state.to_header() or None,
+    )
 
 
 def _stored(traceparent: str | None, tracestate: str | None) -> Context | None:
