@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from outbox import __version__, trace_context, tracing
+from outbox import __version__, trace_context
 from outbox.contracts import ContractTable
 from outbox.mcp.auth import (
     REQUIRED_SCOPE,
@@ -120,10 +120,10 @@ def create_server(context: McpContext) -> Server[Any]:
         # The client's W3C trace context, when it sends one in the request's _meta (as
         # OpenTelemetry's MCP instrumentation does), recorded with the operation. With tracing
         # on, the MCP SDK's own middleware has made this call a SERVER span, child of that
-        # context: the current span, which the enqueue span is a child of.
+        # context and current here: the enqueue span's parent (trace_context.current).
         meta = params.meta or {}
         trace = trace_context.parse(_text(meta.get("traceparent")), _text(meta.get("tracestate")))
-        with trace_context.passed(None if tracing.active() else trace):
+        with trace_context.passed(trace):
             return await handle_call(params)
 
     async def handle_call(params: types.CallToolRequestParams) -> types.CallToolResult:
