@@ -20,8 +20,9 @@ import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 from uuid import UUID
 
 from outbox import trace_context
@@ -125,7 +126,26 @@ def config_from(environ: Mapping[str, str], *, forced: bool = False) -> TracingC
     return TracingConfig(False, reason="no OTEL_EXPORTER_OTLP_ENDPOINT nor OTEL_TRACES_EXPORTER")
 
 
-def setup(service_name: str, *, environ: Mapping[str, str] | None = None) -> bool:
+#: The maintained instrumentations :func:`setup` can turn on, by name (docs/observability.md).
+Instrumentation = Literal["celery", "aiohttp", "sqlalchemy"]
+
+#: Turns SQLAlchemy's per-statement spans on (with tracing on): off by default.
+SQL_VARIABLE = "OUTBOX_OTEL_SQL"
+
+
+def wanted(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment asks for tracing (``OTEL_*``, ``OUTBOX_OTEL=1``): what
+    :func:`setup` will act on, for what must be decided before it runs (an app's middleware)."""
+    env = os.environ if environ is None else environ
+    return config_from(env, forced=env.get("OUTBOX_OTEL", "") == "1").enabled
+
+
+def setup(
+    service_name: str,
+    *,
+    environ: Mapping[str, str] | None = None,
+    instrument: Sequence[Instrumentation] = (),
+) -> bool:
     """Set up the OpenTelemetry SDK for this process when the ``OTEL_*`` variables (or
     ``OUTBOX_OTEL=1``, which ``outbox up --otel`` sets) ask for it and the SDK is installed
     (``agent-outbox[otel]``); True if tracing is on afterwards.
@@ -136,11 +156,15 @@ def setup(service_name: str, *, environ: Mapping[str, str] | None = None) -> boo
     are ``OTEL_EXPORTER_OTLP_*``'s. An application that set up its own tracer provider keeps
     it. Call it in each process (a forked worker child too: the batch exporter's thread does
     not survive a fork).
+
+    ``instrument``: the maintained ``opentelemetry-instrumentation-*`` packages this process
+    turns on with tracing (:func:`instrument`; ``sqlalchemy`` only with ``OUTBOX_OTEL_SQL=1``).
     """
     env = os.environ if environ is None else environ
     config = config_from(env, forced=env.get("OUTBOX_OTEL", "") == "1")
     if not config.enabled:
         return False
+    instrument_with(instrument, environ=env)
     try:
         from opentelemetry import trace  # noqa: PLC0415 -- only a traced process pays it
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource  # noqa: PLC0415
@@ -173,6 +197,113 @@ def setup(service_name: str, *, environ: Mapping[str, str] | None = None) -> boo
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     return True
+
+
+#: The instrumentations turned on in this process (each once).
+_instrumented: set[str] = set()
+
+
+def instrument_with(
+    names: Sequence[Instrumentation], *, environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """Turn on these maintained instrumentations (once each; the names turned on now): Celery
+    (a task's publish and run spans, the message's context in its headers), the aiohttp
+    client (an HTTP CLIENT span per request under ``outbox.tool.call``, showing the tool's URL
+    template, never the rendered URL), SQLAlchemy (a span per statement: only with
+    ``OUTBOX_OTEL_SQL=1``, many spans). A package that is not installed is named in a warning
+    (``pip install 'agent-outbox[otel]'``) and left out."""
+    env = os.environ if environ is None else environ
+    done: list[str] = []
+    for name in names:
+        if name in _instrumented:
+            continue
+        if name == "sqlalchemy" and env.get(SQL_VARIABLE, "") != "1":
+            continue
+        try:
+            _INSTRUMENTERS[name]()
+        except ImportError as exc:
+            log.warning(
+                "tracing: the %s instrumentation is not installed (%s): "
+                "pip install 'agent-outbox[otel]'",
+                name,
+                exc,
+            )
+            continue
+        _instrumented.add(name)
+        done.append(name)
+    return done
+
+
+def _celery() -> None:
+    from opentelemetry.instrumentation.celery import CeleryInstrumentor  # noqa: PLC0415
+
+    CeleryInstrumentor().instrument()  # type: ignore[no-untyped-call]
+
+
+def _aiohttp() -> None:
+    from opentelemetry.instrumentation.aiohttp_client import (  # noqa: PLC0415
+        AioHttpClientInstrumentor,
+    )
+
+    AioHttpClientInstrumentor().instrument(url_filter=_shown_url)
+
+
+def _sqlalchemy() -> None:
+    from opentelemetry.instrumentation.sqlalchemy import SQLAlchemyInstrumentor  # noqa: PLC0415
+
+    SQLAlchemyInstrumentor().instrument()
+
+
+_INSTRUMENTERS = {"celery": _celery, "aiohttp": _aiohttp, "sqlalchemy": _sqlalchemy}
+
+
+def instrument_app(app: Any) -> bool:
+    """The FastAPI instrumentation on ``app``: a SERVER span per request, the request's
+    ``traceparent`` its parent (not for ``/healthz``, ``/readyz``, ``/metrics``). Before the
+    app starts: middleware cannot be added to a started app."""
+    try:
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor  # noqa: PLC0415
+    except ImportError as exc:
+        log.warning(
+            "tracing: the fastapi instrumentation is not installed (%s): "
+            "pip install 'agent-outbox[otel]'",
+            exc,
+        )
+        return False
+    FastAPIInstrumentor.instrument_app(app, excluded_urls="/healthz,/readyz,/metrics")
+    return True
+
+
+#: The URL an instrumented HTTP client span shows for the request being sent (:func:`http_request`).
+_shown: ContextVar[str | None] = ContextVar("outbox_shown_url", default=None)
+
+
+def _shown_url(url: Any) -> str:
+    """What the aiohttp instrumentation's span shows as the URL: the tool's URL template
+    while a tool's request is sent, else the URL's origin (no path, no query)."""
+    shown = _shown.get()
+    return shown if shown is not None else str(url.origin())
+
+
+@contextmanager
+def http_request(template: str, *, propagate: bool) -> Iterator[None]:
+    """An HTTP tool's request within the block: an instrumented client span shows
+    ``template`` (never the rendered URL: it carries the target); ``propagate=False``
+    (``propagate_trace = false``) leaves the request out of HTTP instrumentation, so that no
+    ``traceparent`` is injected into it."""
+    token = _shown.set(template)
+    try:
+        if propagate or "opentelemetry.instrumentation.utils" not in sys.modules:
+            yield
+        else:
+            from opentelemetry.instrumentation.utils import (  # noqa: PLC0415 -- loaded already
+                suppress_http_instrumentation,
+            )
+
+            with suppress_http_instrumentation():
+                yield
+    finally:
+        _shown.reset(token)
 
 
 def shutdown() -> None:

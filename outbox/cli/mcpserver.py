@@ -115,8 +115,9 @@ def mcp_command(
     _load_tools(settings)  # a configuration error is one line now, not after the wait
     await_database("mcp")
     require_schema()
-    # tools/call and enqueue spans, when the OTEL_* variables (or OUTBOX_OTEL) ask for tracing.
-    tracing.setup("outbox-mcp")
+    # Enqueue spans, when the OTEL_* variables (or OUTBOX_OTEL) ask for tracing (the MCP SDK
+    # makes the tools/call spans itself); SQLAlchemy's per statement with OUTBOX_OTEL_SQL=1.
+    tracing.setup("outbox-mcp", instrument=("sqlalchemy",))
     engine = create_async_engine(database_url(settings), pool_size=5, max_overflow=10)
     context = McpContext(
         engine=engine, contracts=CONTRACTS, wait_s=settings.mcp_wait_s, agent=settings.mcp_agent
