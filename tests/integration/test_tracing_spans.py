@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from sqlalchemy import Engine
 
-from outbox import api, approval, tracing
+from outbox import api, approval, trace_context, tracing
 from outbox.contracts import ContractTable
 from outbox.dev.service import DeployService
 from outbox.errors import IntentConflict
@@ -361,3 +361,28 @@ def test_a_sweep_run_is_one_span_naming_what_it_looked_at_and_moved(
     sweeper.run_once()
     (idle,) = [s for s in spans.get_finished_spans() if s.name == tracing.SWEEP_SPAN]
     assert (idle.attributes or {})[tracing.SWEEP_MOVED] == 0
+
+
+def test_async_tool_calls_in_one_thread_each_see_their_own_call_span(
+    engine: Engine, registry: ToolRegistry, spans: InMemorySpanExporter
+) -> None:
+    """Two async tool calls run on the same thread's event loop one after the other each
+    see their own outbox.tool.call span as the current one (not the first call's)."""
+    seen: list[str | None] = []
+
+    async def remote(call: ToolCall) -> DispatchResult:
+        here = trace_context.current()
+        seen.append(here.span_id if here is not None else None)
+        return Applied(f"ref-{call.operation_id}")
+
+    tool(TOOL, timeout=2, send_deadline=2, inflight_horizon=60, registry=registry)(remote)
+    first, second = _enqueued_in_agent_span(engine), _enqueued_in_agent_span(engine)
+    for op in (first, second):
+        assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.CONFIRMED
+    calls = [s for s in spans.get_finished_spans() if s.name == CALL_SPAN]
+    expected = []
+    for call_span in calls:
+        assert call_span.context is not None
+        expected.append(f"{call_span.context.span_id:016x}")
+    assert len(set(seen)) == 2
+    assert seen == expected
