@@ -213,6 +213,7 @@ def instrument_with(
     ``OUTBOX_OTEL_SQL=1``, many spans). A package that is not installed is named in a warning
     (``pip install 'agent-outbox[otel]'``) and left out."""
     env = os.environ if environ is None else environ
+    _stable_http_conventions()
     done: list[str] = []
     for name in names:
         if name in _instrumented:
@@ -232,6 +233,13 @@ def instrument_with(
         _instrumented.add(name)
         done.append(name)
     return done
+
+
+def _stable_http_conventions() -> None:
+    """The instrumentations' HTTP attributes in the stable conventions our own spans use
+    (``http.request.method``, ``url.full``...), unless ``OTEL_SEMCONV_STABILITY_OPT_IN``
+    says otherwise: read once, by the first instrumentation turned on."""
+    os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
 
 
 def _celery() -> None:
@@ -261,6 +269,7 @@ def instrument_app(app: Any) -> bool:
     """The FastAPI instrumentation on ``app``: a SERVER span per request, the request's
     ``traceparent`` its parent (not for ``/healthz``, ``/readyz``, ``/metrics``). Before the
     app starts: middleware cannot be added to a started app."""
+    _stable_http_conventions()
     try:
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor  # noqa: PLC0415
     except ImportError as exc:
