@@ -165,6 +165,8 @@ def enqueue_intent(
     step is announced when the saga releases it (:mod:`outbox.sagas`).
     """
     one = _check(session, intent)
+    if one.trace is None or not tracing.active():  # no span: no caller's trace, or tracing off
+        return _record_intent(session, intent.intent_key, one, announce_approval)
     with tracing.enqueue_spans([tracing.Enqueuing(one.trace, one.tool, one.target)]) as spans:
         if spans:  # the enqueue span's context, recorded in place of the caller's
             one = replace(one, trace=spans.context(0, one.trace))
@@ -313,6 +315,8 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
     if not checked:
         return []
     unique = _unique_keys(checked)
+    if all(c.trace is None for c in unique) or not tracing.active():  # no span to make
+        return _record_intents(session, checked, unique).all
     with tracing.enqueue_spans(
         [tracing.Enqueuing(c.trace, c.tool, c.target) for c in unique]
     ) as spans:

@@ -12,8 +12,8 @@ written inside those spans carry the trace id.
 
 from __future__ import annotations
 
-import gzip
 import json
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,8 +23,6 @@ from typing import Any
 
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
@@ -32,10 +30,13 @@ from outbox import tokens
 from outbox.dev.tool_config import http_tool_toml
 from outbox.models import TokenScope
 from outbox.states import State
+from tests import trace_waterfall
 from tests.acceptance.conftest import clean_environment, run_outbox
 from tests.api_server import running_api
+from tests.otlp import Receiver, Span, receiving
 from tests.processes import Services, wait_until
 from tests.tool_configs import TOOL
+from tests.trace_waterfall import in_tree
 
 pytestmark = pytest.mark.slow
 
@@ -98,101 +99,6 @@ class _RemoteHandler(BaseHTTPRequestHandler):
         """Quiet."""
 
 
-@dataclass(frozen=True)
-class Span:
-    """One exported span, decoded."""
-
-    service: str
-    name: str
-    kind: int
-    trace_id: int
-    span_id: int
-    parent_span_id: int | None
-    attributes: dict[str, Any]
-    events: list[tuple[str, dict[str, Any]]]
-    links: list[tuple[int, int]]
-    raw: bytes
-
-
-@dataclass
-class Receiver:
-    """An OTLP/HTTP trace receiver: every span exported to it."""
-
-    spans: list[Span] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    port: int = 0
-
-    def of(self, operation_id: str) -> list[Span]:
-        """The spans naming ``operation_id``."""
-        with self.lock:
-            return [
-                s for s in self.spans if s.attributes.get("outbox.operation.id") == operation_id
-            ]
-
-    def all(self) -> list[Span]:
-        """Every span received so far."""
-        with self.lock:
-            return list(self.spans)
-
-
-class _ReceiverServer(ThreadingHTTPServer):
-    receiver: Receiver
-
-
-class _ReceiverHandler(BaseHTTPRequestHandler):
-    server: _ReceiverServer
-
-    def do_POST(self) -> None:
-        """An ExportTraceServiceRequest (protobuf, maybe gzipped)."""
-        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-        if self.headers.get("Content-Encoding") == "gzip":
-            body = gzip.decompress(body)
-        request = ExportTraceServiceRequest()
-        request.ParseFromString(body)
-        decoded = list(_decode(request))
-        with self.server.receiver.lock:
-            self.server.receiver.spans.extend(decoded)
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Quiet."""
-
-
-def _value(value: AnyValue) -> Any:
-    kind = value.WhichOneof("value")
-    return None if kind is None else getattr(value, kind)
-
-
-def _decode(request: ExportTraceServiceRequest) -> Iterator[Span]:
-    for resource_spans in request.resource_spans:
-        resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
-        for scope_spans in resource_spans.scope_spans:
-            for span in scope_spans.spans:
-                yield Span(
-                    service=str(resource.get("service.name", "")),
-                    name=span.name,
-                    kind=span.kind,
-                    trace_id=int.from_bytes(span.trace_id, "big"),
-                    span_id=int.from_bytes(span.span_id, "big"),
-                    parent_span_id=(
-                        int.from_bytes(span.parent_span_id, "big") if span.parent_span_id else None
-                    ),
-                    attributes={a.key: _value(a.value) for a in span.attributes},
-                    events=[
-                        (e.name, {a.key: _value(a.value) for a in e.attributes})
-                        for e in span.events
-                    ],
-                    links=[
-                        (int.from_bytes(link.trace_id, "big"), int.from_bytes(link.span_id, "big"))
-                        for link in span.links
-                    ],
-                    raw=span.SerializeToString(),
-                )
-
-
 @pytest.fixture
 def remote() -> Iterator[Remote]:
     """The test's HTTP service, on a free port."""
@@ -211,15 +117,8 @@ def remote() -> Iterator[Remote]:
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     """The OTLP receiver, on a free port."""
-    server = _ReceiverServer(("127.0.0.1", 0), _ReceiverHandler)
-    server.receiver = Receiver(port=server.server_address[1])
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.receiver
-    finally:
-        server.shutdown()
-        server.server_close()
+    with receiving() as running:
+        yield running
 
 
 @pytest.fixture
@@ -456,3 +355,31 @@ def test_one_trace_from_the_agents_span_to_the_remotes_answer(
     # The worker's log lines written inside the operation's spans carry the trace id.
     worker_log = dict(services.logs())["worker"]
     assert f"trace_id={AGENT_TRACE_ID:032x}" in worker_log, worker_log[-3000:]
+
+    # The unknown operation's trace drawn as a waterfall (docs/observability.md's screenshot).
+    _draw(receiver, unknown_enqueue, stack_env)
+
+
+#: Where the waterfall of the last run is kept to look at (not in git).
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "tracing"
+#: docs/observability.md's screenshot, written under OUTBOX_WRITE_DOCS_SCREENSHOT=1.
+DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "trace.png"
+
+
+def _draw(receiver: Receiver, enqueue: Span, env: dict[str, str]) -> None:
+    """The operation's spans (its enqueue and everything under it) as a waterfall page, kept
+    in test-artifacts/tracing/ with its screenshot (when Debian's Chromium is there), and
+    as docs/img/trace.png under OUTBOX_WRITE_DOCS_SCREENSHOT=1 (the RabbitMQ run)."""
+    spans = in_tree([s for s in receiver.all() if s.trace_id == AGENT_TRACE_ID], [enqueue])
+    html = trace_waterfall.render(
+        spans, "One operation's trace: enqueued, sent, unknown, looked up, confirmed"
+    )
+    assert "outbox.lookup" in html
+    name = "database" if "OUTBOX_BROKER_URL" not in env else "rabbitmq"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / f"trace-{name}.html").write_text(html, encoding="utf-8")
+    if not trace_waterfall.CHROMIUM.exists():
+        return
+    trace_waterfall.screenshot(html, ARTIFACTS / f"trace-{name}.png")
+    if os.environ.get("OUTBOX_WRITE_DOCS_SCREENSHOT") == "1" and name == "rabbitmq":
+        trace_waterfall.screenshot(html, DOCS_SCREENSHOT)
