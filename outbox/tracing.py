@@ -267,8 +267,8 @@ _INSTRUMENTERS = {"celery": _celery, "aiohttp": _aiohttp, "sqlalchemy": _sqlalch
 
 def instrument_app(app: Any) -> bool:
     """The FastAPI instrumentation on ``app``: a SERVER span per request, the request's
-    ``traceparent`` its parent (not for ``/healthz``, ``/readyz``, ``/metrics``). Before the
-    app starts: middleware cannot be added to a started app."""
+    ``traceparent`` its parent (not for ``/healthz``, ``/readyz``, ``/metrics``; its query
+    string never shown). Before the app starts: middleware cannot be added to a started app."""
     _stable_http_conventions()
     try:
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor  # noqa: PLC0415
@@ -279,8 +279,16 @@ def instrument_app(app: Any) -> bool:
             exc,
         )
         return False
-    FastAPIInstrumentor.instrument_app(app, excluded_urls="/healthz,/readyz,/metrics")
+    FastAPIInstrumentor.instrument_app(
+        app, excluded_urls="/healthz,/readyz,/metrics", server_request_hook=_query_redacted
+    )
     return True
+
+
+def _query_redacted(span: Span | None, scope: Mapping[str, Any]) -> None:
+    """A request span's ``url.query`` (a filter may name an intent key) as ``REDACTED``."""
+    if span is not None and span.is_recording() and scope.get("query_string"):
+        span.set_attribute("url.query", "REDACTED")
 
 
 #: The URL an instrumented HTTP client span shows for the request being sent (:func:`http_request`).

@@ -213,7 +213,8 @@ def test_one_trace_from_the_agents_span_to_the_remotes_answer(
     remote handed its traceparent, a forced unknown outcome's lookup lands in the same trace,
     the sweep's runs are spans naming what they looked at, no span carries a payload value,
     and the worker's log lines inside those spans carry the trace id; an approval through the
-    HTTP API is a span of the same trace naming the approver, linked to the API's request span."""
+    HTTP API is a span of the same trace naming the approver, linked to the API's request span
+    (the API's request spans children of the caller's traceparent, their query redacted)."""
     confirmed = _enqueue_in_agent_span(stack_env, "web", CONFIRMED_VERSION)
     unknown = _enqueue_in_agent_span(stack_env, "api", UNKNOWN_VERSION)
     gated = _enqueue_in_agent_span(stack_env, "db", APPROVED_VERSION, require_approval=True)
@@ -330,11 +331,26 @@ def test_one_trace_from_the_agents_span_to_the_remotes_answer(
             timeout=30,
         )
         assert answer.status_code == 200, answer.text
-        wait_until(
-            lambda: bool(_named(receiver.of(gated.id), "outbox.approve")),
+        listed = httpx.get(
+            f"{api.url}/v1/operations",
+            params={"intent_key": "a-key-never-in-a-span"},
+            headers={"Authorization": f"Bearer {operator}", "traceparent": AGENT_TRACEPARENT},
             timeout=30,
-            what="the approval's span exported",
         )
+        assert listed.status_code == 200, listed.text
+        wait_until(
+            lambda: (
+                bool(_named(receiver.of(gated.id), "outbox.approve"))
+                and bool(_named(receiver.all(), "GET /v1/operations"))
+            ),
+            timeout=30,
+            what="the approval's and the listing's spans exported",
+        )
+    # The listing's request span: a child of the caller's traceparent, its query redacted.
+    (listing,) = _named(receiver.all(), "GET /v1/operations")
+    assert (listing.trace_id, listing.parent_span_id) == (AGENT_TRACE_ID, AGENT_SPAN_ID)
+    assert listing.attributes["url.query"] == "REDACTED"
+    assert b"a-key-never-in-a-span" not in listing.raw
     (gated_enqueue,) = _named(receiver.of(gated.id), "outbox.enqueue")
     (approve,) = _named(receiver.of(gated.id), "outbox.approve")
     assert approve.trace_id == AGENT_TRACE_ID
