@@ -5,6 +5,9 @@ the remote handed the call span's context, the sweep's run, MCP tool calls, no p
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -386,3 +389,54 @@ def test_async_tool_calls_in_one_thread_each_see_their_own_call_span(
         expected.append(f"{call_span.context.span_id:016x}")
     assert len(set(seen)) == 2
     assert seen == expected
+
+
+_SQL_SCRIPT = """
+import asyncio, sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy import text
+from outbox import tracing
+from outbox.db import create_async_engine, create_engine
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+print(tracing.setup("outbox-relay", instrument=("sqlalchemy",)))
+url = sys.argv[1]
+engine = create_engine(url)
+with engine.connect() as conn:
+    conn.execute(text("SELECT 1"))
+
+async def main():
+    aengine = create_async_engine(url)
+    async with aengine.connect() as conn:
+        await conn.execute(text("SELECT 2"))
+    await aengine.dispose()
+
+asyncio.run(main())
+print(sorted({s.attributes.get("db.statement") or s.attributes.get("db.query.text") or ""
+              for s in exporter.get_finished_spans()} - {""}))
+"""
+
+
+@pytest.mark.parametrize("sql", ["1", ""])
+def test_sql_statement_spans_only_with_outbox_otel_sql(database_url: str, sql: str) -> None:
+    """With tracing on, SQLAlchemy's per-statement spans (sync and async engines) are made
+    only when OUTBOX_OTEL_SQL=1."""
+    env = {**os.environ, "OUTBOX_OTEL": "1", "OUTBOX_OTEL_SQL": sql}
+    done = subprocess.run(
+        [sys.executable, "-c", _SQL_SCRIPT, database_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == "True"
+    assert lines[-1] == ("['SELECT 1', 'SELECT 2']" if sql == "1" else "[]"), done.stdout
