@@ -12,13 +12,13 @@ import json
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict
 from uuid import UUID
 
 from sqlalchemy import Engine
 
-from outbox import budgets, sql, trace_context, transitions, webhooks
+from outbox import budgets, sql, trace_context, tracing, transitions, webhooks
 from outbox.canonical import NotCanonicalizable, canonical_json, intent_hash, payload_hash
 from outbox.config import get_settings
 from outbox.contracts import CONTRACTS
@@ -165,7 +165,22 @@ def enqueue_intent(
     step is announced when the saga releases it (:mod:`outbox.sagas`).
     """
     one = _check(session, intent)
-    intent_key, tool, target = intent.intent_key, one.tool, one.target
+    if one.trace is None or not tracing.active():  # no span: no caller's trace, or tracing off
+        return _record_intent(session, intent.intent_key, one, announce_approval)
+    with tracing.enqueue_spans([tracing.Enqueuing(one.trace, one.tool, one.target)]) as spans:
+        if spans:  # the enqueue span's context, recorded in place of the caller's
+            one = replace(one, trace=spans.context(0, one.trace))
+        enqueued = _record_intent(session, intent.intent_key, one, announce_approval)
+        spans.recorded(0, enqueued.operation, created=enqueued.created)
+    return enqueued
+
+
+def _record_intent(
+    session: Executor, intent_key: str | None, one: _Checked, announce_approval: bool
+) -> Enqueued:
+    """Insert a checked intent, or find the same intent recorded already
+    (:func:`enqueue_intent`)."""
+    tool, target = one.tool, one.target
     for _ in range(_INSERT_TRIES):
         created = sql.intents.insert_intent(
             session,
@@ -300,6 +315,39 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
     if not checked:
         return []
     unique = _unique_keys(checked)
+    if all(c.trace is None for c in unique) or not tracing.active():  # no span to make
+        return _record_intents(session, checked, unique).all
+    with tracing.enqueue_spans(
+        [tracing.Enqueuing(c.trace, c.tool, c.target) for c in unique]
+    ) as spans:
+        if spans:  # the enqueue spans' contexts, recorded in place of the callers'
+            traced = {
+                id(c): replace(c, trace=spans.context(p, c.trace))
+                for p, c in enumerate(unique)
+                if c.trace is not None
+            }
+            unique = [traced.get(id(c), c) for c in unique]
+            checked = [traced.get(id(c), c) for c in checked]
+        operations = _record_intents(session, checked, unique)
+        for position, op in enumerate(operations.unique):
+            spans.recorded(position, op, created=position in operations.created)
+    return operations.all
+
+
+@dataclass(frozen=True, slots=True)
+class _Recorded:
+    #: Every intent's operation, in input order.
+    all: list[Operation]
+    #: Each unique intent's operation (by position in the unique list).
+    unique: list[Operation]
+    #: The positions (in the unique list) this call inserted.
+    created: set[int]
+
+
+def _record_intents(
+    session: Executor, checked: list[_Checked], unique: list[_Checked]
+) -> _Recorded:
+    """Insert a batch's unique intents and find those recorded already (:func:`enqueue_many`)."""
     with session.begin_nested():  # a conflict found below rolls the batch back, nothing else
         result = sql.intents.insert_intents(session, **_columns(unique))
         inserted = dict(result.operations)
@@ -344,10 +392,16 @@ def enqueue_many(session: Executor, intents: Iterable[Intent]) -> list[Operation
     unnamed = {
         id(one): inserted[position] for position, one in enumerate(unique) if one.intent_key is None
     }
-    return [
-        by_key[scoped] if (scoped := one.scoped_key) is not None else unnamed[id(one)]
-        for one in checked
-    ]
+
+    def operation(one: _Checked) -> Operation:
+        scoped = one.scoped_key
+        return unnamed[id(one)] if scoped is None else by_key[scoped]
+
+    return _Recorded(
+        all=[operation(one) for one in checked],
+        unique=[operation(one) for one in unique],
+        created=set(inserted),
+    )
 
 
 def _insert_budgeted(

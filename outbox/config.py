@@ -35,6 +35,7 @@ OTHER_VARIABLES = {
     "OUTBOX_IMAGE": "compose.yaml: the image to run",
     "OUTBOX_TOOLS_FILE": "compose.yaml: the tools file mounted as OUTBOX_CONFIG",
     "OUTBOX_OTEL": "`outbox up --otel`: trace every component (outbox.tracing.setup)",
+    "OUTBOX_OTEL_SQL": "with tracing on, a span per SQL statement (SQLAlchemy instrumentation)",
 }
 
 #: Events an escalation webhook may subscribe to.

@@ -15,8 +15,8 @@ from sqlalchemy import Engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
+from sqlalchemy.ext import asyncio as sqlalchemy_asyncio
 from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry, NullPool, PoolResetState
 
 from outbox import embedded, urls
@@ -119,7 +119,8 @@ def create_async_engine(url: str, **options: object) -> AsyncEngine:
     belong to the event loop that opened them, so each loop (each ``asyncio.run``) needs its
     own engine, disposed before the loop ends.
     """
-    engine = _create_async_engine(_with_defaults(url, options), **options)
+    # Through the module: an instrumentation that wraps it (OUTBOX_OTEL_SQL) sees the call.
+    engine = sqlalchemy_asyncio.create_async_engine(_with_defaults(url, options), **options)
     event.listen(engine.sync_engine, "reset", _release_session_locks)
     return engine
 

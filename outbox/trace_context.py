@@ -120,19 +120,23 @@ def within(context: TraceContext | None, call: Callable[..., T]) -> Callable[...
 
 
 def current() -> TraceContext | None:
-    """The caller's trace context: the one passed on (:func:`passed`), else the current
-    OpenTelemetry span's, else ``None`` (no caller's trace)."""
+    """The caller's trace context: the current OpenTelemetry span's when it is in the trace
+    of the one passed on (:func:`passed`: an instrumented server's span for the request),
+    else the one passed on, else the current span's, else ``None`` (no caller's trace)."""
     context = _passed.get()
-    if context is not None:
-        return context
     # Nobody imported the tracing API: no span can be current (and none is imported here).
     if "opentelemetry.trace" not in sys.modules:
-        return None
+        return context
     from opentelemetry import trace  # noqa: PLC0415 -- imported already (above): no cost
 
     span_context = trace.get_current_span().get_span_context()
     if not span_context.is_valid:
-        return None
+        return context
+    if context is not None and f"{span_context.trace_id:032x}" != context.trace_id:
+        # The current span is not in the door's trace (a server span of another request's):
+        # the context the door was handed wins. In it (an instrumented server's span, child
+        # of the request's traceparent), the current span is the nearer parent.
+        return context
     traceparent = (
         f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-"
         f"{int(span_context.trace_flags):02x}"

@@ -20,8 +20,9 @@ import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 from uuid import UUID
 
 from outbox import trace_context
@@ -48,7 +49,7 @@ class Claimed(Protocol):
     def tracestate(self) -> str | None: ...
 
 
-__all__ = ["Span", "TracingConfig", "operation_span", "setup"]
+__all__ = ["Enqueuing", "Span", "TracingConfig", "enqueue_spans", "operation_span", "setup"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,14 @@ AGENT = "outbox.agent"
 OUTCOME = "outbox.outcome"
 DECIDED_BY = "outbox.decided_by"
 
+#: An intent recorded in the caller's transaction (one span per operation of a batch).
+ENQUEUE_SPAN = "outbox.enqueue"
+#: Whether an enqueue found the same intent recorded already (its intent key's operation).
+EXISTING = "outbox.intent.existing"
+#: One run of the reconciler's sweep, naming how many rows it looked at and moved.
+SWEEP_SPAN = "outbox.sweep"
+SWEEP_EXAMINED = "outbox.sweep.examined"
+SWEEP_MOVED = "outbox.sweep.moved"
 #: The relay's span for one operation's dispatch message.
 PUBLISH_SPAN = "outbox.publish"
 #: One attempt to deliver an escalation webhook.
@@ -117,7 +126,26 @@ def config_from(environ: Mapping[str, str], *, forced: bool = False) -> TracingC
     return TracingConfig(False, reason="no OTEL_EXPORTER_OTLP_ENDPOINT nor OTEL_TRACES_EXPORTER")
 
 
-def setup(service_name: str, *, environ: Mapping[str, str] | None = None) -> bool:
+#: The maintained instrumentations :func:`setup` can turn on, by name (docs/observability.md).
+Instrumentation = Literal["celery", "aiohttp", "sqlalchemy"]
+
+#: Turns SQLAlchemy's per-statement spans on (with tracing on): off by default.
+SQL_VARIABLE = "OUTBOX_OTEL_SQL"
+
+
+def wanted(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment asks for tracing (``OTEL_*``, ``OUTBOX_OTEL=1``): what
+    :func:`setup` will act on, for what must be decided before it runs (an app's middleware)."""
+    env = os.environ if environ is None else environ
+    return config_from(env, forced=env.get("OUTBOX_OTEL", "") == "1").enabled
+
+
+def setup(
+    service_name: str,
+    *,
+    environ: Mapping[str, str] | None = None,
+    instrument: Sequence[Instrumentation] = (),
+) -> bool:
     """Set up the OpenTelemetry SDK for this process when the ``OTEL_*`` variables (or
     ``OUTBOX_OTEL=1``, which ``outbox up --otel`` sets) ask for it and the SDK is installed
     (``agent-outbox[otel]``); True if tracing is on afterwards.
@@ -128,11 +156,15 @@ def setup(service_name: str, *, environ: Mapping[str, str] | None = None) -> boo
     are ``OTEL_EXPORTER_OTLP_*``'s. An application that set up its own tracer provider keeps
     it. Call it in each process (a forked worker child too: the batch exporter's thread does
     not survive a fork).
+
+    ``instrument``: the maintained ``opentelemetry-instrumentation-*`` packages this process
+    turns on with tracing (:func:`instrument`; ``sqlalchemy`` only with ``OUTBOX_OTEL_SQL=1``).
     """
     env = os.environ if environ is None else environ
     config = config_from(env, forced=env.get("OUTBOX_OTEL", "") == "1")
     if not config.enabled:
         return False
+    instrument_with(instrument, environ=env)
     try:
         from opentelemetry import trace  # noqa: PLC0415 -- only a traced process pays it
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource  # noqa: PLC0415
@@ -165,6 +197,132 @@ def setup(service_name: str, *, environ: Mapping[str, str] | None = None) -> boo
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     return True
+
+
+#: The instrumentations turned on in this process (each once).
+_instrumented: set[str] = set()
+
+
+def instrument_with(
+    names: Sequence[Instrumentation], *, environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """Turn on these maintained instrumentations (once each; the names turned on now): Celery
+    (a task's publish and run spans, the message's context in its headers), the aiohttp
+    client (an HTTP CLIENT span per request under ``outbox.tool.call``, showing the tool's URL
+    template, never the rendered URL), SQLAlchemy (a span per statement: only with
+    ``OUTBOX_OTEL_SQL=1``, many spans). A package that is not installed is named in a warning
+    (``pip install 'agent-outbox[otel]'``) and left out."""
+    env = os.environ if environ is None else environ
+    _stable_http_conventions()
+    done: list[str] = []
+    for name in names:
+        if name in _instrumented:
+            continue
+        if name == "sqlalchemy" and env.get(SQL_VARIABLE, "") != "1":
+            continue
+        try:
+            _INSTRUMENTERS[name]()
+        except ImportError as exc:
+            log.warning(
+                "tracing: the %s instrumentation is not installed (%s): "
+                "pip install 'agent-outbox[otel]'",
+                name,
+                exc,
+            )
+            continue
+        _instrumented.add(name)
+        done.append(name)
+    return done
+
+
+def _stable_http_conventions() -> None:
+    """The instrumentations' HTTP attributes in the stable conventions our own spans use
+    (``http.request.method``, ``url.full``...), unless ``OTEL_SEMCONV_STABILITY_OPT_IN``
+    says otherwise: read once, by the first instrumentation turned on."""
+    os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
+
+
+def _celery() -> None:
+    from opentelemetry.instrumentation.celery import CeleryInstrumentor  # noqa: PLC0415
+
+    CeleryInstrumentor().instrument()  # type: ignore[no-untyped-call]
+
+
+def _aiohttp() -> None:
+    from opentelemetry.instrumentation.aiohttp_client import (  # noqa: PLC0415
+        AioHttpClientInstrumentor,
+    )
+
+    AioHttpClientInstrumentor().instrument(url_filter=_shown_url)
+
+
+def _sqlalchemy() -> None:
+    from opentelemetry.instrumentation.sqlalchemy import SQLAlchemyInstrumentor  # noqa: PLC0415
+
+    # Its package declares SQLAlchemy < 2.1; it works on 2.1 (its hooks are the engine's
+    # events and create_engine): tests/integration/test_tracing_spans.py checks it does.
+    SQLAlchemyInstrumentor().instrument(skip_dep_check=True)
+
+
+_INSTRUMENTERS = {"celery": _celery, "aiohttp": _aiohttp, "sqlalchemy": _sqlalchemy}
+
+
+def instrument_app(app: Any) -> bool:
+    """The FastAPI instrumentation on ``app``: a SERVER span per request, the request's
+    ``traceparent`` its parent (not for ``/healthz``, ``/readyz``, ``/metrics``; its query
+    string never shown). Before the app starts: middleware cannot be added to a started app."""
+    _stable_http_conventions()
+    try:
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor  # noqa: PLC0415
+    except ImportError as exc:
+        log.warning(
+            "tracing: the fastapi instrumentation is not installed (%s): "
+            "pip install 'agent-outbox[otel]'",
+            exc,
+        )
+        return False
+    FastAPIInstrumentor.instrument_app(
+        app, excluded_urls="/healthz,/readyz,/metrics", server_request_hook=_query_redacted
+    )
+    return True
+
+
+def _query_redacted(span: Span | None, scope: Mapping[str, Any]) -> None:
+    """A request span's ``url.query`` (a filter may name an intent key) as ``REDACTED``."""
+    if span is not None and span.is_recording() and scope.get("query_string"):
+        span.set_attribute("url.query", "REDACTED")
+
+
+#: The URL an instrumented HTTP client span shows for the request being sent (:func:`http_request`).
+_shown: ContextVar[str | None] = ContextVar("outbox_shown_url", default=None)
+
+
+def _shown_url(url: Any) -> str:
+    """What the aiohttp instrumentation's span shows as the URL: the tool's URL template
+    while a tool's request is sent, else the URL's origin (no path, no query)."""
+    shown = _shown.get()
+    return shown if shown is not None else str(url.origin())
+
+
+@contextmanager
+def http_request(template: str, *, propagate: bool) -> Iterator[None]:
+    """An HTTP tool's request within the block: an instrumented client span shows
+    ``template`` (never the rendered URL: it carries the target); ``propagate=False``
+    (``propagate_trace = false``) leaves the request out of HTTP instrumentation, so that no
+    ``traceparent`` is injected into it."""
+    token = _shown.set(template)
+    try:
+        if propagate or "opentelemetry.instrumentation.utils" not in sys.modules:
+            yield
+        else:
+            from opentelemetry.instrumentation.utils import (  # noqa: PLC0415 -- loaded already
+                suppress_http_instrumentation,
+            )
+
+            with suppress_http_instrumentation():
+                yield
+    finally:
+        _shown.reset(token)
 
 
 def shutdown() -> None:
@@ -244,11 +402,16 @@ def stored_span(
     from opentelemetry import trace  # noqa: PLC0415 -- imported already (active)
 
     tracer = trace.get_tracer(SCOPE)
+    parent = _stored(traceparent, tracestate)
+    # Parented elsewhere (the operation's trace), the span links the work it is part of
+    # here (a sweep run, an instrumented Celery task): both traces lead to each other.
+    here = trace.get_current_span().get_span_context() if parent is not None else None
     with tracer.start_as_current_span(
         name,
-        context=_stored(traceparent, tracestate),
+        context=parent,
         kind=trace.SpanKind[kind.upper()],
         attributes=dict(attributes or {}),
+        links=[trace.Link(here)] if here is not None and here.is_valid else None,
     ) as span:
         yield span
 
@@ -328,6 +491,99 @@ def publish_spans(claimed: Sequence[Claimed]) -> Iterator[PublishSpans]:
     finally:
         for span in spans.values():
             span.end()
+
+
+class EnqueueSpans:
+    """The ``outbox.enqueue`` spans of one enqueue or batch (:func:`enqueue_spans`)."""
+
+    def __init__(self, spans: Mapping[int, Span]) -> None:
+        self._spans = spans
+
+    def __bool__(self) -> bool:
+        """Whether any span was started (tracing on and a caller's trace)."""
+        return bool(self._spans)
+
+    def context(self, position: int, caller: TraceContext | None) -> TraceContext | None:
+        """The trace context to record with the intent at ``position``: its enqueue span's
+        (so the operation's later spans are its children), else the caller's."""
+        span = self._spans.get(position)
+        return caller if span is None else _context_of(span)
+
+    def recorded(self, position: int, op: Operation, *, created: bool) -> None:
+        """Name the operation the intent at ``position`` became, new or found by its key."""
+        span = self._spans.get(position)
+        if span is None:
+            return
+        span.set_attribute(OPERATION_ID, str(op.id))
+        span.set_attribute(STATE, str(op.state))
+        span.set_attribute(EXISTING, not created)
+
+
+_NO_ENQUEUE_SPANS = EnqueueSpans({})
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueuing:
+    """An intent about to be recorded, as its ``outbox.enqueue`` span names it."""
+
+    caller: TraceContext | None
+    tool: str
+    target: str
+
+
+@contextmanager
+def enqueue_spans(intents: Sequence[Enqueuing]) -> Iterator[EnqueueSpans]:
+    """An ``outbox.enqueue`` PRODUCER span (messaging ``create``) for each intent with a
+    caller's trace, child of that trace, ended when the block (the insert, in the caller's
+    transaction) ends; current within the block when there is one intent. Nothing without a
+    caller's trace or when tracing is off (one dictionary lookup, no import)."""
+    if not active() or all(i.caller is None for i in intents):
+        yield _NO_ENQUEUE_SPANS
+        return
+    from opentelemetry import trace  # noqa: PLC0415 -- imported already (active)
+
+    tracer = trace.get_tracer(SCOPE)
+    spans: dict[int, Span] = {}
+    for position, intent in enumerate(intents):
+        if intent.caller is None:
+            continue
+        spans[position] = tracer.start_span(
+            ENQUEUE_SPAN,
+            context=_stored(intent.caller.traceparent, intent.caller.tracestate),
+            kind=trace.SpanKind.PRODUCER,
+            attributes={
+                TOOL: intent.tool,
+                TARGET: intent.target,
+                "messaging.operation.type": "create",
+                "messaging.destination.name": "dispatch",
+            },
+        )
+    only = next(iter(spans.values())) if len(spans) == 1 else None
+    try:
+        if only is None:
+            yield EnqueueSpans(spans)
+        else:
+            with trace.use_span(
+                only, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
+                yield EnqueueSpans(spans)
+    except BaseException as exc:
+        for span in spans.values():
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
+        raise
+    finally:
+        for span in spans.values():
+            span.end()
+
+
+def _context_of(span: Span) -> TraceContext:
+    """A span's own W3C trace context (what its children's remote parent is)."""
+    context = span.get_span_context()
+    return TraceContext(
+        f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}",
+        context.trace_state.to_header() or None,
+    )
 
 
 def _stored(traceparent: str | None, tracestate: str | None) -> Context | None:

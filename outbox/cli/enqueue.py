@@ -94,24 +94,30 @@ def enqueue_command(
     tools are loaded first and a tool they do not register is refused. A TRACEPARENT (and
     TRACESTATE) in the environment, a traced script's W3C trace context, is recorded with it.
     """
-    from outbox import api, trace_context  # noqa: PLC0415 -- not for --help
+    from outbox import api, trace_context, tracing  # noqa: PLC0415 -- not for --help
 
     _load_configured_tools()
     # A traced script's context, in OpenTelemetry's environment carrier (TRACEPARENT,
     # TRACESTATE): recorded with the operation like an agent's current span.
     trace = trace_context.parse(os.environ.get("TRACEPARENT"), os.environ.get("TRACESTATE"))
-    with trace_context.passed(trace), transaction() as session:
-        op = api.enqueue(
-            session,
-            tool=tool,
-            target=target,
-            payload=_read_json(payload, "--payload"),
-            intent_key=key,
-            metadata=_read_json(metadata, "--metadata") if metadata is not None else None,
-            requested_by=requested_by,
-            require_approval=require_approval,
-            agent=agent,
-        )
+    # Its outbox.enqueue span, in that trace, when the OTEL_* variables ask for tracing.
+    traced = trace is not None and tracing.setup("outbox-cli")
+    try:
+        with trace_context.passed(trace), transaction() as session:
+            op = api.enqueue(
+                session,
+                tool=tool,
+                target=target,
+                payload=_read_json(payload, "--payload"),
+                intent_key=key,
+                metadata=_read_json(metadata, "--metadata") if metadata is not None else None,
+                requested_by=requested_by,
+                require_approval=require_approval,
+                agent=agent,
+            )
+    finally:
+        if traced:
+            tracing.shutdown()  # export the span before the process exits
     if as_json:
         print_json(op.to_dict())
         return

@@ -3,7 +3,7 @@
 # ruff: noqa: E501
 
 #: The SHA-256 of outbox/config.py the copy was made from.
-CONFIG_SHA256 = "543f1e4c1e8d9d045f87bb5ca7d145f5789e9e6972335620d90bc96a4563fef0"
+CONFIG_SHA256 = "0a1ea15399fcc25e14cd478baeef01dbdd98a1239ea918c32f7ddaa50c5beee7"
 
 #: :func:`outbox.cli.output.environment_help` as it was then.
 TEXT = "\n\n".join(

@@ -94,6 +94,7 @@ def mcp_command(
     agent`), whose name is the caller; 127.0.0.1 by default, any other address refused
     unless TLS is configured or `--behind-proxy`. SIGTERM or Ctrl-C exits 0.
     """
+    from outbox import tracing  # noqa: PLC0415 -- not for --help
     from outbox.cli.apiserver import bind_socket  # noqa: PLC0415 -- not for --help
     from outbox.config import get_settings  # noqa: PLC0415 -- not for --help
     from outbox.contracts import CONTRACTS  # noqa: PLC0415 -- not for --help
@@ -114,6 +115,9 @@ def mcp_command(
     _load_tools(settings)  # a configuration error is one line now, not after the wait
     await_database("mcp")
     require_schema()
+    # Enqueue spans, when the OTEL_* variables (or OUTBOX_OTEL) ask for tracing (the MCP SDK
+    # makes the tools/call spans itself); SQLAlchemy's per statement with OUTBOX_OTEL_SQL=1.
+    tracing.setup("outbox-mcp", instrument=("sqlalchemy",))
     engine = create_async_engine(database_url(settings), pool_size=5, max_overflow=10)
     context = McpContext(
         engine=engine, contracts=CONTRACTS, wait_s=settings.mcp_wait_s, agent=settings.mcp_agent
@@ -172,13 +176,14 @@ def _check_address(
 
 async def _until_closed(context: McpContext, serving: Coroutine[Any, Any, None]) -> None:
     """Run ``serving``, then close the waits' listener and the engine on the same loop."""
-    from outbox import aio  # noqa: PLC0415 -- not for --help
+    from outbox import aio, tracing  # noqa: PLC0415 -- not for --help
 
     try:
         await serving
     finally:
         await aio.close()
         await context.engine.dispose()
+        tracing.shutdown()  # export what is buffered
 
 
 def _url(listening: socket.socket, *, https: bool) -> str:

@@ -60,7 +60,9 @@ def relay_command(
     from outbox import tracing  # noqa: PLC0415 -- only the components set tracing up
 
     start_logging(log_level)
-    tracing.setup("outbox-relay")
+    # Celery's publish span per message (its context in the message headers, for the
+    # worker's run span), SQLAlchemy's per statement only with OUTBOX_OTEL_SQL=1.
+    tracing.setup("outbox-relay", instrument=("celery", "sqlalchemy"))
     await_database("relay")
     require_schema()
     settings = get_settings()

@@ -117,6 +117,16 @@ def create_server(context: McpContext) -> Server[Any]:
     async def call_tool(
         _ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
+        # The client's W3C trace context, when it sends one in the request's _meta (as
+        # OpenTelemetry's MCP instrumentation does), recorded with the operation. With tracing
+        # on, the MCP SDK's own middleware has made this call a SERVER span, child of that
+        # context and current here: the enqueue span's parent (trace_context.current).
+        meta = params.meta or {}
+        trace = trace_context.parse(_text(meta.get("traceparent")), _text(meta.get("tracestate")))
+        with trace_context.passed(trace):
+            return await handle_call(params)
+
+    async def handle_call(params: types.CallToolRequestParams) -> types.CallToolResult:
         if params.name == STATUS_TOOL:
             return await calls.status(params.arguments, caller())
         if params.name == LIST_TOOL:
@@ -133,12 +143,7 @@ def create_server(context: McpContext) -> Server[Any]:
         if tool is None:
             known = ", ".join([*names, *OWN_TOOLS])
             raise MCPError(_INVALID_PARAMS, f"unknown tool {params.name!r}; tools: {known}")
-        # The client's W3C trace context, when it sends one in the request's _meta (as
-        # OpenTelemetry's MCP instrumentation does): recorded with the operation.
-        meta = params.meta or {}
-        trace = trace_context.parse(_text(meta.get("traceparent")), _text(meta.get("tracestate")))
-        with trace_context.passed(trace):
-            return await calls.call_registered(tool, params.arguments, caller())
+        return await calls.call_registered(tool, params.arguments, caller())
 
     async def list_templates(
         _ctx: ServerRequestContext[Any], _params: types.PaginatedRequestParams | None

@@ -32,7 +32,7 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import approval, faults, sql, storable, transitions
+from outbox import approval, faults, sql, storable, tracing, transitions
 from outbox.config import Settings, get_settings
 from outbox.locks import operation_lock_key
 from outbox.logs import Action as LogAction
@@ -98,6 +98,21 @@ class SweepResult:
     failed: int = 0  #: handling the row raised: recorded on the row, the run went on
     approvals_expired: int = 0  #: `awaiting_approval` past its TTL → `cancelled`
     sagas: int = 0  #: live sagas advanced by their decision table (docs/sagas.md)
+    examined: int = 0  #: stale `sent` and due `unknown` rows looked at
+
+    @property
+    def moved(self) -> int:
+        """The operations this run moved to another state."""
+        return self.lost + self.stuck + self.replays + self.escalated + self.approvals_expired
+
+
+def _counts(result: SweepResult) -> dict[str, int]:
+    """The run's non-zero counts by kind (the sweep span's ``outbox.sweep.<kind>``)."""
+    kinds = (
+        *("lost", "slow", "stuck", "lookups", "replays", "waiting", "escalated", "busy"),
+        *("failed", "approvals_expired", "sagas"),
+    )
+    return {kind: n for kind in kinds if (n := getattr(result, kind))}
 
 
 class Sweeper:
@@ -120,10 +135,21 @@ class Sweeper:
         """Sweep stale `sent` rows, route due `unknown` rows, each row on its own, cancel
         the approvals nobody gave within their TTL, then advance the due live sagas."""
         result = SweepResult()
-        self._sweep_sent(result)
-        self._route_unknown(result)
-        self._expire_approvals(result)
-        self._advance_sagas(result)
+        # One span per run (not per row: a decision about one operation is its own
+        # outbox.reconcile span, in that operation's trace, linked to this one).
+        with tracing.stored_span(tracing.SWEEP_SPAN, None, None) as span:
+            self._sweep_sent(result)
+            self._route_unknown(result)
+            self._expire_approvals(result)
+            self._advance_sagas(result)
+            if span is not None:
+                span.set_attributes(
+                    {
+                        tracing.SWEEP_EXAMINED: result.examined,
+                        tracing.SWEEP_MOVED: result.moved,
+                        **{f"outbox.sweep.{name}": n for name, n in _counts(result).items()},
+                    }
+                )
         return result
 
     def _advance_sagas(self, result: SweepResult) -> None:
@@ -160,6 +186,7 @@ class Sweeper:
                         sent_max_age_s=self.config.sent_max_age_s,
                         limit=self.config.batch_size,
                     )
+                result.examined += len(stale)
                 for row in stale:
                     op_id = row.id
                     try:
@@ -257,6 +284,7 @@ class Sweeper:
     def _route_unknown(self, result: SweepResult) -> None:
         with self.engine.connect() as conn:
             due = sql.reconcile.due_unknown(conn, limit=self.config.batch_size)
+        result.examined += len(due)
         for check in due:
             try:
                 self._route_one(check.id, check.tool, result)

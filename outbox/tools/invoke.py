@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import inspect
 import logging
 import os
@@ -167,7 +168,11 @@ def _loop_is_running() -> bool:
 
 def _invoke_async(method: Callable[[ToolCall], object], call: ToolCall) -> object:
     try:
-        return _thread_runner().run(_within_deadline(method, call))
+        # In the caller's context (its current span: the call's): the runner's own, copied
+        # once when it was made, would hand every later call the first caller's.
+        return _thread_runner().run(
+            _within_deadline(method, call), context=contextvars.copy_context()
+        )
     except SendDeadlinePassed as exc:
         return _Failure(str(exc), not_sent=True)
     except Exception as exc:  # noqa: BLE001 - any failure of the tool is an answer, not a crash

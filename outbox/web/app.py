@@ -51,6 +51,11 @@ def create_app(
     metrics of every worker, living or dead, whichever worker answers the scrape.
     """
     settings = settings if settings is not None else get_settings()
+    # With tracing asked for: FastAPI's request spans (and SQLAlchemy's with OUTBOX_OTEL_SQL=1,
+    # before the engines exist); the SDK itself is set up when the app starts (lifespan).
+    instrumented = tracing.wanted()
+    if instrumented:
+        tracing.instrument_with(["sqlalchemy"])
     owned = engine is None
     engine = engine or create_async_engine(
         database_url(settings), pool_size=10, max_overflow=20, pool_pre_ping=False
@@ -129,4 +134,6 @@ def create_app(
         )
     )
     app.add_middleware(Observe, metrics=metrics, max_body_bytes=settings.api_max_body_bytes)
+    if instrumented:
+        tracing.instrument_app(app)
     return app

@@ -64,7 +64,9 @@ def _start_tracing(sender: object = None, **_: object) -> None:
     In the main process before the pool starts: the SDK's batch exporter restarts its thread
     in a forked child."""
     if isinstance(sender, WorkController):
-        tracing.setup("outbox-worker")
+        # A Celery run span per task, an aiohttp span per HTTP tool request (under its
+        # outbox.tool.call), SQLAlchemy's per statement only with OUTBOX_OTEL_SQL=1.
+        tracing.setup("outbox-worker", instrument=("celery", "aiohttp", "sqlalchemy"))
 
 
 @worker_shutdown.connect  # type: ignore[untyped-decorator]

@@ -16,7 +16,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from opentelemetry.instrumentation.aiohttp_client import AioHttpClientInstrumentor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from outbox import tracing
 from outbox.contracts import ContractTable
 from outbox.tools import (
     Ambiguous,
@@ -40,6 +43,7 @@ from outbox.tools import (
 from outbox.tools.http.transport import _env_proxy
 from outbox.tools.results import NotSent
 from outbox.trace_context import TraceContext
+from tests.otel import collecting
 
 NAME = "deploy.create_release"
 OPERATION_ID = "5d0c3f8e-0000-4000-8000-000000000001"
@@ -717,3 +721,39 @@ def test_a_host_outside_allowed_hosts_is_refused_before_any_request(
         "rel-1", result={"id": "rel-1"}
     )
     assert [seen.path for seen in remote.seen] == ["/releases"]
+
+
+@pytest.fixture
+def instrumented_aiohttp() -> Iterator[InMemorySpanExporter]:
+    """Tracing on with the aiohttp client instrumentation (as a traced worker has it), on a
+    fresh thread loop and client; taken off again afterwards."""
+    exporter = collecting()
+    close_thread_loop()  # the next client is made instrumented
+    assert tracing.instrument_with(["aiohttp"]) == ["aiohttp"]
+    try:
+        yield exporter
+    finally:
+        AioHttpClientInstrumentor().uninstrument()
+        tracing._instrumented.discard("aiohttp")
+        close_thread_loop()
+        exporter.clear()
+
+
+def test_with_aiohttp_instrumented_the_span_shows_the_template_and_propagate_false_holds(
+    remote: Remote, tmp_path: Path, instrumented_aiohttp: InMemorySpanExporter
+) -> None:
+    """The aiohttp instrumentation's span of a tool request shows the URL template, never the
+    rendered URL (it carries the target); a propagate_trace = false tool's request is left out
+    of it: no span, and no traceparent injected."""
+    remote.post = respond(201, {"id": "rel-7"})
+    traced = http_tool(tmp_path, remote.port)
+    run_dispatch(traced, make_call(trace=TRACE, target="secret-target"))
+    (span,) = [s for s in instrumented_aiohttp.get_finished_spans() if s.name == "POST"]
+    attributes = dict(span.attributes or {})
+    assert "{target}" in str(attributes["url.full"]), attributes
+    assert not any("secret-target" in str(v) for v in attributes.values())
+    instrumented_aiohttp.clear()
+    private = http_tool(tmp_path, remote.port, extra=("propagate_trace = false",))
+    run_dispatch(private, make_call(trace=TRACE, target="secret-target"))
+    assert instrumented_aiohttp.get_finished_spans() == ()
+    assert "traceparent" not in remote.seen[-1].headers

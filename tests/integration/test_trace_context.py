@@ -1,10 +1,14 @@
 """The caller's W3C trace context is recorded with the operation at enqueue (migration 0026):
 from the current OpenTelemetry span (sync and async), from a door that passed one on, never
-without a caller's trace, and never changed afterwards."""
+without a caller's trace, and never changed afterwards. With tracing on (an SDK tracer provider,
+set here) the context stored is the outbox.enqueue span's, a child of the caller's; without
+one (a subprocess), the caller's own."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -14,7 +18,8 @@ from mcp import Client
 from mcp_types import RequestParamsMeta
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags, TraceState
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -25,6 +30,7 @@ from outbox.db import create_async_engine
 from outbox.mcp import McpContext, create_server
 from outbox.trace_context import TraceContext
 from tests.factories import reload
+from tests.otel import collecting, enqueue_spans, traceparent_of
 
 TOOL = "deploy.create_release"
 PAYLOAD: dict[str, Any] = {"version": "1.2.3"}
@@ -52,6 +58,30 @@ def agent_span(tracestate: TraceState | None = None) -> Iterator[None]:
         otel_context.detach(token)
 
 
+@pytest.fixture(autouse=True)
+def spans() -> Iterator[InMemorySpanExporter]:
+    """Tracing on in this process (tests/otel.py): the spans finished during the test."""
+    exporter = collecting()
+    yield exporter
+    exporter.clear()
+
+
+def recorded_under(
+    engine: Engine, spans: InMemorySpanExporter, operation_id: object, caller: str
+) -> tuple[str | None, str | None]:
+    """Check that the operation's stored traceparent is its enqueue span's, a child of the
+    ``caller`` traceparent; the stored (traceparent, tracestate)."""
+    first, *_ = enqueue_spans(spans, str(operation_id))
+    assert first.parent is not None
+    assert (f"{first.parent.trace_id:032x}", f"{first.parent.span_id:016x}") == (
+        caller[3:35],
+        caller[36:52],
+    )
+    found = stored(engine, operation_id)
+    assert found[0] == traceparent_of(first)
+    return found
+
+
 def stored(engine: Engine, operation_id: object) -> tuple[str | None, str | None]:
     with engine.connect() as conn:
         row = conn.execute(
@@ -61,12 +91,16 @@ def stored(engine: Engine, operation_id: object) -> tuple[str | None, str | None
     return row.traceparent, row.tracestate
 
 
-def test_enqueue_in_an_agent_span_records_its_context(engine: Engine) -> None:
-    """enqueue inside the agent's span stores that span's traceparent and tracestate."""
+def test_enqueue_in_an_agent_span_records_its_context(
+    engine: Engine, spans: InMemorySpanExporter
+) -> None:
+    """enqueue inside the agent's span stores a context in that span's trace, its tracestate
+    kept."""
     with agent_span(TraceState([("rojo", "00f067aa0ba902b7")])), engine.begin() as conn:
         op = api.enqueue(conn, tool=TOOL, target="t-1", payload=PAYLOAD)
-    assert (op.traceparent, op.tracestate) == (TRACEPARENT, "rojo=00f067aa0ba902b7")
-    assert stored(engine, op.id) == (TRACEPARENT, "rojo=00f067aa0ba902b7")
+    found = recorded_under(engine, spans, op.id, TRACEPARENT)
+    assert found[1] == "rojo=00f067aa0ba902b7"
+    assert (op.traceparent, op.tracestate) == found
     assert reload(engine, op.id) == op
 
 
@@ -85,25 +119,31 @@ def test_enqueue_without_a_caller_trace_records_nothing(engine: Engine) -> None:
     assert stored(engine, op.id) == (None, None)
 
 
-def test_enqueue_many_records_the_context_of_each(engine: Engine) -> None:
+def test_enqueue_many_records_the_context_of_each(
+    engine: Engine, spans: InMemorySpanExporter
+) -> None:
     """Every operation of a batch enqueued in the agent's span carries its context."""
     with agent_span(), engine.begin() as conn:
         ops = api.enqueue_many(
             conn, [api.Intent(TOOL, f"m-{n}", PAYLOAD, intent_key=f"m-{n}") for n in range(3)]
         )
-    assert [stored(engine, op.id) for op in ops] == [(TRACEPARENT, None)] * 3
-    assert [op.traceparent for op in ops] == [TRACEPARENT] * 3
+    for op in ops:
+        assert recorded_under(engine, spans, op.id, TRACEPARENT) == (op.traceparent, None)
 
 
-def test_a_context_passed_on_by_a_door_wins_over_the_current_span(engine: Engine) -> None:
+def test_a_context_passed_on_by_a_door_wins_over_the_current_span(
+    engine: Engine, spans: InMemorySpanExporter
+) -> None:
     """The HTTP API's or MCP's caller context (passed) is recorded, not the server's span."""
-    theirs = TraceContext("00-11111111111111111111111111111111-2222222222222222-00", "k=v")
+    theirs = TraceContext("00-11111111111111111111111111111111-2222222222222222-01", "k=v")
     with agent_span(), trace_context.passed(theirs), engine.begin() as conn:
         op = api.enqueue(conn, tool=TOOL, target="t-4", payload=PAYLOAD)
-    assert stored(engine, op.id) == (theirs.traceparent, "k=v")
+    assert recorded_under(engine, spans, op.id, theirs.traceparent)[1] == "k=v"
 
 
-def test_the_same_intent_again_keeps_the_first_context(engine: Engine) -> None:
+def test_the_same_intent_again_keeps_the_first_context(
+    engine: Engine, spans: InMemorySpanExporter
+) -> None:
     """A retry of the same intent from another trace finds the operation, its context unchanged."""
     with agent_span(), engine.begin() as conn:
         first = api.enqueue(conn, tool=TOOL, target="t-5", payload=PAYLOAD, intent_key="same")
@@ -111,7 +151,7 @@ def test_the_same_intent_again_keeps_the_first_context(engine: Engine) -> None:
     with trace_context.passed(other), engine.begin() as conn:
         again = api.enqueue(conn, tool=TOOL, target="t-5", payload=PAYLOAD, intent_key="same")
     assert again.id == first.id
-    assert stored(engine, first.id) == (TRACEPARENT, None)
+    assert recorded_under(engine, spans, first.id, TRACEPARENT) == (first.traceparent, None)
 
 
 def test_the_context_is_immutable(engine: Engine) -> None:
@@ -122,39 +162,43 @@ def test_the_context_is_immutable(engine: Engine) -> None:
         conn.execute(
             text("UPDATE outbox.operations SET traceparent = NULL WHERE id = :id"), {"id": op.id}
         )
-    assert stored(engine, op.id) == (TRACEPARENT, None)
+    assert stored(engine, op.id) == (op.traceparent, None)
 
 
 @pytest.mark.parametrize("kind", ["connection", "session"])
-def test_async_enqueue_records_the_agent_span_of_its_task(database_url: str, kind: str) -> None:
+def test_async_enqueue_records_the_agent_span_of_its_task(
+    engine: Engine, spans: InMemorySpanExporter, database_url: str, kind: str
+) -> None:
     """outbox.aio.enqueue takes the context of the awaiting task (run_sync's greenlet has its
     own), on an AsyncConnection and an AsyncSession."""
 
-    async def main() -> tuple[str | None, str | None]:
-        engine = create_async_engine(database_url)
+    async def main() -> Any:
+        async_engine = create_async_engine(database_url)
         try:
             with agent_span():
                 if kind == "connection":
-                    async with engine.begin() as conn:
+                    async with async_engine.begin() as conn:
                         op = await aio.enqueue(conn, tool=TOOL, target=f"a-{kind}", payload=PAYLOAD)
                 else:
-                    async with AsyncSession(engine) as session, session.begin():
+                    async with AsyncSession(async_engine) as session, session.begin():
                         op = await aio.enqueue(
                             session, tool=TOOL, target=f"a-{kind}", payload=PAYLOAD
                         )
-            return op.traceparent, op.tracestate
+            return op
         finally:
             await aio.close()
-            await engine.dispose()
+            await async_engine.dispose()
 
-    assert asyncio.run(main()) == (TRACEPARENT, None)
+    op = asyncio.run(main())
+    assert recorded_under(engine, spans, op.id, TRACEPARENT) == (op.traceparent, None)
 
 
 def test_an_mcp_call_with_a_trace_context_in_its_meta_records_it(
-    engine: Engine, database_url: str
+    engine: Engine, spans: InMemorySpanExporter, database_url: str
 ) -> None:
-    """An MCP tools/call whose request _meta carries traceparent/tracestate records them; a
-    call without one records nothing."""
+    """An MCP tools/call is a SERVER span (the MCP SDK's), child of the traceparent in its
+    request's _meta, its enqueue a child of it, the tracestate kept; a call without one is
+    recorded in the server span's trace."""
     table = ContractTable()
     table.register(ToolContract(name=TOOL))
 
@@ -183,5 +227,37 @@ def test_an_mcp_call_with_a_trace_context_in_its_meta_records_it(
             await async_engine.dispose()
 
     traced_id, plain_id = asyncio.run(session())
-    assert stored(engine, traced_id) == (TRACEPARENT, "k=v")
-    assert stored(engine, plain_id) == (None, None)
+    calls = {
+        str((s.attributes or {})["jsonrpc.request.id"]): s
+        for s in spans.get_finished_spans()
+        if s.name == "tools/call deploy_create_release" and s.kind is SpanKind.SERVER
+    }
+    traced_call, plain_call = (calls[key] for key in sorted(calls))
+    assert traced_call.kind is SpanKind.SERVER
+    assert traced_call.parent is not None
+    assert f"{traced_call.parent.span_id:016x}" == TRACEPARENT[36:52]
+    assert recorded_under(engine, spans, traced_id, traceparent_of(traced_call))[1] == "k=v"
+    # Without one in _meta, the server's own span is the caller's trace (tracing is on).
+    assert recorded_under(engine, spans, plain_id, traceparent_of(plain_call))[1] is None
+
+
+def test_without_a_tracer_provider_the_callers_own_context_is_recorded(database_url: str) -> None:
+    """In a process with the tracing API but no SDK provider (an agent not exporting), enqueue
+    in a span stores that span's own traceparent and tracestate, and makes no span."""
+    script = f"""
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+from outbox import api, tracing
+from outbox.db import create_engine
+span = NonRecordingSpan(SpanContext({TRACE_ID}, {SPAN_ID}, is_remote=False,
+    trace_flags=TraceFlags(1), trace_state=TraceState([("k", "v")])))
+engine = create_engine({database_url!r})
+with trace.use_span(span), engine.begin() as conn:
+    op = api.enqueue(conn, tool={TOOL!r}, target="no-sdk", payload={{}})
+print(tracing.active(), op.traceparent, op.tracestate)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", TRACEPARENT, "k=v"]

@@ -1,10 +1,13 @@
-"""The dispatch attempt's spans, with an OpenTelemetry SDK set up in process: in the trace of
-the agent that enqueued the operation, the tool call a child of the attempt, the state changes
-and the outcome as events, the remote handed the call span's context, no payload value."""
+"""The outbox's spans, with an OpenTelemetry SDK set up in process: the enqueue a child of the
+agent's span and the parent of the operation's later spans (its context is the one stored),
+the dispatch attempt with its tool call a child, the state changes and the outcome as events,
+the remote handed the call span's context, the sweep's run, MCP tool calls, no payload value."""
 
 from __future__ import annotations
 
-import threading
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,15 +15,15 @@ from typing import Any
 import pytest
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from sqlalchemy import Engine
 
-from outbox import approval, tracing
+from outbox import api, approval, trace_context, tracing
 from outbox.contracts import ContractTable
 from outbox.dev.service import DeployService
+from outbox.errors import IntentConflict
 from outbox.reconcilers.lookup import CALL_SPAN as LOOKUP_CALL_SPAN
 from outbox.reconcilers.lookup import LOOKUP_SPAN, LookupOutcome, lookup
 from outbox.reconcilers.route import RECONCILE_SPAN
@@ -30,6 +33,7 @@ from outbox.states import State
 from outbox.tools import Ambiguous, Applied, DispatchResult, ToolCall, ToolRegistry, tool
 from outbox.workers.dispatch import CALL_SPAN, DISPATCH_SPAN, Outcome, dispatch
 from tests.factories import age, make_operation
+from tests.otel import collecting, enqueue_spans, traceparent_of
 from tests.tool_configs import http_registry
 
 TOOL = "deploy.create_release"
@@ -37,28 +41,13 @@ TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
 AGENT_SPAN_ID = 0xB7AD6B7169203331
 PAYLOAD_VALUE = "payload-value-never-in-a-span"
 
-_EXPORTER = InMemorySpanExporter()
-_SET_UP = threading.Lock()
-
-
-def collecting() -> InMemorySpanExporter:
-    """This process's SDK tracer provider (set once: OpenTelemetry allows one), its finished
-    spans collected in memory, emptied."""
-    with _SET_UP:
-        if not tracing.active():
-            provider = TracerProvider()
-            provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-            trace.set_tracer_provider(provider)
-    assert tracing.active()
-    _EXPORTER.clear()
-    return _EXPORTER
-
 
 @pytest.fixture
 def spans() -> Iterator[InMemorySpanExporter]:
     """The spans finished during the test (:func:`collecting`)."""
-    yield collecting()
-    _EXPORTER.clear()
+    exporter = collecting()
+    yield exporter
+    exporter.clear()
 
 
 class Remote:
@@ -96,6 +85,13 @@ def _enqueued_in_agent_span(engine: Engine, **kwargs: Any) -> Any:
         otel_context.detach(token)
 
 
+def _enqueue_span_id(op: Any) -> int:
+    """The span id of ``op``'s stored context: its outbox.enqueue span's, the parent of the
+    operation's later spans."""
+    assert op.traceparent is not None
+    return int(op.traceparent[36:52], 16)
+
+
 def _by_name(finished: tuple[ReadableSpan, ...]) -> dict[str, ReadableSpan]:
     return {span.name: span for span in finished}
 
@@ -121,7 +117,7 @@ def test_an_attempt_is_a_child_of_the_agents_span_and_its_call_a_child_of_it(
     assert call.context is not None
     assert attempt.context.trace_id == call.context.trace_id == TRACE_ID
     assert attempt.parent is not None
-    assert attempt.parent.span_id == AGENT_SPAN_ID
+    assert attempt.parent.span_id == _enqueue_span_id(op)
     assert call.parent is not None
     assert call.parent.span_id == attempt.context.span_id
     assert (attempt.kind, call.kind) == (SpanKind.CONSUMER, SpanKind.CLIENT)
@@ -184,7 +180,7 @@ def test_the_relay_publish_is_a_producer_span_in_each_operations_trace(
     assert one.context is not None
     assert one.context.trace_id == TRACE_ID
     assert one.parent is not None
-    assert one.parent.span_id == AGENT_SPAN_ID
+    assert one.parent.span_id == _enqueue_span_id(traced)
     assert other.parent is None
     assert (
         (one.attributes or {})["outbox.published"],
@@ -209,7 +205,7 @@ def test_a_lookup_of_an_unknown_operation_lands_in_the_agents_trace(
     assert looked.context is not None
     assert looked.context.trace_id == TRACE_ID
     assert looked.parent is not None
-    assert looked.parent.span_id == AGENT_SPAN_ID
+    assert looked.parent.span_id == _enqueue_span_id(op)
     assert call.parent is not None
     assert call.parent.span_id == looked.context.span_id
     assert call.kind is SpanKind.CLIENT
@@ -236,7 +232,7 @@ def test_an_approval_and_a_rejection_are_spans_naming_the_approver(
     ):
         span = named[name]
         assert span.parent is not None
-        assert span.parent.span_id == AGENT_SPAN_ID
+        assert span.parent.span_id == _enqueue_span_id(op)
         attributes = span.attributes or {}
         assert (attributes[tracing.OPERATION_ID], attributes[tracing.DECIDED_BY]) == (
             str(op.id),
@@ -261,6 +257,186 @@ def test_an_escalation_by_the_sweep_lands_in_the_agents_trace(
     assert sweeper.run_once().escalated == 1
     (span,) = [s for s in spans.get_finished_spans() if s.name == RECONCILE_SPAN]
     assert span.parent is not None
-    assert (span.parent.trace_id, span.parent.span_id) == (TRACE_ID, AGENT_SPAN_ID)
+    assert (span.parent.trace_id, span.parent.span_id) == (TRACE_ID, _enqueue_span_id(op))
     assert (span.attributes or {})["outbox.decision"] == "human"
     assert [e.name for e in span.events] == ["outbox.state.needs_human"]
+
+
+def _in_agent_span() -> Any:
+    return trace.use_span(
+        NonRecordingSpan(
+            SpanContext(TRACE_ID, AGENT_SPAN_ID, is_remote=False, trace_flags=TraceFlags(1))
+        ),
+        end_on_exit=False,
+    )
+
+
+def test_an_enqueue_is_a_producer_span_in_the_agents_trace_whose_context_is_stored(
+    engine: Engine, spans: InMemorySpanExporter
+) -> None:
+    """enqueue in the agent's span is an outbox.enqueue PRODUCER child of it, naming the new
+    operation; the operation's stored context is that span's; the same intent again is a
+    second span marked existing, the stored context unchanged."""
+    with _in_agent_span(), engine.begin() as conn:
+        op = api.enqueue(
+            conn, tool=TOOL, target="e-1", payload={"secret": PAYLOAD_VALUE}, intent_key="e-1"
+        )
+    with _in_agent_span(), engine.begin() as conn:
+        again = api.enqueue(
+            conn, tool=TOOL, target="e-1", payload={"secret": PAYLOAD_VALUE}, intent_key="e-1"
+        )
+    first, second = enqueue_spans(spans, op.id)
+    assert first.kind is SpanKind.PRODUCER
+    assert first.parent is not None
+    assert (first.parent.trace_id, first.parent.span_id) == (TRACE_ID, AGENT_SPAN_ID)
+    assert op.traceparent == traceparent_of(first)
+    assert again.id == op.id
+    assert again.traceparent == op.traceparent
+    attributes = first.attributes or {}
+    assert (attributes[tracing.TOOL], attributes[tracing.TARGET]) == (TOOL, "e-1")
+    assert attributes["messaging.operation.type"] == "create"
+    assert (attributes[tracing.EXISTING], (second.attributes or {})[tracing.EXISTING]) == (
+        False,
+        True,
+    )
+    _no_payload_value(spans.get_finished_spans())
+
+
+def test_a_batch_gives_each_operation_its_own_enqueue_span(
+    engine: Engine, spans: InMemorySpanExporter
+) -> None:
+    """enqueue_many records one outbox.enqueue span per operation, each operation storing its
+    own span's context."""
+    with _in_agent_span(), engine.begin() as conn:
+        ops = api.enqueue_many(conn, [api.Intent(TOOL, f"b-{n}", {"n": n}) for n in range(3)])
+    for op in ops:
+        (span,) = enqueue_spans(spans, op.id)
+        assert span.parent is not None
+        assert span.parent.span_id == AGENT_SPAN_ID
+        assert op.traceparent == traceparent_of(span)
+    assert len({op.traceparent for op in ops}) == 3
+
+
+def test_a_refused_enqueue_is_an_error_span(engine: Engine, spans: InMemorySpanExporter) -> None:
+    """An intent key conflict leaves an outbox.enqueue span with an error status naming it."""
+    make_operation(engine, target="c-1", intent_key="c-1")
+    spans.clear()
+    with pytest.raises(IntentConflict), _in_agent_span(), engine.begin() as conn:
+        api.enqueue(conn, tool=TOOL, target="c-2", payload={}, intent_key="c-1")
+    (span,) = [s for s in spans.get_finished_spans() if s.name == tracing.ENQUEUE_SPAN]
+    assert span.status.status_code is trace.StatusCode.ERROR
+    assert span.status.description == "IntentConflict"
+
+
+def test_without_a_caller_trace_an_enqueue_makes_no_span(
+    engine: Engine, spans: InMemorySpanExporter
+) -> None:
+    """Tracing on but no caller's trace: no outbox.enqueue span, nothing stored."""
+    op = make_operation(engine)
+    assert op.traceparent is None
+    assert [s for s in spans.get_finished_spans() if s.name == tracing.ENQUEUE_SPAN] == []
+
+
+def test_a_sweep_run_is_one_span_naming_what_it_looked_at_and_moved(
+    engine: Engine, registry: ToolRegistry, remote: Remote, spans: InMemorySpanExporter
+) -> None:
+    """One outbox.sweep span per run with outbox.sweep.examined and .moved; the escalation it
+    decides is an outbox.reconcile span in the agent's trace, linked to the sweep's."""
+    remote.answer = Ambiguous("timeout")
+    op = _enqueued_in_agent_span(engine)
+    assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.UNKNOWN
+    age(engine, op.id, 120, "sent_at", "first_sent_at")
+    spans.clear()
+    sweeper = Sweeper(
+        engine, registry=registry, config=SweepConfig(sent_timeout_s=5, sent_max_age_s=60)
+    )
+    assert sweeper.run_once().escalated == 1
+    (sweep,) = [s for s in spans.get_finished_spans() if s.name == tracing.SWEEP_SPAN]
+    attributes = sweep.attributes or {}
+    assert isinstance(examined := attributes[tracing.SWEEP_EXAMINED], int)
+    assert examined >= 1
+    assert (attributes[tracing.SWEEP_MOVED], attributes["outbox.sweep.escalated"]) == (1, 1)
+    (decided,) = [s for s in spans.get_finished_spans() if s.name == RECONCILE_SPAN]
+    assert sweep.context is not None
+    assert [link.context.span_id for link in decided.links] == [sweep.context.span_id]
+    assert sweeper.run_once().escalated == 0
+    spans.clear()
+    sweeper.run_once()
+    (idle,) = [s for s in spans.get_finished_spans() if s.name == tracing.SWEEP_SPAN]
+    assert (idle.attributes or {})[tracing.SWEEP_MOVED] == 0
+
+
+def test_async_tool_calls_in_one_thread_each_see_their_own_call_span(
+    engine: Engine, registry: ToolRegistry, spans: InMemorySpanExporter
+) -> None:
+    """Two async tool calls run on the same thread's event loop one after the other each
+    see their own outbox.tool.call span as the current one (not the first call's)."""
+    seen: list[str | None] = []
+
+    async def remote(call: ToolCall) -> DispatchResult:
+        here = trace_context.current()
+        seen.append(here.span_id if here is not None else None)
+        return Applied(f"ref-{call.operation_id}")
+
+    tool(TOOL, timeout=2, send_deadline=2, inflight_horizon=60, registry=registry)(remote)
+    first, second = _enqueued_in_agent_span(engine), _enqueued_in_agent_span(engine)
+    for op in (first, second):
+        assert dispatch(op.id, engine=engine, registry=registry).outcome is Outcome.CONFIRMED
+    calls = [s for s in spans.get_finished_spans() if s.name == CALL_SPAN]
+    expected = []
+    for call_span in calls:
+        assert call_span.context is not None
+        expected.append(f"{call_span.context.span_id:016x}")
+    assert len(set(seen)) == 2
+    assert seen == expected
+
+
+_SQL_SCRIPT = """
+import asyncio, sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy import text
+from outbox import tracing
+from outbox.db import create_async_engine, create_engine
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+print(tracing.setup("outbox-relay", instrument=("sqlalchemy",)))
+url = sys.argv[1]
+engine = create_engine(url)
+with engine.connect() as conn:
+    conn.execute(text("SELECT 1"))
+
+async def main():
+    aengine = create_async_engine(url)
+    async with aengine.connect() as conn:
+        await conn.execute(text("SELECT 2"))
+    await aengine.dispose()
+
+asyncio.run(main())
+print(sorted({s.attributes.get("db.statement") or s.attributes.get("db.query.text") or ""
+              for s in exporter.get_finished_spans()} - {""}))
+"""
+
+
+@pytest.mark.parametrize("sql", ["1", ""])
+def test_sql_statement_spans_only_with_outbox_otel_sql(database_url: str, sql: str) -> None:
+    """With tracing on, SQLAlchemy's per-statement spans (sync and async engines) are made
+    only when OUTBOX_OTEL_SQL=1."""
+    env = {**os.environ, "OUTBOX_OTEL": "1", "OUTBOX_OTEL_SQL": sql}
+    done = subprocess.run(
+        [sys.executable, "-c", _SQL_SCRIPT, database_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == "True"
+    assert lines[-1] == ("['SELECT 1', 'SELECT 2']" if sql == "1" else "[]"), done.stdout

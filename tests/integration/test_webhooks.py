@@ -34,7 +34,8 @@ from outbox.reconcilers.webhooks import (
 )
 from outbox.states import Actor, State
 from tests.factories import apply_move, make_operation, move, reload
-from tests.integration.test_tracing_spans import AGENT_SPAN_ID, TRACE_ID, collecting
+from tests.integration.test_tracing_spans import AGENT_SPAN_ID, TRACE_ID
+from tests.otel import collecting
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
 
@@ -442,7 +443,11 @@ def test_a_delivery_is_a_client_span_in_the_operations_trace(
     (span,) = [s for s in spans.get_finished_spans() if s.name == "outbox.webhook.deliver"]
     assert span.kind is SpanKind.CLIENT
     assert span.parent is not None
-    assert (span.parent.trace_id, span.parent.span_id) == (TRACE_ID, AGENT_SPAN_ID)
+    assert op.traceparent is not None  # its enqueue span's context, in the agent's trace
+    assert (span.parent.trace_id, f"{span.parent.span_id:016x}") == (
+        TRACE_ID,
+        op.traceparent[36:52],
+    )
     attributes = span.attributes or {}
     assert attributes["outbox.operation.id"] == str(op.id)
     assert (attributes["outbox.webhook.event"], attributes["http.response.status_code"]) == (

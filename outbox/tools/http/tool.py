@@ -72,6 +72,8 @@ class HttpTool(Tool):
                     headers=headers,
                     body=body,
                     timeout=self._timeout(call),
+                    template=self.spec.url,
+                    propagate=self.spec.propagate_trace,
                 )
         except SendDeadlinePassed:
             raise  # connected too late: nothing written; run_dispatch makes it NotSent
@@ -103,6 +105,8 @@ class HttpTool(Tool):
                     headers=self._request_headers(call),
                     body=None,
                     timeout=self._timeout(call),
+                    template=self.spec.lookup_url,
+                    propagate=self.spec.propagate_trace,
                 )
         except Exception as exc:  # noqa: BLE001 - an unanswered lookup proves nothing
             return Inconclusive(_exception_text(exc))

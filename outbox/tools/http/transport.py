@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from outbox import tracing
 from outbox.errors import SendDeadlinePassed
 from outbox.tools.base import ToolCall
 from outbox.tools.invoke import is_thread_loop, on_loop_close
@@ -53,18 +54,23 @@ async def send(
     headers: dict[str, str],
     body: bytes | None,
     timeout: aiohttp.ClientTimeout,
+    template: str,
+    propagate: bool,
 ) -> Answer:
-    """Send one request with ``client`` (no redirect followed, proxy from the environment)."""
-    async with client.request(
-        method,
-        url,
-        data=body,
-        headers=headers,
-        timeout=timeout,
-        allow_redirects=False,  # a redirected request would be a second request
-        proxy=_env_proxy(url.scheme, url.host or ""),
-    ) as response:
-        return Answer(response.status, await response.read())
+    """Send one request with ``client`` (no redirect followed, proxy from the environment);
+    an instrumented client's span shows the URL ``template``, and with ``propagate`` false
+    no instrumentation injects a ``traceparent`` (:func:`outbox.tracing.http_request`)."""
+    with tracing.http_request(template, propagate=propagate):
+        async with client.request(
+            method,
+            url,
+            data=body,
+            headers=headers,
+            timeout=timeout,
+            allow_redirects=False,  # a redirected request would be a second request
+            proxy=_env_proxy(url.scheme, url.host or ""),
+        ) as response:
+            return Answer(response.status, await response.read())
 
 
 # One client per thread's event loop (outbox.tools.invoke), whose connections it reuses;
