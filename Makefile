@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 
 test: $(INSTALLED)  ## Run the whole suite (real PostgreSQL: embedded unless OUTBOX_TEST_DATABASE_URL).
 	@start=$$(date +%s); \
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --durations=20 $(PYTEST_ARGS); status=$$?; \
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS); status=$$?; \
 	took=$$(( $$(date +%s) - start )); \
 	printf '\nmake test: exit %s after %dm%02ds wall (%s test workers)\n' \
 	  "$$status" $$((took / 60)) $$((took % 60)) "$(TEST_WORKERS)"; \

@@ -63,6 +63,7 @@ TEST_CLUSTER_SETTINGS = {
 
 #: The run's id, shared by the controller and its xdist workers (set before they start).
 _RUN_ENV = "OUTBOX_TEST_RUN"
+_TERMINAL_SIZE = ("COLUMNS", "LINES")
 
 
 def _is_controller(config: pytest.Config) -> bool:
@@ -87,8 +88,18 @@ def pytest_configure(config: pytest.Config) -> None:
     embedded servers under the repository were running before it."""
     _CONFIG["config"] = config
     if not _is_controller(config):
+        # An xdist worker starts with COLUMNS=80 and LINES=24 set: the commands the tests run
+        # would wrap their output there and nowhere else. The controller's values, or none.
+        for name in _TERMINAL_SIZE:
+            value = os.environ.pop(f"{_RUN_ENV}_{name}", "")
+            if value:
+                os.environ[name] = value
+            else:
+                os.environ.pop(name, None)
         return
     os.environ[_RUN_ENV] = uuid.uuid4().hex[:12]
+    for name in _TERMINAL_SIZE:
+        os.environ[f"{_RUN_ENV}_{name}"] = os.environ.get(name, "")
     config.stash[_RUNNING_BEFORE] = {home: embedded.status(home).running for home in _REPO_CLUSTERS}
 
 
@@ -313,6 +324,10 @@ _PHASES_SEEN = pytest.StashKey[set[str]]()
 _RUN_STARTED = pytest.StashKey[float]()
 
 
+def _xdist_running(config: pytest.Config) -> bool:
+    return bool(getattr(config.option, "numprocesses", None))
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """The run's clock, for the phase lines (:func:`pytest_runtest_logreport`)."""
     session.config.stash[_RUN_STARTED] = time.monotonic()
@@ -323,19 +338,23 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """A line when the first test of each part of the suite (``tests/unit``,
     ``tests/crash``...) reports, with the time since the run began: a person watching a long
     run sees where it is, also when parallel workers interleave the dots."""
-    if report.when != "setup":
-        return
     config = _CONFIG.get("config")
     if config is None or not _is_controller(config) or _PHASES_SEEN not in config.stash:
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    if report.failed and _xdist_running(config):
+        # Under xdist the failures are otherwise told only at the end of the run.
+        reporter.write("\n")
+        reporter.write_line(f"--- {report.when} failed: {report.nodeid}", red=True)
+    if report.when != "setup":
         return
     part = "/".join(report.nodeid.split("/")[:2]) if "/" in report.nodeid else report.nodeid
     seen = config.stash[_PHASES_SEEN]
     if part in seen:
         return
     seen.add(part)
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None:
-        return
     took = int(time.monotonic() - config.stash[_RUN_STARTED])
     reporter.write("\n")
     reporter.write_line(f"--- {part}: started, {took // 60}m{took % 60:02d}s into the run")
