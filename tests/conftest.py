@@ -28,6 +28,7 @@ from sqlalchemy import Engine, make_url, text
 from sqlalchemy.orm import Session
 
 from outbox import embedded, migrate
+from outbox.contracts import CONTRACTS
 from outbox.db import create_engine
 from outbox.published import PUBLISHED
 from outbox.tools import close_thread_loop
@@ -172,6 +173,22 @@ def _tuned_test_cluster() -> str:
             encoding="utf-8",
         )
         return embedded.ensure_running(TEST_HOME)
+
+
+@pytest.fixture(autouse=True)
+def _restore_tool_contracts() -> Iterator[None]:
+    """The process's tool contracts (``CONTRACTS``) as they were before the test: one a test
+    registers (``billing.charge`` with an input schema) does not refuse a later test's
+    payloads in the same process, whichever order a parallel worker runs the files in."""
+    before = [CONTRACTS.get(name) for name in CONTRACTS.names()]
+    loaded = CONTRACTS.loaded
+    yield
+    CONTRACTS.clear()
+    for contract in before:
+        if contract is not None:
+            CONTRACTS.register(contract)
+    if loaded:
+        CONTRACTS.mark_loaded()
 
 
 @pytest.fixture(scope="session")
