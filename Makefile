@@ -14,8 +14,20 @@ $(INSTALLED): pyproject.toml
 
 install: $(INSTALLED)  ## Create .venv and install the package with its dev tools.
 
+# Parallel test processes (pytest-xdist): `auto` is one per core; `make test TEST_WORKERS=0`
+# runs in this process alone. A test file stays on one process (its module fixtures are made
+# once), and the files go out in collection order: the slow real-process ones (acceptance,
+# crash) first, not last behind the big files of quick tests. Extra pytest arguments: `make test PYTEST_ARGS="tests/unit -x"`.
+TEST_WORKERS ?= auto
+PYTEST_ARGS ?=
+
 test: $(INSTALLED)  ## Run the whole suite (real PostgreSQL: embedded unless OUTBOX_TEST_DATABASE_URL).
-	$(BIN)/pytest
+	@start=$$(date +%s); \
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 $(PYTEST_ARGS); status=$$?; \
+	took=$$(( $$(date +%s) - start )); \
+	printf '\nmake test: exit %s after %dm%02ds wall (%s test workers)\n' \
+	  "$$status" $$((took / 60)) $$((took % 60)) "$(TEST_WORKERS)"; \
+	exit $$status
 
 lint: $(INSTALLED)  ## ruff (lint + format check), mypy strict, the import contracts.
 	$(BIN)/ruff check .

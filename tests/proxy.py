@@ -6,17 +6,27 @@ import contextlib
 import socket
 import struct
 import threading
+from pathlib import Path
+
+from sqlalchemy import make_url
 
 
 class TcpProxy:
-    """Forwards 127.0.0.1:<port> to an upstream port until :meth:`cut`.
+    """Forwards 127.0.0.1:<port> to an upstream port (or a Unix socket) until :meth:`cut`.
 
     ``cut()`` drops every open connection (a reset) and refuses new ones, as a crashed or
     unreachable server would; ``restore()`` listens again on the same port.
     """
 
-    def __init__(self, upstream_port: int, *, upstream_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        upstream_port: int,
+        *,
+        upstream_host: str = "127.0.0.1",
+        upstream_socket: Path | None = None,
+    ) -> None:
         self.upstream = (upstream_host, upstream_port)
+        self.upstream_socket = upstream_socket
         self.port = 0
         self._listener: socket.socket | None = None
         self._connections: list[socket.socket] = []
@@ -74,7 +84,7 @@ class TcpProxy:
             except OSError:
                 return  # the listener was closed by cut()
             try:
-                upstream = socket.create_connection(self.upstream, timeout=5)
+                upstream = self._connect_upstream()
             except OSError:
                 client.close()
                 continue
@@ -88,6 +98,18 @@ class TcpProxy:
             for source, sink in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
 
+    def _connect_upstream(self) -> socket.socket:
+        if self.upstream_socket is None:
+            return socket.create_connection(self.upstream, timeout=5)
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        upstream.settimeout(5)
+        try:
+            upstream.connect(str(self.upstream_socket))
+        except OSError:
+            upstream.close()
+            raise
+        return upstream
+
     @staticmethod
     def _pump(source: socket.socket, sink: socket.socket) -> None:
         try:
@@ -99,3 +121,24 @@ class TcpProxy:
             for sock in (source, sink):
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+
+
+def database_proxy(database_url: str) -> tuple[TcpProxy, str]:
+    """A started :class:`TcpProxy` in front of the PostgreSQL of ``database_url``, and the URL
+    of the same database through it (TCP on 127.0.0.1).
+
+    The server may listen on TCP (the machine's PostgreSQL) or on a Unix socket only (the
+    embedded one, whose URL names its socket directory in ``?host=``): either way the test
+    gets a TCP connection it can cut.
+    """
+    url = make_url(database_url)
+    socket_dir = url.query.get("host")
+    port = url.port or 5432
+    if isinstance(socket_dir, str) and socket_dir.startswith("/"):
+        proxy = TcpProxy(port, upstream_socket=Path(socket_dir) / f".s.PGSQL.{port}")
+    else:
+        proxy = TcpProxy(port, upstream_host=url.host or "127.0.0.1")
+    proxy.start()
+    query = {name: value for name, value in url.query.items() if name != "host"}
+    through = url.set(host="127.0.0.1", port=proxy.port, query=query)
+    return proxy, through.render_as_string(hide_password=False)

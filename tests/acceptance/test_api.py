@@ -15,7 +15,7 @@ from uuid import UUID, uuid4
 
 import httpx
 import pytest
-from sqlalchemy import Engine, make_url, text
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from outbox import api, migrate, resolve, tokens
@@ -42,7 +42,7 @@ from tests.factories import (
 )
 from tests.integration.test_sagas import THREE, open_saga
 from tests.processes import wait_until
-from tests.proxy import TcpProxy
+from tests.proxy import database_proxy
 
 pytestmark = pytest.mark.slow
 
@@ -1014,11 +1014,10 @@ def test_readyz_and_v1_are_503_while_the_database_is_unreachable(
     """With the database cut off (a TCP proxy reset), /readyz is 503 `database: unreachable`,
     /healthz still 200, and /v1 reads and enqueues 503 `unavailable` problems (no stack trace,
     nothing written); once it is back, all answer again."""
-    url = make_url(database_url)
-    proxy = TcpProxy(url.port or 5432, upstream_host=url.host or "127.0.0.1").start()
+    proxy, through = database_proxy(database_url)
     token = make_token(engine, "cut-off", TokenScope.AGENT)
     env = api_environment(
-        url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False),
+        through,
         tmp_path,
         OUTBOX_API_TOKEN_CACHE="0",  # noqa: S106 -- seconds, not a secret
     )

@@ -77,17 +77,19 @@ def pinned(server: ApiServer) -> Iterator[dict[int, httpx.Client]]:
     """One client per worker, each on one keep-alive connection that worker accepted."""
     found: dict[int, httpx.Client] = {}
     with ExitStack() as stack:
-        for _ in range(60):
+
+        def connect_once_more() -> bool:
+            # Until both workers have accepted one: on a loaded machine the second may start
+            # seconds after the first, which takes every connection meanwhile.
             client = stack.enter_context(
                 httpx.Client(
                     base_url=server.url, timeout=30, limits=httpx.Limits(max_connections=1)
                 )
             )
-            pid = served_by(server, client.get("/healthz"))
-            found.setdefault(pid, client)
-            if len(found) == 2:
-                break
-        assert len(found) == 2, "60 connections all went to one worker"
+            found.setdefault(served_by(server, client.get("/healthz")), client)
+            return len(found) == 2
+
+        wait_until(connect_once_more, timeout=90, interval=0.05, what="both workers serving")
         yield found
 
 

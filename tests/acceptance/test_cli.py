@@ -318,6 +318,9 @@ def test_installed_console_script_runs() -> None:
     assert "enqueue" in done.stdout
 
 
+# admin_url: on the embedded path the suite's tuned server is up (started under the suite's
+# lock) before this command reuses it, rather than started beside it by a parallel worker.
+@pytest.mark.usefixtures("admin_url")
 def test_embedded_database_when_nothing_is_configured() -> None:
     """With no OUTBOX_DATABASE_URL the CLI starts (or reuses) the embedded PostgreSQL."""
     env = clean_environment(OUTBOX_HOME=str(REPO / ".outbox-test"))

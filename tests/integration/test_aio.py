@@ -383,10 +383,12 @@ def test_wait_is_woken_by_the_notify_not_by_polling(url: str, engine: Engine) ->
         waiting = asyncio.create_task(
             aio.wait(op.id, timeout=60, engine=aengine, poll_interval=3600)
         )
-        for _ in range(1000):  # until its first read found the operation still sent
-            shared = listener.listeners_of_this_loop()
-            if shared and shared[0].statements["read"] >= 1:
-                break
+        # Until its first read found the operation still sent: a condition, not a number of
+        # tries (on a loaded machine the first read came after 1000 x 10 ms, the move before
+        # it, and the waiter read the row once). pytest-timeout bounds the wait.
+        while not (
+            (shared := listener.listeners_of_this_loop()) and shared[0].statements["read"] >= 1
+        ):
             await asyncio.sleep(0.01)
         await asyncio.to_thread(
             move, engine, op, State.CONFIRMED, Actor.DISPATCHER, remote_ref="rel-7"

@@ -28,7 +28,7 @@ from outbox.states import Actor, State
 from tests.acceptance.conftest import REPO, clean_environment, run_outbox
 from tests.factories import age, apply_move, make_operation, move
 from tests.processes import wait_until
-from tests.proxy import TcpProxy
+from tests.proxy import database_proxy
 
 DEPLOY = "deploy.create_release"
 BILLING = "billing.charge"
@@ -518,12 +518,8 @@ def test_an_unreachable_database_still_answers_with_database_up_0(admin_url: str
 
 def test_counters_live_through_a_database_outage(engine: Engine, database_url: str) -> None:
     """Cut the connection: database_up 0 and the counters kept; restored: counting resumes."""
-    if make_url(database_url).host is None:
-        pytest.skip("the embedded PostgreSQL listens on a Unix socket only: no TCP to cut")
-    proxy = TcpProxy(make_url(database_url).port or 5432).start()
-    through = create_engine(
-        make_url(database_url).set(port=proxy.port).render_as_string(hide_password=False)
-    )
+    proxy, proxied_url = database_proxy(database_url)
+    through = create_engine(proxied_url)
     try:
         collector = OutboxCollector(through)
         assert collector.baseline()

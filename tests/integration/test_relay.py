@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from kombu import Connection
-from sqlalchemy import Engine, make_url, text
+from sqlalchemy import Engine, text
 
 from outbox import faults, sql
 from outbox.config import load_settings
@@ -23,7 +23,7 @@ from outbox.workers.app import celery_settings
 from outbox.workers.publish import CeleryPublisher
 from tests.celery_events import TaskEvents
 from tests.factories import age, make_operation, reload
-from tests.proxy import TcpProxy
+from tests.proxy import TcpProxy, database_proxy
 
 
 def _app(database_url: str, broker_url: str | None) -> Celery:
@@ -376,13 +376,8 @@ def test_a_database_outage_is_survived(
     engine: Engine, database_url: str, make_relay: MakeRelay
 ) -> None:
     """A relay whose database goes away keeps retrying and publishes once it is back."""
-    url = make_url(database_url)
-    if url.host is None:
-        pytest.skip("the embedded PostgreSQL listens on a Unix socket only: no TCP to cut")
-    proxy = TcpProxy(url.port or 5432, upstream_host=url.host or "127.0.0.1").start()
-    proxied = create_engine(
-        url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
-    )
+    proxy, through = database_proxy(database_url)
+    proxied = create_engine(through)
     app = _app(database_url, None)
     _drain(app)
     relay = Relay(
