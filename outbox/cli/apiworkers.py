@@ -137,6 +137,14 @@ class _Supervisor(Multiprocess):
             self.start_failed = True
 
 
+#: How long uvicorn's supervisor waits for a worker's answer to its health ping before it
+#: kills the worker and starts another. uvicorn's 5 s killed workers still importing the app
+#: on a loaded host (load average above about 8), and their replacements too, in a loop
+#: (tests/acceptance/test_api_workers.py, issue 36); a worker that really hangs is still
+#: replaced, 30 s later.
+WORKER_HEALTHCHECK_TIMEOUT_S = 30
+
+
 def serve_workers(
     listening: socket.socket,
     *,
@@ -157,7 +165,7 @@ def serve_workers(
             WorkerApp(log_level=log_level, metrics_dir=metrics_dir, console_secret=secret),
             factory=True,
             workers=workers,
-            **uvicorn_options,
+            **{"timeout_worker_healthcheck": WORKER_HEALTHCHECK_TIMEOUT_S, **uvicorn_options},
         )
         supervisor = _Supervisor(config, [listening], metrics_dir)
         supervisor.run()
