@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -481,16 +481,8 @@ def publish_spans(claimed: Sequence[Claimed]) -> Iterator[PublishSpans]:
                 "messaging.destination.name": "dispatch",
             },
         )
-    try:
+    with _ended_together(spans.values()):
         yield PublishSpans(spans)
-    except BaseException as exc:
-        for span in spans.values():
-            span.record_exception(exc)
-            span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
-        raise
-    finally:
-        for span in spans.values():
-            span.end()
 
 
 class EnqueueSpans:
@@ -559,7 +551,7 @@ def enqueue_spans(intents: Sequence[Enqueuing]) -> Iterator[EnqueueSpans]:
             },
         )
     only = next(iter(spans.values())) if len(spans) == 1 else None
-    try:
+    with _ended_together(spans.values()):
         if only is None:
             yield EnqueueSpans(spans)
         else:
@@ -567,13 +559,23 @@ def enqueue_spans(intents: Sequence[Enqueuing]) -> Iterator[EnqueueSpans]:
                 only, end_on_exit=False, record_exception=False, set_status_on_exception=False
             ):
                 yield EnqueueSpans(spans)
+
+
+@contextmanager
+def _ended_together(spans: Iterable[Span]) -> Iterator[None]:
+    """End every one of ``spans`` on the way out; an exception on the way is recorded on each
+    (status ERROR, the exception's type) and raised again."""
+    from opentelemetry import trace  # noqa: PLC0415 -- only with spans to end
+
+    try:
+        yield
     except BaseException as exc:
-        for span in spans.values():
+        for span in spans:
             span.record_exception(exc)
             span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
         raise
     finally:
-        for span in spans.values():
+        for span in spans:
             span.end()
 
 
