@@ -13,11 +13,41 @@ from outbox.models import Executor
 
 _PRUNE_CONSUMED = text("DELETE FROM outbox_kombu_message WHERE visible = false")
 
+# The oldest visible message of any of the queues, removed as it is read: one statement
+# (kombu's own take is a queue look-up, a SELECT ... FOR UPDATE, an UPDATE and a COMMIT).
+# SKIP LOCKED: two consumers never wait on each other's row, and the second takes the next
+# message instead of finding none (kombu's FOR UPDATE re-checked the row after the first
+# committed and returned nothing, so that consumer slept until the next ring or poll).
+# Ordered by id alone: the publishes leave kombu's timestamp column NULL, so kombu's
+# (timestamp, id) order is the id's.
+_TAKE_MESSAGE = text(
+    """
+    DELETE FROM outbox_kombu_message
+    WHERE id = (
+        SELECT id FROM outbox_kombu_message
+        WHERE queue_id = ANY(:queue_ids) AND visible
+        ORDER BY id
+        LIMIT 1
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING queue_id, payload
+    """
+)
+
 
 def prune_consumed_messages(executor: Executor) -> int:
     """Delete the messages the broker already delivered (invisible ones); how many went."""
     result = executor.execute(_PRUNE_CONSUMED)
     return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def take_message(executor: Executor, queue_ids: Sequence[int]) -> tuple[int, str] | None:
+    """Remove and return the oldest message on any of ``queue_ids``: ``(queue_id, payload)``,
+    or None if they are all empty. Run it in autocommit: the message is gone when it returns,
+    as kombu's own take hides it for good (a consumer that dies holding it loses it; the
+    relay and the sweep, not the broker, make sure every operation is dispatched)."""
+    row = executor.execute(_TAKE_MESSAGE, {"queue_ids": list(queue_ids)}).one_or_none()
+    return None if row is None else (int(row[0]), str(row[1]))
 
 
 def insert_messages(
