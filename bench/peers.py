@@ -13,6 +13,8 @@ docstrings say exactly how each is driven and configured):
 * ``ours-traced``: the same with OpenTelemetry tracing on at 100 % (agents' spans, relay and
   workers exporting OTLP/HTTP to a receiver in its own process): tracing's cost, beside
   ``ours`` in the same rounds (not a default: ask for it);
+* ``ours-db``: ours on the database broker, what runs with nothing configured (``make demo``,
+  ``outbox up`` on the embedded PostgreSQL), beside ``ours`` on RabbitMQ (ask for it);
 * ``celery``: naive Celery, no outbox: COMMIT the intent, then ``task.delay(id)``;
 * ``procrastinate``: the job deferred in the intent's own transaction (PostgreSQL queue);
 * ``dbos``: a DBOS workflow (transaction, step, transaction) enqueued on a DBOS queue.
@@ -76,8 +78,9 @@ from rounds import run_rounds
 from services import ServiceProcess
 from throwaway import rabbitmq_available, throwaway_database, throwaway_vhost
 
-SYSTEMS = ("ours", "ours-traced", "celery", "procrastinate", "dbos")
-#: What runs when --systems is not given (tracing's cost is asked for by name).
+SYSTEMS = ("ours", "ours-traced", "ours-db", "celery", "procrastinate", "dbos")
+#: What runs when --systems is not given (tracing's cost and the database broker are asked
+#: for by name).
 DEFAULT_SYSTEMS = ("ours", "celery", "procrastinate", "dbos")
 #: The package each system needs beyond our own dependencies.
 PACKAGES = {
@@ -164,16 +167,17 @@ def _build(
 ) -> System:
     """The system ``name`` on throw-away databases (and vhost), removed by ``stack``."""
     system: System
-    if name in ("ours", "ours-traced"):
+    if name in ("ours", "ours-traced", "ours-db"):
         from peer_drivers.ours import Ours  # noqa: PLC0415 -- only what is chosen is imported
 
-        rabbitmq = bool(args.broker_url) or rabbitmq_available()
+        rabbitmq = name != "ours-db" and (bool(args.broker_url) or rabbitmq_available())
         broker = stack.enter_context(throwaway_vhost(args.broker_url)) if rabbitmq else None
         system = Ours(
             settings,
             database_url=stack.enter_context(throwaway_database(args.url)),
             broker_url=broker,
             sink=stack.enter_context(OtlpSink()) if name == "ours-traced" else None,
+            database_broker=name == "ours-db",
         )
     elif name == "celery":
         from peer_drivers.naive_celery import NaiveCelery  # noqa: PLC0415
@@ -256,6 +260,18 @@ def _targets(results: Results, systems: Sequence[System]) -> None:
         (labels["ours"], "steady: commit -> arrival p99"),
         at_most=15.0,
     )
+    if "ours-db" in labels:
+        row = "steady: commit -> arrival p50"
+        results.ratio(
+            f"steady arrival p50: {labels['ours-db']} / {labels['ours']}",
+            (labels["ours-db"], row),
+            (labels["ours"], row),
+        )
+        results.target(
+            f"{labels['ours-db']} steady p50 <= 2x {labels['ours']}'s",
+            ("ratios", f"steady arrival p50: {labels['ours-db']} / {labels['ours']}"),
+            at_most=2.0,
+        )
     # Issue 35: the agent's own act, enqueue + commit on its connection, one agent thread,
     # against the peers' same act (Procrastinate's defer, DBOS's enqueue).
     for key in ("procrastinate", "dbos"):
@@ -368,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if strays:
             tell(f"stopped {len(strays)} stray worker process(es): {strays}")
         signal.signal(signal.SIGTERM, previous)
-    if any(s.label == "ours (database broker)" for s in systems):
+    if any(s.key == "ours" and getattr(s, "broker", None) == "database" for s in systems):
         results.note("ours ran on the database broker: no RabbitMQ was reachable")
     _ratios(results, systems)
     _targets(results, systems)

@@ -66,6 +66,7 @@ class Ours(base.System):
         database_url: str,
         broker_url: str | None,
         sink: OtlpSink | None = None,
+        database_broker: bool = False,
     ) -> None:
         super().__init__()
         self.settings = settings
@@ -76,6 +77,8 @@ class Ours(base.System):
         self.sink = sink
         if sink is not None:
             self.key = "ours-traced"
+        elif broker_url is None and database_broker:
+            self.key = "ours-db"
         details = [*([] if broker_url else ["database broker"]), *(["traced"] if sink else [])]
         self.label = f"ours ({', '.join(details)})" if details else "ours"
         self.args = argparse.Namespace(
