@@ -58,10 +58,15 @@ class Load:
 
     rate: float | None = None
     agents: int | None = None
+    #: The agents' act alone: flat out with no worker (nor relay) running, so the enqueue
+    #: and its commit do not share the CPU with the system's own work (issue 35).
+    alone: bool = False
 
     @property
     def kind(self) -> str:
-        """``flat`` or ``steady``."""
+        """``flat``, ``steady`` or ``enqueue alone``."""
+        if self.alone:
+            return "enqueue alone"
         return "flat" if self.rate is None else "steady"
 
     @property
@@ -71,7 +76,9 @@ class Load:
 
     @property
     def label(self) -> str:
-        """``flat``, ``steady 100/s``, or ``flat, 1 agent``."""
+        """``flat``, ``steady 100/s``, ``flat, 1 agent`` or ``enqueue alone, 1 agent``."""
+        if self.alone:
+            return self.prefix
         shape = "flat" if self.rate is None else f"steady {self.rate:g}/s"
         return shape + self._agents_suffix
 
@@ -323,6 +330,17 @@ def measured_rows(
     return rows
 
 
+def enqueue_rows(load: Load, commits: Iterable[float]) -> Rows:
+    """The row of an ``enqueue alone`` case: intents / (last commit - first commit)."""
+    times = list(commits)
+    return {
+        f"{load.prefix}: enqueue rate": (
+            len(times) / max(max(times) - min(times), 1e-9),
+            PER_S,
+        )
+    }
+
+
 def check_exactly_once(
     where: str,
     keys: Iterable[str],
@@ -398,6 +416,8 @@ class PeerDriver(System):
         where = f"{self.label}, {load.label}, case {self.cases}"
         self.reset()
         s.service.clear()
+        if load.alone:
+            return self._enqueue_alone(load)
         log_dir = s.workdir / f"{self.key}-{load.kind}-{self.cases}"
         log_dir.mkdir(parents=True)
         workers: list[WorkerProcess] = []
@@ -439,6 +459,25 @@ class PeerDriver(System):
                         tell(f"--- {where}: {worker.name} ---")
                         for line in lines:
                             tell(line)
+
+    def _enqueue_alone(self, load: Load) -> Rows:
+        """The agents' act with no worker running; what they made is emptied afterwards."""
+        s = self.settings
+        meter = CpuMeter(
+            {
+                "agents (this process)": lambda: [os.getpid()],
+                "postgres (these databases, background)": self.postgres_pids,
+                **self.cpu_groups(),
+            }
+        )
+        meter.start()
+        try:
+            commits = run_agents(self.open_agent, load.agent_threads(s), s.intents, None)
+        finally:
+            for name, percent in meter.stop().items():
+                s.cpu.add(name, percent, unit=CORE, section=f"{self.label}, {load.label}")
+            self.reset()
+        return enqueue_rows(load, commits.values())
 
     def _wait_recorded(self, expected: int, workers: Sequence[WorkerProcess], what: str) -> None:
         """Until ``expected`` results are recorded; an error if it stalls or a worker died."""

@@ -23,10 +23,12 @@ must have reached the service exactly once and no other key may have.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
+from cpu import CpuMeter
 from otlp_sink import OtlpSink
-from pipeline import Config, Pipeline
+from pipeline import Agents, Config, Pipeline
 from report import Results
 from sqlalchemy import text
 
@@ -115,6 +117,8 @@ class Ours(base.System):
 
     def run(self, load: base.Load) -> base.Rows:
         self.cases += 1
+        if load.alone:
+            return self._enqueue_alone(load)
         pipeline, cpu = self._pipeline(load)
         known = len(pipeline.problems)
         measured = pipeline.run_round()
@@ -142,6 +146,39 @@ class Ours(base.System):
             for theirs, ours in _ROWS[load.kind].items()
             if theirs in measured
         }
+
+    def _enqueue_alone(self, load: base.Load) -> base.Rows:
+        """The agents' ``enqueue`` + COMMIT with no relay or worker running, an idle relay's
+        flag up (so each commit rings the bell, as it does for a relay waiting for work)."""
+        # The flat pipeline of as many agents: its engine and agents; nothing is started.
+        agents = load.agent_threads(self.settings)
+        flat = base.Load(None, agents=None if agents == self.settings.agents else agents)
+        pipeline, _ = self._pipeline(flat)
+        pipeline._reset()
+        with pipeline.engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO outbox.relays (name, pid, host, idle)"
+                    " VALUES ('bench-idle-relay', 0, 'bench', true)"
+                )
+            )
+        meter = CpuMeter(
+            {
+                "agents (this process)": lambda: [os.getpid()],
+                "postgres (this database, background)": pipeline._postgres_pids,
+            }
+        )
+        meter.start()
+        try:
+            making = Agents(pipeline.engine, agents, None)
+            commits = making.run(f"alone-{self.cases}", self.settings.intents)
+        finally:
+            for name, percent in meter.stop().items():
+                self.settings.cpu.add(
+                    name, percent, unit=base.CORE, section=f"{self.label}, {load.label}"
+                )
+            pipeline._reset()
+        return base.enqueue_rows(load, commits.values())
 
     def close(self) -> None:
         for pipeline, _ in self.pipelines.values():
