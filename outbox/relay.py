@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 from uuid import UUID
 
 import psycopg
@@ -65,6 +65,18 @@ class Publisher(Protocol):
 
     def close(self) -> None:
         """Release the broker connection."""
+        ...
+
+
+@runtime_checkable
+class TransactionalPublisher(Publisher, Protocol):
+    """A publisher that may write a batch in the relay's own transaction (the database
+    broker, when it is the relay's database): the messages then commit with the claim that
+    stamps them published, or roll back with it."""
+
+    def publish_in(self, conn: Connection, messages: Sequence[OutboundMessage]) -> set[UUID] | None:
+        """Write ``messages`` in ``conn``'s open transaction, not committing; the ids
+        written, or None if this broker cannot (then the relay calls :meth:`publish`)."""
         ...
 
 
@@ -142,12 +154,21 @@ class Relay:
             messages = [OutboundMessage(c.id, c.tool, c.target) for c in claimed]
             # One PRODUCER span per operation, in its agent's trace (none without an SDK).
             with tracing.publish_spans(claimed) as published_spans:
-                confirmed = self.publisher.publish(messages)
+                confirmed = self._publish(conn, messages)
                 published_spans.confirmed(confirmed)
             faults.point("relay_after_publish")
             sql.relay.unmark_published(conn, [c for c in claimed if c.id not in confirmed])
         faults.point("relay_after_commit")
         return RelayResult(len(claimed), sum(1 for c in claimed if c.id in confirmed))
+
+    def _publish(self, conn: Connection, messages: Sequence[OutboundMessage]) -> set[UUID]:
+        """In the claim's transaction if the publisher can (one commit fewer, and a message
+        exists exactly when its claim committed), else through the broker."""
+        if isinstance(self.publisher, TransactionalPublisher):
+            written = self.publisher.publish_in(conn, messages)
+            if written is not None:
+                return written
+        return self.publisher.publish(messages)
 
     def stop(self) -> None:
         """Ask :meth:`run_forever` to finish its batch and return."""

@@ -19,7 +19,9 @@ path): kombu looks the queue up, INSERTs through the ORM and commits, four round
 message. Ours remembers each queue's id, INSERTs in one statement and NOTIFYs in the same
 transaction; and inside :meth:`Channel.batch` (the relay's publisher wraps a batch in it) the
 messages of the whole batch are written by one INSERT, one NOTIFY per queue and one COMMIT:
-all of them stored, or none.
+all of them stored, or none. The relay goes further when the broker is its own database: the
+batch is written in the claim's transaction (``batch(on=...)``), so the messages commit with
+the claim that stamps them published, or not at all.
 
 Taking a message is kombu's ``_get`` made cheaper too (issue 35: at 100 messages/s the
 workers spent half a core on it): kombu looks the queue up, SELECTs ... FOR UPDATE, UPDATEs
@@ -158,9 +160,13 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
         self._write({queue: [dumps(payload)]})
 
     @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self, on: Connection | None = None) -> Iterator[None]:
         """Messages published inside are written together when it ends: one INSERT per
-        queue, its NOTIFY and one COMMIT. If the block or the write fails, none is stored."""
+        queue, its NOTIFY and one COMMIT. If the block or the write fails, none is stored.
+
+        ``on``: write them on that connection, in its transaction, and do not commit (the
+        relay's claim: the messages then commit, or roll back, with it). It must be a
+        connection to this broker's database."""
         if self._pending is not None:  # nested: the outer batch writes them
             yield
             return
@@ -171,11 +177,16 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
         finally:
             self._pending = None
         if pending:
-            self._write(pending)
+            self._write(pending, on=on)
 
-    def _write(self, messages: dict[str, list[str]]) -> None:
+    def _write(self, messages: dict[str, list[str]], on: Connection | None = None) -> None:
         # The queues' ids first: creating a queue commits kombu's session.
         ids = {queue: self._queue_id(queue) for queue in messages}
+        if on is not None:
+            for queue, payloads in messages.items():
+                sql.broker.insert_messages(on, self.message_cls.__table__, ids[queue], payloads)
+                notify(on, queue)  # delivered when the caller's transaction commits
+            return
         try:
             for queue, payloads in messages.items():
                 sql.broker.insert_messages(

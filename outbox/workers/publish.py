@@ -27,9 +27,10 @@ from typing import Any
 from uuid import UUID
 
 from celery import Celery
-from kombu import Connection
+from kombu import Connection as BrokerConnection
 from kombu.messaging import Producer
-from sqlalchemy import Engine
+from sqlalchemy import URL, Connection, Engine, make_url
+from sqlalchemy.exc import DBAPIError
 
 from outbox import sql
 from outbox.errors import BrokerUnavailable
@@ -66,7 +67,14 @@ class CeleryPublisher:
         self.prune_every_s = prune_every_s
         self._last_prune = time.monotonic()
         self.database_broker = uses_database_broker(str(app.conf.broker_url))
-        self._connection: Connection | None = None
+        #: The database broker in ``engine``'s own database: the relay may write a batch in
+        #: its claim's transaction (:meth:`publish_in`).
+        self.in_relay_transaction = (
+            self.database_broker
+            and engine is not None
+            and same_database(engine.url, str(app.conf.broker_url))
+        )
+        self._connection: BrokerConnection | None = None
         self._producer: Producer | None = None
         self._next_tag = 1
         self._acked: set[int] = set()
@@ -93,6 +101,26 @@ class CeleryPublisher:
         except Exception as exc:  # kombu, amqp and socket errors alike: the broker failed us
             self.close()
             raise BrokerUnavailable(f"publishing to the broker failed: {exc!r}") from exc
+
+    def publish_in(self, conn: Connection, messages: Sequence[OutboundMessage]) -> set[UUID] | None:
+        """On the database broker in the relay's own database: write ``messages`` in
+        ``conn``'s transaction (one INSERT and NOTIFY, no commit of ours: they commit with the
+        relay's claim, or roll back with it); the ids written. Elsewhere None: the relay then
+        calls :meth:`publish`."""
+        if not self.in_relay_transaction:
+            return None
+        try:
+            producer = self._ensure_producer()
+            with producer.channel.batch(on=conn):
+                for group in group_messages(messages, self.ops_per_message, self.spread):
+                    self._send(producer, group)
+        except DBAPIError:
+            raise  # the relay's own transaction failed: a database error, as its claim's
+        except Exception as exc:  # kombu's own session (the queue's id) or the channel
+            self.close()
+            raise BrokerUnavailable(f"publishing to the broker failed: {exc!r}") from exc
+        self._maybe_prune()
+        return {message.operation_id for message in messages}
 
     def _maybe_prune(self) -> None:
         if self.engine is None or time.monotonic() - self._last_prune < self.prune_every_s:
@@ -228,6 +256,18 @@ def group_messages(
         groups.append(messages[start:end])
         start = end
     return groups
+
+
+def same_database(url: URL, broker_url: str) -> bool:
+    """Whether the database broker's URL (``outboxdb+postgresql+psycopg://…``) names the
+    database of ``url`` (same host, port and database name)."""
+    broker = make_url(broker_url.split("+", 1)[1])
+    return (broker.host, broker.port, broker.database, broker.query.get("host")) == (
+        url.host,
+        url.port,
+        url.database,
+        url.query.get("host"),
+    )
 
 
 def prune_consumed_messages(engine: Engine) -> int:

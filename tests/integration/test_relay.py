@@ -19,9 +19,10 @@ from outbox.deployment import deployment_name
 from outbox.errors import BrokerUnavailable
 from outbox.relay import Relay, RelayConfig
 from outbox.states import State
-from outbox.workers.app import celery_settings
+from outbox.workers.app import celery_settings, uses_database_broker
 from outbox.workers.publish import CeleryPublisher
 from tests.celery_events import TaskEvents
+from tests.conftest import Databases
 from tests.factories import age, make_operation, reload
 from tests.proxy import TcpProxy, database_proxy
 
@@ -66,7 +67,11 @@ def make_relay(engine: Engine) -> Iterator[MakeRelay]:
     made: list[Relay] = []
 
     def make(app: Celery, *, ops_per_message: int = 1, spread: int = 16, **config: Any) -> Relay:
-        publisher = CeleryPublisher(app, ops_per_message=ops_per_message, spread=spread)
+        # With the engine, as `outbox relay` makes it: on the database broker the relay then
+        # writes a batch's messages in its claim's transaction.
+        publisher = CeleryPublisher(
+            app, engine=engine, ops_per_message=ops_per_message, spread=spread
+        )
         relay = Relay(engine, publisher, RelayConfig(**config))
         made.append(relay)
         return relay
@@ -182,8 +187,12 @@ def test_a_crash_between_publish_and_commit_marks_nothing(
         relay.run_once()
     assert all(reload(engine, op.id).published_at is None for op in ops)
     assert relay.run_once().published == 3
-    # Published twice: harmless, the dispatcher's compare-and-set makes the second a no-op.
-    assert len(_drain(app)) == 6
+    if uses_database_broker(str(app.conf.broker_url)):
+        # Written in the claim's transaction: the failed batch's messages rolled back with it.
+        assert len(_drain(app)) == 3
+    else:
+        # Published twice: harmless, the dispatcher's compare-and-set makes the second a no-op.
+        assert len(_drain(app)) == 6
 
 
 def test_two_relays_share_the_work(engine: Engine, app: Celery, make_relay: MakeRelay) -> None:
@@ -411,6 +420,55 @@ def test_a_database_outage_is_survived(
         runner.join(30)
         proxy.stop()
         proxied.dispose()
+
+
+def test_on_the_database_broker_a_batch_commits_in_the_claims_transaction(
+    engine: Engine, database_url: str, make_relay: MakeRelay
+) -> None:
+    """The relay writes the messages in the transaction that claims and stamps the rows:
+    the messages and the stamps are one commit (no worker meets a claim not yet committed)."""
+    app = _app(database_url, None)
+    _drain(app)
+    for _ in range(5):
+        make_operation(engine)
+    assert make_relay(app).run_once().published == 5
+    with engine.connect() as conn:
+        stamps = (
+            conn.execute(
+                text(
+                    "SELECT DISTINCT xmin::text FROM outbox.operations"
+                    " WHERE published_at IS NOT NULL"
+                )
+            )
+            .scalars()
+            .all()
+        )
+        messages = (
+            conn.execute(text("SELECT DISTINCT xmin::text FROM outbox_kombu_message"))
+            .scalars()
+            .all()
+        )
+    assert len(stamps) == 1
+    assert messages == stamps
+    assert len(_drain(app)) == 5
+
+
+def test_a_database_broker_elsewhere_is_published_through_kombu(
+    engine: Engine, database_url: str, databases: Databases
+) -> None:
+    """A database broker in another database than the relay's is written through kombu's
+    own connection (never in the relay's transaction, which is not in that database)."""
+    other = databases.create()
+    app = _app(other, None)
+    publisher = CeleryPublisher(app, engine=engine)
+    try:
+        assert not publisher.in_relay_transaction
+        assert CeleryPublisher(_app(database_url, None), engine=engine).in_relay_transaction
+        make_operation(engine)
+        assert Relay(engine, publisher, RelayConfig()).run_once().published == 1
+        assert len(_drain(app)) == 1
+    finally:
+        publisher.close()
 
 
 def test_a_batch_on_the_database_broker_is_one_transaction(
