@@ -5,13 +5,27 @@ package checks the statement names) and only hides the ones it delivered."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from sqlalchemy import Table, insert, text
+from sqlalchemy import text
 
 from outbox.models import Executor
+from outbox.sql.notify import BROKER_CHANNEL
 
 _PRUNE_CONSUMED = text("DELETE FROM outbox_kombu_message WHERE visible = false")
+
+# A batch's messages and their NOTIFY in one statement (a data-modifying WITH runs once,
+# whether or not the query reads it). kombu's column defaults are client-side, so they are
+# written out: the id from its sequence, visible, version 1.
+_INSERT_MESSAGES = text(
+    """
+    WITH inserted AS (
+        INSERT INTO outbox_kombu_message (id, visible, payload, version, queue_id)
+        SELECT nextval('message_id_sequence'), true, payload, 1, :queue_id
+        FROM unnest(CAST(:payloads AS text[])) AS payload
+    )
+    SELECT pg_notify(:channel, :queue)
+    """
+)
 
 # The oldest visible message of any of the queues, removed as it is read: one statement
 # (kombu's own take is a queue look-up, a SELECT ... FOR UPDATE, an UPDATE and a COMMIT).
@@ -50,13 +64,17 @@ def take_message(executor: Executor, queue_ids: Sequence[int]) -> tuple[int, str
     return None if row is None else (int(row[0]), str(row[1]))
 
 
-def insert_messages(
-    executor: Executor, table: Table, queue_id: int, payloads: Sequence[str]
-) -> None:
-    """Insert ``payloads`` (kombu's serialised messages) on queue ``queue_id`` of kombu's
-    message ``table``, in the caller's transaction: one statement for the lot (psycopg sends
-    the rows in one pipeline), where kombu's own ``_put`` looks the queue up, inserts and
-    commits once per message. The table's column defaults (``visible``, ``version``, the id's
-    sequence) are kombu's own."""
-    rows: list[dict[str, Any]] = [{"payload": p, "queue_id": queue_id} for p in payloads]
-    executor.execute(insert(table), rows)
+def insert_messages(executor: Executor, queue_id: int, queue: str, payloads: Sequence[str]) -> None:
+    """Insert ``payloads`` (kombu's serialised messages) on queue ``queue_id`` (named ``queue``)
+    and NOTIFY the broker's consumers of them, in the caller's transaction (the notification
+    is delivered at its commit): one statement for the lot, where kombu's own ``_put`` looks the
+    queue up, inserts and commits once per message."""
+    executor.execute(
+        _INSERT_MESSAGES,
+        {
+            "queue_id": queue_id,
+            "payloads": list(payloads),
+            "channel": BROKER_CHANNEL,
+            "queue": queue,
+        },
+    )

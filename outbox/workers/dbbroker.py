@@ -16,12 +16,12 @@ process inserted first as found, not as an error.
 
 Publishing is kombu's ``_put`` made cheaper (issue 35: 5.8 ms per message on the relay's
 path): kombu looks the queue up, INSERTs through the ORM and commits, four round trips per
-message. Ours remembers each queue's id, INSERTs in one statement and NOTIFYs in the same
-transaction; and inside :meth:`Channel.batch` (the relay's publisher wraps a batch in it) the
-messages of the whole batch are written by one INSERT, one NOTIFY per queue and one COMMIT:
-all of them stored, or none. The relay goes further when the broker is its own database: the
-batch is written in the claim's transaction (``batch(on=...)``), so the messages commit with
-the claim that stamps them published, or not at all.
+message. Ours remembers each queue's id and INSERTs and NOTIFYs in one statement; inside
+:meth:`Channel.batch` (the relay's publisher wraps a batch in it) the messages of the whole
+batch are written by one statement per queue and one COMMIT: all of them stored, or none. The
+relay goes further when the broker is its own database: the batch is written in the claim's
+transaction (``batch(on=...)``), so the messages commit with the claim that stamps them
+published, or not at all.
 
 Taking a message is kombu's ``_get`` made cheaper too (issue 35: at 100 messages/s the
 workers spent half a core on it): kombu looks the queue up, SELECTs ... FOR UPDATE, UPDATEs
@@ -49,7 +49,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from outbox import sql
-from outbox.doorbell import Doorbell, notify
+from outbox.doorbell import Doorbell
 from outbox.locks import advisory_key
 
 # kombu's models use lazy="noload", which SQLAlchemy 2.1 deprecates; nothing we can act on.
@@ -184,16 +184,13 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
         ids = {queue: self._queue_id(queue) for queue in messages}
         if on is not None:
             for queue, payloads in messages.items():
-                sql.broker.insert_messages(on, self.message_cls.__table__, ids[queue], payloads)
-                notify(on, queue)  # delivered when the caller's transaction commits
+                # The NOTIFY is delivered when the caller's transaction commits.
+                sql.broker.insert_messages(on, ids[queue], queue, payloads)
             return
         try:
             for queue, payloads in messages.items():
-                sql.broker.insert_messages(
-                    self.session, self.message_cls.__table__, ids[queue], payloads
-                )
                 # In the messages' transaction: consumers are woken when they are committed.
-                notify(self.session, queue)
+                sql.broker.insert_messages(self.session, ids[queue], queue, payloads)
             self.session.commit()
         except OperationalError:
             # As kombu: the publish fails (and may be retried), never reported stored.

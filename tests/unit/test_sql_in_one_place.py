@@ -244,3 +244,5 @@ def test_the_broker_statement_names_the_broker_table() -> None:
     from outbox.workers.app import BROKER_MESSAGE_TABLE  # noqa: PLC0415 -- needs [worker]
 
     assert f"DELETE FROM {BROKER_MESSAGE_TABLE} " in sql.broker._PRUNE_CONSUMED.text
+    assert f"DELETE FROM {BROKER_MESSAGE_TABLE} " in _flat(sql.broker._TAKE_MESSAGE.text)
+    assert f"INSERT INTO {BROKER_MESSAGE_TABLE} " in _flat(sql.broker._INSERT_MESSAGES.text)
