@@ -1,8 +1,8 @@
 """``bench/peers.py --smoke`` still runs: the same job on the peers and on ours, a ratio table.
 
 A real run against the test server (throw-away ``bench_*`` databases and RabbitMQ vhosts,
-removed at the end), as a subprocess, with ``ours-traced`` (tracing on, an OTLP receiver) beside
-ours. Procrastinate and DBOS come with the ``bench`` extra
+removed at the end), as a subprocess, with ``ours-traced`` (tracing on, an OTLP receiver) and
+``ours-db`` (the database broker) beside ours. Procrastinate and DBOS come with the ``bench`` extra
 (``pip install -e '.[bench]'``), which CI does not install: without them the smoke measures
 ours against naive Celery only; with them, all four. The script exits non-zero when an
 intent did not reach the service exactly once or its result was not recorded.
@@ -30,7 +30,7 @@ PEERS = ("procrastinate", "dbos")
 @pytest.mark.usefixtures("rabbitmq_url")  # skipped without RabbitMQ (a failure under CI=true)
 def test_peers_smoke(admin_url: str) -> None:
     installed = [peer for peer in PEERS if importlib.util.find_spec(peer) is not None]
-    systems = ["ours", "ours-traced", "celery", *installed]
+    systems = ["ours", "ours-traced", "ours-db", "celery", *installed]
     env = {name: value for name, value in os.environ.items() if not name.startswith("OUTBOX_")}
     env["COLUMNS"] = "160"
     argv = [sys.executable, str(REPO / "bench" / "peers.py"), "--smoke", "--url", admin_url]
@@ -49,12 +49,16 @@ def test_peers_smoke(admin_url: str) -> None:
         "flat, 1 agent: enqueue rate (offered)",
         "steady: commit -> arrival p50",
         "steady: commit -> arrival p99",
+        "enqueue alone, 1 agent: enqueue rate",
+        "enqueue alone, 8 agents: enqueue rate",
     ):
         assert row in out, out
     for peer in ("naive celery", *installed):
         assert f"flat throughput: ours / {peer}" in out, out
         assert f"flat, 1 agent enqueue rate: ours / {peer}" in out, out
         assert f"steady arrival p50: ours / {peer}" in out, out
+        assert f"enqueue alone, 1 agent enqueue rate: ours / {peer}" in out, out
+        assert f"flat throughput: ours (database broker) / {peer}" in out, out
     # Tracing's cost beside ours in the same rounds, and the spans really exported.
     assert "steady arrival p50: ours / ours (traced)" in out, out
     assert re.search(r"ours \(traced\): [\d,]+ spans received .*outbox\.dispatch \d+", out), out
@@ -62,4 +66,18 @@ def test_peers_smoke(admin_url: str) -> None:
     assert re.search(r"machine while measuring \(\d+ cases\): steal median", out), out
     # Each target this run measures is judged under the table, met or not.
     assert re.search(r"target flat throughput >= 1\.2x naive celery: .* (met|NOT met)", out), out
-    assert re.search(r"target steady commit -> arrival p99 <= 15 ms: .* (met|NOT met)", out), out
+    assert re.search(
+        r"target ours: steady commit -> arrival p99 <= 15 ms: .* (met|NOT met)", out
+    ), out
+    assert re.search(
+        r"target ours \(database broker\): flat throughput >= 1x naive celery: .* (met|NOT met)",
+        out,
+    ), out
+    # Issue 35: the database broker beside RabbitMQ; enqueue alone against the peers' act.
+    assert re.search(
+        r"target ours \(database broker\) steady p50 <= 2x ours's: .* (met|NOT met)", out
+    ), out
+    for peer in installed:
+        assert re.search(
+            rf"target ours: enqueue \+ commit alone, 1 agent >= 1\.0x {peer}: .* (met|NOT met)", out
+        ), out
