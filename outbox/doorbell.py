@@ -2,19 +2,19 @@
 
 kombu's SQLAlchemy transport finds messages only by polling its queues; polled every 0.1 s,
 an idle worker cost a tenth of a core and more (issue 33). Instead, every publish to the
-database broker runs ``pg_notify(BROKER_CHANNEL, queue)`` in its own transaction
-(:func:`notify`: PostgreSQL delivers the notification at commit, so a woken consumer finds
-the row), and each consuming process holds one :class:`Doorbell`: a thread sleeping on
-``LISTEN`` that rings a :class:`threading.Event` the consumer waits on between polls. The
-consumer still polls, every ``OUTBOX_BROKER_POLL_INTERVAL``, for what a notification cannot
-carry: a message published while the listening connection was being opened again.
+database broker runs ``pg_notify(BROKER_CHANNEL, queue)`` in the statement that writes its
+messages (``outbox.sql.broker.insert_messages``: PostgreSQL delivers the notification at
+commit, so a woken consumer finds the row), and each consuming process holds one
+:class:`Doorbell`: a thread sleeping on ``LISTEN`` that rings a :class:`threading.Event` the
+consumer waits on between polls. The consumer still polls, every
+``OUTBOX_BROKER_POLL_INTERVAL``, for what a notification cannot carry: a message published
+while the listening connection was being opened again.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 import psycopg
 from sqlalchemy.engine import make_url
@@ -33,11 +33,6 @@ _RECONNECT_MAX_S = 2.0
 # How long the listening thread blocks on its connection before it looks whether it was
 # closed: a wake-up of a thread, not a statement.
 _LISTEN_TICK_S = 5.0
-
-
-def notify(session: Any, queue: str) -> None:
-    """NOTIFY the broker's consumers, in ``session``'s transaction, of a message on ``queue``."""
-    notify_sql.notify_broker(session, queue)
 
 
 def libpq_url(url: str) -> str:

@@ -36,7 +36,6 @@ _LISTEN_UNKNOWN_OPERATION = text("LISTEN outbox_unknown_operation")
 #: Run by the doorbell's own psycopg connection (no SQLAlchemy session there), hence a string.
 LISTEN_BROKER = "LISTEN outbox_broker"
 
-_NOTIFY_BROKER = text("SELECT pg_notify(:channel, :queue)")
 
 _UNLISTEN_ALL = text("UNLISTEN *")
 
@@ -78,9 +77,3 @@ def notify_unknown_operation(executor: Executor, task: str) -> None:
     """Tell whoever counts (``outbox metrics``) that a ``task`` message named an operation
     this database does not have. Sent with the caller's commit (now, in autocommit mode)."""
     executor.execute(_NOTIFY_UNKNOWN_OPERATION, {"task": task})
-
-
-def notify_broker(executor: Executor, queue: str) -> None:
-    """NOTIFY :data:`BROKER_CHANNEL` of a message on ``queue``, in ``executor``'s transaction
-    (delivered at its commit)."""
-    executor.execute(_NOTIFY_BROKER, {"channel": BROKER_CHANNEL, "queue": queue})

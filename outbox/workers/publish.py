@@ -106,7 +106,9 @@ class CeleryPublisher:
         """On the database broker in the relay's own database: write ``messages`` in
         ``conn``'s transaction (one INSERT and NOTIFY, no commit of ours: they commit with the
         relay's claim, or roll back with it); the ids written. Elsewhere None: the relay then
-        calls :meth:`publish`."""
+        calls :meth:`publish`. The relay's commits do not wait for the disk: a database crash
+        may lose a batch's messages, but then with the stamps, so the rows are published
+        again."""
         if not self.in_relay_transaction:
             return None
         try:
@@ -115,7 +117,9 @@ class CeleryPublisher:
                 for group in group_messages(messages, self.ops_per_message, self.spread):
                     self._send(producer, group)
         except DBAPIError:
-            raise  # the relay's own transaction failed: a database error, as its claim's
+            # The relay's transaction or kombu's session (the queue's id): the same database,
+            # so a database error for the relay, as its claim's would be.
+            raise
         except Exception as exc:  # kombu's own session (the queue's id) or the channel
             self.close()
             raise BrokerUnavailable(f"publishing to the broker failed: {exc!r}") from exc

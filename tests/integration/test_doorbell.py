@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 from kombu import Connection, Queue
 from sqlalchemy import Engine
-from sqlalchemy.orm import Session
 
-from outbox.doorbell import Doorbell, notify
+from outbox.doorbell import Doorbell
 from outbox.workers import dbbroker
 from outbox.workers.app import BROKER_MESSAGE_TABLE, BROKER_QUEUE_TABLE
 
@@ -37,18 +36,24 @@ def _broker(url: str) -> Connection:
     )
 
 
-def test_a_committed_notify_rings_the_doorbell(database_url: str, engine: Engine) -> None:
-    """NOTIFY in a transaction rings a listening doorbell once committed, not before."""
+def test_a_committed_publish_rings_the_doorbell(database_url: str, engine: Engine) -> None:
+    """A batch written in a caller's transaction (as the relay writes one in its claim's)
+    rings a listening doorbell once that transaction commits, not before."""
     bell = Doorbell(database_url)
     try:
         assert bell.wait_listening(WAKE_TIMEOUT_S)
-        with Session(engine) as session:
+        with _broker(database_url) as broker, engine.connect() as conn:
+            channel = broker.default_channel
+            channel.queue_declare(queue="dispatch")
+            producer = broker.Producer(channel)
             bell.wait(WAKE_TIMEOUT_S)  # the ring every (re)connection gives
             bell.clear()
-            notify(session, "dispatch")
-            assert not bell.rung()  # PostgreSQL delivers at commit
-            session.commit()
-        assert bell.wait(WAKE_TIMEOUT_S)
+            with conn.begin():
+                with channel.batch(on=conn):
+                    producer.publish({"n": 1}, routing_key="dispatch")
+                assert not bell.wait(0.5)  # PostgreSQL delivers at commit
+            assert bell.wait(WAKE_TIMEOUT_S)
+            assert Queue("dispatch")(channel).get(no_ack=True) is not None
     finally:
         bell.close()
 
