@@ -111,6 +111,14 @@ class Settings(BaseSettings):
             "notification."
         ),
     )
+    broker_direct_take: bool = Field(
+        default=True,
+        description=(
+            "On the database broker in the outbox's own database: workers take due operations "
+            "from the outbox themselves, without the relay's message in between (the relay "
+            "stands by); false: every operation goes through the relay's message."
+        ),
+    )
     lookup_lease: Seconds = Field(
         default=60.0,
         description=(

@@ -36,6 +36,10 @@ POINTS: dict[str, str] = {
     ),
     "relay_after_publish": "relay: messages published and confirmed, published_at not committed",
     "relay_after_commit": "relay: published_at committed",
+    "direct_after_take": (
+        "worker (database broker): a due operation taken directly, published_at committed, "
+        "its message not delivered"
+    ),
     "lock_granted": "locks: an advisory lock granted, its lock step (durability, commit) not done",
     "after_lock": "dispatch: advisory lock taken, nothing written",
     "after_sent_commit": "dispatch: `sent` committed, nothing sent to the remote",

@@ -44,6 +44,8 @@ class Action(enum.StrEnum):
     RELAY_STOPPED = "relay_stopped"
     RELAY_PUBLISHED = "relay_published"
     RELAY_ERROR = "relay_error"
+    #: standing by while workers take due operations directly, or back to claiming at once
+    RELAY_STANDBY = "relay_standby"
     BROKER_PRUNED = "broker_pruned"  #: messages of pruned operations dropped from the broker
 
     # Dispatch (outbox.workers)

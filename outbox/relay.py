@@ -102,6 +102,10 @@ class RelayConfig:
     #: then stops the bell (enqueue's NOTIFY costs every agent's commit a cluster-wide lock)
     #: and claims back to back until a batch comes back empty.
     busy_after_batches: int = 4
+    #: While a worker takes due operations directly (database broker, :mod:`outbox.workers.direct`),
+    #: the relay stands by: it claims a row never published only once it has been due this
+    #: long (nobody took it: a worker that does not take directly waits for its message).
+    standby_hold_back_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,10 @@ class Relay:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._stop = threading.Event()
 
+        #: Whether a worker takes due operations directly (checked every heartbeat).
+        self.standing_by = False
+        self._takers_checked_at: float | None = None
+
     def run_once(self) -> RelayResult:
         """Claim one batch of due rows, publish them, record the confirmed ones."""
         with self.engine.connect() as conn:
@@ -147,6 +155,7 @@ class Relay:
                 conn,
                 limit=self.config.batch_size,
                 republish_after_s=self.config.republish_after_s,
+                hold_back_s=self.config.standby_hold_back_s if self.standing_by else 0.0,
             )
             if not claimed:
                 return RelayResult(0, 0)
@@ -191,6 +200,7 @@ class Relay:
             while not self._stop.is_set():
                 try:
                     bell.heartbeat(self.config.heartbeat_s)
+                    self._check_takers(bell)
                     result = bell.in_transaction(self._run_once)
                     backoff.reset()
                     self._log(result)
@@ -198,6 +208,14 @@ class Relay:
                         # Broker trouble: retry after the poll interval, not on every bell.
                         in_a_row = 0
                         self._stop.wait(self.config.poll_interval_s)
+                        continue
+                    if self.standing_by and result.claimed < self.config.batch_size:
+                        # The workers take due rows themselves and ring no relay: the flag
+                        # down (enqueue rings the workers'), a poll now and then.
+                        in_a_row = 0
+                        bell.announce(idle=False)
+                        self._stop.wait(self.config.poll_interval_s)
+                        bell.drain()
                         continue
                     in_a_row = in_a_row + 1 if result.claimed else 0
                     backlog = (
@@ -230,6 +248,25 @@ class Relay:
             bell.close()
             self._unregister()
             self.publisher.close()
+
+    def _check_takers(self, bell: _Bell) -> None:
+        """Stand by while a worker takes due operations directly (its flag's heartbeat is
+        fresh), looked up once a heartbeat interval."""
+        now = time.monotonic()
+        checked = self._takers_checked_at
+        if checked is not None and now - checked < self.config.heartbeat_s:
+            return
+        standing_by = bell.live_takers(heartbeat_within_s=3 * self.config.heartbeat_s)
+        self._takers_checked_at = now
+        if standing_by != self.standing_by:
+            log.info(
+                "relay %s",
+                "standing by: workers take due operations directly"
+                if standing_by
+                else "claiming at once: no worker takes directly",
+                extra={"action": Action.RELAY_STANDBY, "standing_by": standing_by},
+            )
+        self.standing_by = standing_by
 
     @staticmethod
     def _log(result: RelayResult) -> None:
@@ -324,6 +361,14 @@ class _Bell:
         finally:
             if not conn.invalidated and not conn.in_transaction():
                 conn.execution_options(isolation_level="AUTOCOMMIT")
+
+    def live_takers(self, *, heartbeat_within_s: float) -> bool:
+        """Whether a worker taking directly heartbeat within ``heartbeat_within_s``."""
+        return sql.relay.live_takers(self._connection(), heartbeat_within_s=heartbeat_within_s)
+
+    def drain(self) -> None:
+        """Forget the bells rung meanwhile (a relay standing by does not wait on them)."""
+        _drained(self._connection().connection.driver_connection, 0.0)
 
     def any_due_unpublished(self) -> bool:
         """Whether some due row was never published (checked after raising the flag)."""

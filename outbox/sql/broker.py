@@ -11,6 +11,10 @@ from sqlalchemy import text
 from outbox.models import Executor
 from outbox.sql.notify import BROKER_CHANNEL
 
+# The taker's connection: its takes commit without waiting for the disk (a lost one delivers a
+# message again, which the dispatcher's compare-and-set makes harmless).
+_TAKE_WITHOUT_FLUSH = text("SET synchronous_commit = off")
+
 _PRUNE_CONSUMED = text("DELETE FROM outbox_kombu_message WHERE visible = false")
 
 # A batch's messages and their NOTIFY in one statement (a data-modifying WITH runs once,
@@ -47,6 +51,12 @@ _TAKE_MESSAGE = text(
     RETURNING queue_id, payload
     """
 )
+
+
+def take_without_flush(executor: Executor) -> None:
+    """Let this session's commits return before their WAL reaches the disk (for the
+    connection messages and operations are taken on: advice, not the truth)."""
+    executor.execute(_TAKE_WITHOUT_FLUSH)
 
 
 def prune_consumed_messages(executor: Executor) -> int:

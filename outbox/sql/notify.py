@@ -36,6 +36,9 @@ _LISTEN_UNKNOWN_OPERATION = text("LISTEN outbox_unknown_operation")
 #: Run by the doorbell's own psycopg connection (no SQLAlchemy session there), hence a string.
 LISTEN_BROKER = "LISTEN outbox_broker"
 
+#: The same, for a worker that takes due operations itself (enqueue's bell wakes it too).
+LISTEN_BROKER_AND_PLANNED = "LISTEN outbox_broker; LISTEN outbox_planned"
+
 
 _UNLISTEN_ALL = text("UNLISTEN *")
 

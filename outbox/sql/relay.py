@@ -101,7 +101,7 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
             SELECT id, tool, target, traceparent, tracestate, published_at, available_at
             FROM outbox.operations
             WHERE state = 'planned' AND published_at IS NULL
-              AND available_at <= statement_timestamp()
+              AND available_at <= statement_timestamp() - make_interval(secs => :hold_back)
             ORDER BY available_at
             LIMIT :limit
             FOR UPDATE SKIP LOCKED
@@ -136,7 +136,7 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
 
 
 def claim_and_mark_due(
-    executor: Executor, *, limit: int, republish_after_s: float
+    executor: Executor, *, limit: int, republish_after_s: float, hold_back_s: float = 0.0
 ) -> list[ClaimedIntent]:
     """:func:`claim_due`, and the claimed rows stamped ``published_at`` in the same statement.
 
@@ -144,9 +144,13 @@ def claim_and_mark_due(
     messages, roll the transaction back if the publish failed, and hand the rows the broker
     did not confirm to :func:`unmark_published` before committing. Each intent carries the
     ``published_at`` it had before (its ``previous_published_at``).
+
+    ``hold_back_s``: rows never published are claimed only once due for that long (a relay
+    standing by while workers take them directly, :mod:`outbox.workers.direct`).
     """
     rows = _CLAIM_AND_MARK_DUE.fetch_all(
-        executor, {"limit": limit, "republish_after": republish_after_s}
+        executor,
+        {"limit": limit, "republish_after": republish_after_s, "hold_back": hold_back_s},
     )
     return [
         ClaimedIntent(
@@ -229,6 +233,23 @@ _ANY_DUE_UNPUBLISHED = text(
 def any_due_unpublished(executor: Executor) -> bool:
     """Whether some due ``planned`` row has never been published."""
     row = executor.execute(_ANY_DUE_UNPUBLISHED)
+    return bool(row.scalar_one())
+
+
+#: The name prefix of a worker's row in ``outbox.relays``: a worker that takes due operations
+#: itself, on the database broker in the outbox's own database (:mod:`outbox.workers.direct`).
+#: Its idle flag rings the bell as a relay's does; a relay stands by while one lives.
+TAKER_PREFIX = "taker:"
+
+_LIVE_TAKERS = text(
+    "SELECT EXISTS (SELECT FROM outbox.relays WHERE name LIKE 'taker:%' "
+    "AND heartbeat_at > clock_timestamp() - make_interval(secs => :fresh))"
+)
+
+
+def live_takers(executor: Executor, *, heartbeat_within_s: float) -> bool:
+    """Whether a worker that takes operations directly heartbeat within ``heartbeat_within_s``."""
+    row = executor.execute(_LIVE_TAKERS, {"fresh": heartbeat_within_s})
     return bool(row.scalar_one())
 
 

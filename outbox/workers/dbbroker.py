@@ -29,6 +29,12 @@ and commits, for each queue a worker consumes in turn, and a second consumer blo
 first's row lock then found nothing. Ours takes the oldest message of all the consumed
 queues in one autocommit statement (``DELETE ... RETURNING``, ``SKIP LOCKED``) on a
 connection of its own.
+
+On the database broker in the outbox's own database a worker goes further still (change 38):
+the channel that consumes the dispatch queue takes due operations from ``outbox.operations``
+itself, alternately with the queues' messages, through a :class:`DirectSource`
+(:mod:`outbox.workers.direct` sets one in a starting worker). Such a worker keeps an idle flag
+in ``outbox.relays``, as a relay does, so that enqueue's bell wakes it, and the relay stands by.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import warnings
 from collections.abc import Iterator
 from queue import Empty
 from time import monotonic
-from typing import Any
+from typing import Any, Protocol
 
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport.sqlalchemy import Channel as SQLAlchemyChannel
@@ -64,6 +70,46 @@ POLLING_INTERVAL_S = 5.0
 
 #: Serialises the creation of the broker's tables across processes.
 TABLES_LOCK_KEY = advisory_key("outbox.broker", "tables")
+
+#: Messages taken in a row without an empty look that make this worker busy: its idle flag
+#: goes down (enqueue stops ringing: NOTIFY costs every agent's commit a cluster-wide lock).
+BUSY_AFTER_TAKES = 16
+#: A worker taking directly looks at its queues' messages before the outbox once in this
+#: many takes (otherwise after it): a backlog of operations never starves them.
+MESSAGES_FIRST_EVERY = 4
+#: How often a worker taking directly refreshes its flag's heartbeat (a relay's, likewise).
+TAKER_HEARTBEAT_S = 10.0
+
+
+class DirectSource(Protocol):
+    """Due operations taken straight from the outbox, as messages of one queue
+    (:class:`outbox.workers.direct.DirectDispatch`)."""
+
+    #: The broker queue whose messages these stand in for (this deployment's dispatch queue).
+    queue: str
+
+    def take(self, conn: Connection, channel: Channel) -> Any | None:
+        """Claim one due operation on ``conn`` (autocommit) and return its message as
+        ``channel`` would deliver it; None if none is due."""
+        ...
+
+    def announce(self, conn: Connection, *, idle: bool) -> None:
+        """Write this worker's idle flag (and heartbeat) on ``conn``."""
+        ...
+
+    def forget(self, conn: Connection) -> None:
+        """Remove this worker's flag (it stops taking)."""
+        ...
+
+
+#: This process's direct source (None: messages only); set by :func:`take_directly`.
+_direct: DirectSource | None = None
+
+
+def take_directly(source: DirectSource | None) -> None:
+    """Make channels consuming ``source.queue`` take due operations from it too (None: stop)."""
+    global _direct  # noqa: PLW0603 -- one per process, set by the starting worker
+    _direct = source
 
 
 class Channel(SQLAlchemyChannel):  # type: ignore[misc]
@@ -111,23 +157,104 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
 
     #: The autocommit connection messages are taken on, opened by the first take.
     _taker: Connection | None = None
+    #: Takes so far (the direct source and the messages go first by turns).
+    _takes = 0
+    #: Inside :meth:`capture`: the messages published, not stored.
+    _captured: list[Any] | None = None
+    #: This channel's idle flag in ``outbox.relays`` as last written (None: not written),
+    #: and when.
+    _idle: bool | None = None
+    _announced_at = 0.0
+    _flagged_by: DirectSource | None = None
 
-    def _take(self, queues: list[str]) -> tuple[str, Any]:
-        """Remove the oldest message of ``queues``: ``(queue, message)``; Empty if none."""
-        ids = {self._queue_id(queue): queue for queue in queues}
+    def _taker_connection(self) -> Connection:
         if self._taker is None:
             engine, _ = self._open()
-            self._taker = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            taker = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            try:
+                # A take is advice either way: a lost one (a database crash) delivers a message
+                # again or leaves an operation's stamp unwritten, and the dispatcher's
+                # compare-and-set makes a second message a no-op. So its commit need not
+                # wait for the disk.
+                sql.broker.take_without_flush(taker)
+            except BaseException:
+                taker.close()
+                raise
+            self._taker = taker
+        return self._taker
+
+    def takes_directly(self) -> DirectSource | None:
+        """The direct source, if this channel consumes its queue."""
+        direct = _direct
+        if direct is None or direct.queue not in self._active_queues:
+            return None
+        return direct
+
+    def _take(self, queues: list[str]) -> tuple[str, Any]:
+        """Remove the oldest message of ``queues``: ``(queue, message)``; Empty if none.
+
+        Consuming the direct source's queue, a due operation taken from the outbox is one
+        too, looked for first (the steady path's latency), except on every
+        :data:`MESSAGES_FIRST_EVERY`-th take, so that a backlog of operations does not starve
+        the messages (the other queues', a relay's)."""
+        ids = {self._queue_id(queue): queue for queue in queues}
+        direct = _direct if _direct is not None and _direct.queue in queues else None
+        self._takes += 1
+        direct_first = direct is not None and self._takes % MESSAGES_FIRST_EVERY != 0
         try:
-            taken = sql.broker.take_message(self._taker, list(ids))
+            taker = self._taker_connection()
+            if direct is not None and direct_first:
+                message = direct.take(taker, self)
+                if message is not None:
+                    return direct.queue, message
+            taken = sql.broker.take_message(taker, list(ids))
+            if taken is not None:
+                queue_id, payload = taken
+                return ids[queue_id], loads(payload)
+            if direct is not None and not direct_first:
+                message = direct.take(taker, self)
+                if message is not None:
+                    return direct.queue, message
         except OperationalError:
             # kombu's connection error: Celery reconnects, and we open a new one.
             self._close_taker()
             raise
-        if taken is None:
-            raise Empty()
-        queue_id, payload = taken
-        return ids[queue_id], loads(payload)
+        raise Empty()
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[list[Any]]:
+        """Messages published on this channel inside are collected, not stored: each as a
+        consumer would get it from the table (a direct take builds its message so)."""
+        captured: list[Any] = []
+        self._captured = captured
+        try:
+            yield captured
+        finally:
+            self._captured = None
+
+    def announce(self, *, idle: bool) -> bool:
+        """Write the direct source's idle flag, if this channel takes directly and the flag
+        changed; whether it was written. Its heartbeat is refreshed every
+        :data:`TAKER_HEARTBEAT_S` besides (relays forget silent flags)."""
+        direct = self.takes_directly()
+        if direct is None:
+            return False
+        stale = monotonic() - self._announced_at >= TAKER_HEARTBEAT_S
+        if self._idle is idle and not stale:
+            return False
+        try:
+            direct.announce(self._taker_connection(), idle=idle)
+        except OperationalError:
+            self._close_taker()
+            raise
+        changed, self._idle, self._announced_at = self._idle is not idle, idle, monotonic()
+        self._flagged_by = direct
+        return changed
+
+    def heartbeat(self) -> None:
+        """Refresh the idle flag's heartbeat if it is due."""
+        if self._idle is not None:
+            self.announce(idle=self._idle)
 
     def _get(self, queue: str) -> Any:
         """One message of ``queue`` (``basic_get``); Empty if none."""
@@ -142,18 +269,28 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
         callback(message, queue)
 
     def _close_taker(self) -> None:
-        taker, self._taker = self._taker, None
+        taker, self._taker, self._idle = self._taker, None, None
         if taker is not None:
             with contextlib.suppress(Exception):  # already broken: nothing more to release
                 taker.close()
 
     def close(self) -> None:
-        """Close the channel and the connection it takes messages on."""
+        """Close the channel and the connection it takes messages on (and remove its idle
+        flag: a worker that stops taking must not keep the bell ringing)."""
+        # The source the flag was written for (its consumer may be cancelled by now).
+        direct = self._flagged_by
+        if direct is not None and self._taker is not None and self._idle is not None:
+            with contextlib.suppress(Exception):  # best effort: relays forget silent flags
+                direct.forget(self._taker)
         self._close_taker()
         super().close()
 
     def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
         """Store one message: at once, or with the rest of the :meth:`batch` it is in."""
+        if self._captured is not None:
+            # As the table would give it back: a copy, serialised and read again.
+            self._captured.append(loads(dumps(payload)))
+            return
         if self._pending is not None:
             self._pending.setdefault(queue, []).append(dumps(payload))
             return
@@ -225,6 +362,10 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
             return super()._get_or_create(queue)
 
 
+#: The channel class, by a name the transport's own ``Channel`` attribute does not shadow.
+_OurChannel = Channel
+
+
 class Transport(SQLAlchemyTransport):  # type: ignore[misc]
     """kombu's SQLAlchemy transport with :class:`Channel`, sleeping on a doorbell between polls."""
 
@@ -233,24 +374,45 @@ class Transport(SQLAlchemyTransport):  # type: ignore[misc]
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
-        self.doorbell = Doorbell(client.hostname)
+        self.doorbell = self._new_doorbell()
         # When the queues are next polled unless the doorbell rings first: Celery's loop
         # calls drain_events every 2 s, and a poll per call would cut the interval to that.
         self._next_poll = 0.0
+        # Messages taken since the last empty look (a direct taker's flag goes down at
+        # BUSY_AFTER_TAKES).
+        self._in_a_row = 0
+
+    def _new_doorbell(self) -> Doorbell:
+        # A worker taking directly is woken by enqueue's bell as well as by publishes.
+        return Doorbell(self.client.hostname, planned=_direct is not None)
 
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
-        """kombu's loop, sleeping on the doorbell instead of ``time.sleep`` when all is empty."""
+        """kombu's loop, sleeping on the doorbell instead of ``time.sleep`` when all is empty.
+
+        A channel taking directly also keeps its idle flag: raised when a look finds nothing
+        (then it looks once more: what was committed while the flag was down rang no bell),
+        lowered after :data:`BUSY_AFTER_TAKES` messages taken in a row."""
         start = monotonic()
         while True:
             now = monotonic()
+            self._heartbeat()
             if self.doorbell.rung() or now >= self._next_poll:
                 # Cleared before the poll: a message committed during it still rings.
                 self.doorbell.clear()
+                full = self._prefetch_full()
                 try:
                     self.cycle.get(self._deliver, timeout=timeout)
                 except Empty:
+                    if not full:
+                        self._in_a_row = 0
+                        if self._announce(idle=True):
+                            self._next_poll = 0.0
+                            continue
                     self._next_poll = now + self.polling_interval
                 else:
+                    self._in_a_row += 1
+                    if self._in_a_row >= BUSY_AFTER_TAKES:
+                        self._announce(idle=False)
                     self._next_poll = 0.0  # more may be waiting: look again at the next call
                     return
             until = self._next_poll if timeout is None else min(self._next_poll, start + timeout)
@@ -258,10 +420,29 @@ class Transport(SQLAlchemyTransport):  # type: ignore[misc]
                 raise TimeoutError()
             self.doorbell.wait(max(until - monotonic(), 0.0))
 
+    def _consuming(self) -> list[_OurChannel]:
+        return [channel for channel in self.channels if channel._consumers]
+
+    def _prefetch_full(self) -> bool:
+        """Whether no consuming channel may take a message now (a look would find nothing
+        whatever is waiting: that is no reason to raise the idle flag)."""
+        consuming = self._consuming()
+        return bool(consuming) and not any(c.qos.can_consume() for c in consuming)
+
+    def _announce(self, *, idle: bool) -> bool:
+        written = False
+        for channel in self._consuming():  # every channel's flag, no short cut
+            written = channel.announce(idle=idle) or written
+        return written
+
+    def _heartbeat(self) -> None:
+        for channel in self._consuming():
+            channel.heartbeat()
+
     def close_connection(self, connection: Any) -> None:
         """Close the channels; stop the doorbell's thread (a new one listens on reconnect)."""
         self.doorbell.close()
-        self.doorbell = Doorbell(self.client.hostname)
+        self.doorbell = self._new_doorbell()
         super().close_connection(connection)
 
 

@@ -165,25 +165,7 @@ class CeleryPublisher:
         return self._producer
 
     def _send(self, producer: Producer, group: Sequence[OutboundMessage]) -> None:
-        if len(group) == 1:
-            [message] = group
-            kwargs: dict[str, Any] = {
-                "operation_id": str(message.operation_id),
-                "tool": message.tool,
-                "target": message.target,
-            }
-        else:
-            kwargs = {
-                "operation_ids": [str(message.operation_id) for message in group],
-                "tools": sorted({message.tool for message in group}),
-            }
-        self.app.send_task(
-            DISPATCH_TASK,
-            kwargs=kwargs,
-            producer=producer,
-            queue="dispatch",  # the alias of this deployment's dispatch queue
-            retry=False,
-        )
+        send_dispatch(self.app, producer, group)
 
     def _publish_confirmed(
         self, producer: Producer, groups: Sequence[Sequence[OutboundMessage]]
@@ -241,6 +223,29 @@ class CeleryPublisher:
     def _forget(self, tags: dict[int, Any]) -> None:
         self._acked.difference_update(tags)
         self._nacked.difference_update(tags)
+
+
+def send_dispatch(app: Celery, producer: Producer, group: Sequence[OutboundMessage]) -> None:
+    """Send one ``outbox.dispatch`` message naming ``group``'s operations through ``producer``."""
+    if len(group) == 1:
+        [message] = group
+        kwargs: dict[str, Any] = {
+            "operation_id": str(message.operation_id),
+            "tool": message.tool,
+            "target": message.target,
+        }
+    else:
+        kwargs = {
+            "operation_ids": [str(message.operation_id) for message in group],
+            "tools": sorted({message.tool for message in group}),
+        }
+    app.send_task(
+        DISPATCH_TASK,
+        kwargs=kwargs,
+        producer=producer,
+        queue="dispatch",  # the alias of this deployment's dispatch queue
+        retry=False,
+    )
 
 
 def group_messages(

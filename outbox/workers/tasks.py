@@ -9,7 +9,10 @@ from celery import Task
 
 from outbox.db import is_database_error
 from outbox.logs import Action, describe_error
-from outbox.workers import runtime
+from outbox.workers import (
+    direct,  # noqa: F401 -- its worker_init handler: the direct take
+    runtime,
+)
 from outbox.workers.app import DISPATCH_TASK, SAGA_TASK, app
 from outbox.workers.dispatch import Outcome, dispatch
 from outbox.workers.locking import DispatchLocks

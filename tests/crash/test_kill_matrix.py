@@ -63,6 +63,7 @@ class Stage(enum.StrEnum):
     """Which component passes the point, so which processes phase one needs."""
 
     RELAY = "relay"
+    DIRECT = "direct"  #: a worker taking due operations itself (database broker)
     DISPATCH = "dispatch"
     SWEEP = "sweep"
     LOOKUP = "lookup"
@@ -73,6 +74,7 @@ STAGES: dict[str, Stage] = {
     "relay_before_publish": Stage.RELAY,
     "relay_after_publish": Stage.RELAY,
     "relay_after_commit": Stage.RELAY,
+    "direct_after_take": Stage.DIRECT,
     "lock_granted": Stage.DISPATCH,  # the first lock a stack takes is a dispatcher's
     "after_lock": Stage.DISPATCH,
     "after_sent_commit": Stage.DISPATCH,
@@ -244,6 +246,9 @@ def _drive(stack: Stack, stage: Stage) -> Service:
     """Start the processes that take an operation to the point; the armed one."""
     if stage is Stage.RELAY:
         return stack.start("relay-armed", "relay", armed=True)
+    if stage is Stage.DIRECT:
+        # No relay: the worker takes the due operations from the outbox itself.
+        return stack.worker("worker-armed", "dispatch", armed=True)
     stack.start("relay", "relay")
     if stage is Stage.DISPATCH:
         return stack.worker("worker-armed", "dispatch", armed=True)

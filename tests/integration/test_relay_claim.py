@@ -107,7 +107,7 @@ def _plan(engine: Engine, statement: str, *, analyze: bool) -> dict[str, Any]:
     with engine.connect() as conn, conn.begin() as tx:
         plan = conn.execute(
             text(f"EXPLAIN ({options}) {driver_statement.clause}"),
-            {"limit": 200, "republish_after": 30},
+            {"limit": 200, "republish_after": 30, "hold_back": 0},
         ).scalar_one()
         tx.rollback()
     top: dict[str, Any] = plan[0]["Plan"]

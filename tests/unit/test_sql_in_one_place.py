@@ -221,6 +221,9 @@ def test_each_listen_names_its_channel() -> None:
     notify = sql.notify
     assert _flat(notify._LISTEN_SETTLED.text) == f"LISTEN {notify.SETTLED_CHANNEL}"
     assert _flat(notify.LISTEN_BROKER) == f"LISTEN {notify.BROKER_CHANNEL}"
+    assert _flat(notify.LISTEN_BROKER_AND_PLANNED) == (
+        f"LISTEN {notify.BROKER_CHANNEL}; LISTEN {notify.PLANNED_CHANNEL}"
+    )
     assert _flat(notify._LISTEN_PLANNED.text).endswith(f"LISTEN {notify.PLANNED_CHANNEL}")
     assert (
         _flat(notify._LISTEN_UNKNOWN_OPERATION.text) == f"LISTEN {notify.UNKNOWN_OPERATION_CHANNEL}"

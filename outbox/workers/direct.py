@@ -1,0 +1,126 @@
+"""Workers that take due operations from the outbox themselves (change 38, issue 35).
+
+On the database broker in the outbox's own database, a message is a row the relay writes in
+its claim's transaction and a worker deletes again: two hops, each a wake-up and a commit,
+between the agent's commit and the dispatch. Here the worker skips them: the channel that
+consumes this deployment's dispatch queue claims a due ``planned`` operation with the relay's
+own statement (``sql.relay.claim_and_mark_due``, one row, ``SKIP LOCKED``, ``published_at``
+stamped in the same autocommit statement) and delivers the dispatch message the relay would
+have published for it, built by the same code (``publish.send_dispatch``) but never stored.
+
+Nothing else changes. The dispatch task takes the operation's lock and makes its
+compare-and-set as for any message; a stamped row whose worker died before dispatching it is
+claimed again ``OUTBOX_REPUBLISH_AFTER`` later, by a worker or a relay, exactly like a row
+whose message was lost (the database broker never redelivers either). Such a worker keeps an
+idle flag in ``outbox.relays`` (``taker:`` rows), so that enqueue rings its bell while it
+waits, and a relay that sees a live one stands by (:class:`outbox.relay.Relay`): it claims
+only rows left untaken for a while.
+
+``OUTBOX_BROKER_DIRECT_TAKE=false`` turns it off (every operation through the relay's
+message, as before).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery
+from celery.signals import worker_init
+from kombu.messaging import Producer
+from sqlalchemy import Connection, make_url
+
+from outbox import faults, sql, tracing
+from outbox.config import Settings, get_settings
+from outbox.db import database_url
+from outbox.relay import OutboundMessage
+from outbox.workers import dbbroker
+from outbox.workers.app import broker_url, uses_database_broker
+from outbox.workers.publish import same_database, send_dispatch
+
+log = logging.getLogger(__name__)
+
+
+def taker_name() -> str:
+    """A worker's name in ``outbox.relays``: ``taker:host:pid:random``."""
+    return f"{sql.relay.TAKER_PREFIX}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class DirectDispatch:
+    """A :class:`outbox.workers.dbbroker.DirectSource`: due operations as dispatch messages."""
+
+    app: Celery
+    #: This deployment's dispatch queue (its name on the broker).
+    queue: str
+    #: A stamped row still ``planned`` after this is claimed again (its worker died).
+    republish_after_s: float
+    name: str = field(default_factory=taker_name)
+    _producers: dict[int, Producer] = field(default_factory=dict, repr=False)
+
+    def take(self, conn: Connection, channel: dbbroker.Channel) -> Any | None:
+        """Claim the next due operation on ``conn`` (autocommit: the stamp commits here) and
+        return its dispatch message as ``channel`` would deliver it; None if none is due."""
+        claimed = sql.relay.claim_and_mark_due(
+            conn, limit=1, republish_after_s=self.republish_after_s
+        )
+        if not claimed:
+            return None
+        faults.point("direct_after_take")
+        messages = [OutboundMessage(c.id, c.tool, c.target) for c in claimed]
+        # The PRODUCER span the relay would have started, in the agent's trace.
+        with tracing.publish_spans(claimed) as spans, channel.capture() as captured:
+            send_dispatch(self.app, self._producer(channel), messages)
+            spans.confirmed({c.id for c in claimed})
+        [message] = captured
+        return message
+
+    def _producer(self, channel: dbbroker.Channel) -> Producer:
+        producer = self._producers.get(id(channel))
+        if producer is None or producer.channel is not channel:
+            producer = self.app.amqp.Producer(channel, auto_declare=False)
+            self._producers[id(channel)] = producer
+        return producer
+
+    def announce(self, conn: Connection, *, idle: bool) -> None:
+        """Write this worker's idle flag and heartbeat (``outbox.relays``)."""
+        host = socket.gethostname()
+        sql.relay.announce_relay(conn, self.name, pid=os.getpid(), host=host, idle=idle)
+
+    def forget(self, conn: Connection) -> None:
+        """Remove this worker's row (it stops taking)."""
+        sql.relay.forget_relay(conn, self.name)
+
+
+def applies(settings: Settings) -> bool:
+    """Whether workers take directly with ``settings``: the database broker, in the outbox's
+    own database, and ``OUTBOX_BROKER_DIRECT_TAKE`` on."""
+    if not settings.broker_direct_take:
+        return False
+    url = broker_url(settings)
+    return uses_database_broker(url) and same_database(make_url(database_url(settings)), url)
+
+
+def dispatch_queue(app: Celery) -> str:
+    """The broker name of ``app``'s dispatch queue (``outbox.<deployment>.dispatch``)."""
+    for queue in app.conf.task_queues:
+        if queue.alias == "dispatch":
+            return str(queue.name)
+    raise LookupError("the app has no dispatch queue")
+
+
+@worker_init.connect  # type: ignore[untyped-decorator]
+def _take_directly(sender: Any = None, **_: object) -> None:
+    if sender is None or not hasattr(sender, "app"):
+        return  # the signal sent by hand (tests), not by a starting worker
+    settings = get_settings()
+    if not applies(settings):
+        dbbroker.take_directly(None)
+        return
+    app = sender.app
+    dbbroker.take_directly(DirectDispatch(app, dispatch_queue(app), settings.republish_after))
+    log.info("taking due operations directly from the outbox (database broker)")
