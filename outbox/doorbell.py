@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import psycopg
 from sqlalchemy.engine import make_url
@@ -41,19 +42,20 @@ def libpq_url(url: str) -> str:
 
 
 class Doorbell:
-    """An event rung by every NOTIFY on :data:`BROKER_CHANNEL` (and by :meth:`ring`; with
-    ``planned``, on enqueue's :data:`~outbox.sql.notify.PLANNED_CHANNEL` too).
+    """An event rung by every NOTIFY on :data:`BROKER_CHANNEL` (and by :meth:`ring`; while
+    ``planned()``, on enqueue's :data:`~outbox.sql.notify.PLANNED_CHANNEL` too).
 
     The listening thread starts with the first :meth:`wait`; it is a daemon, so a process
     that never calls :meth:`close` still exits. While its connection is lost it rings the
     bell (waiters poll instead) and opens it again with backoff.
     """
 
-    def __init__(self, url: str, *, planned: bool = False) -> None:
+    def __init__(self, url: str, *, planned: Callable[[], bool] = lambda: False) -> None:
         self._url = libpq_url(url)
-        # Also rung by enqueue's bell (PLANNED_CHANNEL): a worker that takes due operations
-        # itself (outbox.workers.direct).
-        self._listen = notify_sql.LISTEN_BROKER_AND_PLANNED if planned else notify_sql.LISTEN_BROKER
+        # Also rung by enqueue's bell (PLANNED_CHANNEL) if ``planned()`` says so when the
+        # thread (re)connects: a worker that takes due operations itself
+        # (outbox.workers.direct), known once its consumers are set up.
+        self._planned = planned
         self._event = threading.Event()
         self._closed = threading.Event()
         self._listening = threading.Event()
@@ -101,7 +103,11 @@ class Doorbell:
         while not self._closed.is_set():
             try:
                 with psycopg.connect(self._url, autocommit=True) as conn:
-                    conn.execute(self._listen)
+                    conn.execute(
+                        notify_sql.LISTEN_BROKER_AND_PLANNED
+                        if self._planned()
+                        else notify_sql.LISTEN_BROKER
+                    )
                     self._listening.set()
                     # A message may have come while no connection listened: poll now.
                     self._event.set()

@@ -159,8 +159,9 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
     _taker: Connection | None = None
     #: Takes so far (the direct source and the messages go first by turns).
     _takes = 0
-    #: Inside :meth:`capture`: the messages published, not stored.
+    #: Inside :meth:`capture`: the messages published to the queue named, not stored.
     _captured: list[Any] | None = None
+    _capturing: str | None = None
     #: This channel's idle flag in ``outbox.relays`` as last written (None: not written),
     #: and when.
     _idle: bool | None = None
@@ -222,15 +223,16 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
         raise Empty()
 
     @contextlib.contextmanager
-    def capture(self) -> Iterator[list[Any]]:
-        """Messages published on this channel inside are collected, not stored: each as a
-        consumer would get it from the table (a direct take builds its message so)."""
+    def capture(self, queue: str) -> Iterator[list[Any]]:
+        """Messages published to ``queue`` on this channel inside are collected, not stored:
+        each as a consumer would get it from the table (a direct take builds its message so).
+        Any other message (a task-sent event for a queue bound in this process) is stored."""
         captured: list[Any] = []
-        self._captured = captured
+        self._captured, self._capturing = captured, queue
         try:
             yield captured
         finally:
-            self._captured = None
+            self._captured = self._capturing = None
 
     def announce(self, *, idle: bool) -> bool:
         """Write the direct source's idle flag, if this channel takes directly and the flag
@@ -287,7 +289,7 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
 
     def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
         """Store one message: at once, or with the rest of the :meth:`batch` it is in."""
-        if self._captured is not None:
+        if self._captured is not None and queue == self._capturing:
             # As the table would give it back: a copy, serialised and read again.
             self._captured.append(loads(dumps(payload)))
             return
@@ -353,6 +355,20 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
         if full:
             self.connection.doorbell.ring()
 
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        """Declare ``queue``: its row looked up or created, and kombu's session's transaction
+        ended (kombu's own declare leaves it open: a relay that declared its queue and found
+        no work held a transaction open, holding back VACUUM)."""
+        self._queue_id(queue)
+
+    def _size(self, queue: str) -> int:
+        """The messages waiting on ``queue`` (a declare's count), kombu's session's
+        transaction ended after the count (kombu leaves it open)."""
+        try:
+            return int(super()._size(queue))
+        finally:
+            self.session.commit()
+
     def _get_or_create(self, queue: str) -> Any:
         try:
             return super()._get_or_create(queue)
@@ -383,8 +399,12 @@ class Transport(SQLAlchemyTransport):  # type: ignore[misc]
         self._in_a_row = 0
 
     def _new_doorbell(self) -> Doorbell:
-        # A worker taking directly is woken by enqueue's bell as well as by publishes.
-        return Doorbell(self.client.hostname, planned=_direct is not None)
+        # A worker taking directly is woken by enqueue's bell as well as by publishes (asked
+        # when the doorbell's thread connects: by then the consumers are set up).
+        return Doorbell(self.client.hostname, planned=self._takes_directly)
+
+    def _takes_directly(self) -> bool:
+        return any(channel.takes_directly() is not None for channel in self._consuming())
 
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
         """kombu's loop, sleeping on the doorbell instead of ``time.sleep`` when all is empty.

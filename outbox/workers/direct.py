@@ -73,7 +73,7 @@ class DirectDispatch:
         faults.point("direct_after_take")
         messages = [OutboundMessage(c.id, c.tool, c.target) for c in claimed]
         # The PRODUCER span the relay would have started, in the agent's trace.
-        with tracing.publish_spans(claimed) as spans, channel.capture() as captured:
+        with tracing.publish_spans(claimed) as spans, channel.capture(self.queue) as captured:
             send_dispatch(self.app, self._producer(channel), messages)
             spans.confirmed({c.id for c in claimed})
         [message] = captured

@@ -131,7 +131,38 @@ def test_taking_leaves_no_transaction_open(
                     " AND state LIKE 'idle in transaction%'"
                 )
             ).scalar_one()
-        assert stuck == 0
+            left_open = check.execute(
+                text(
+                    "SELECT query FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND state LIKE 'idle in transaction%'"
+                )
+            ).all()
+        assert stuck == 0, left_open  # each one's last statement
+
+
+def _idle_in_transaction(engine: Engine) -> list[str]:
+    with engine.connect() as check:
+        rows = check.execute(
+            text(
+                "SELECT query FROM pg_stat_activity WHERE datname = current_database()"
+                " AND state LIKE 'idle in transaction%'"
+            )
+        )
+        return [str(query) for (query,) in rows]
+
+
+def test_declaring_a_queue_leaves_no_transaction_open(
+    database_url: str, engine: Engine, names: list[str]
+) -> None:
+    """A declare (a relay's publisher before its first batch, a worker's consumer at start)
+    looks the queue up and counts its messages: kombu left both in an open transaction, kept
+    until the channel's next commit, which a relay with no work never made."""
+    with _connection(database_url) as conn:
+        channel = conn.default_channel
+        for name in names:
+            Queue(name)(channel).declare()
+        Queue(names[0])(channel).declare()  # found this time, not created
+        assert _idle_in_transaction(engine) == []
 
 
 def test_a_lost_connection_is_a_connection_error_and_the_next_take_reconnects(

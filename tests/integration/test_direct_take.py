@@ -195,7 +195,7 @@ def test_an_idle_taker_is_rung_by_enqueue_and_gone_when_it_closes(
         assert [(name.startswith(sql.relay.TAKER_PREFIX), idle) for name, idle in rows] == []
     # The flag lives while the channel does: watch it from inside a consumer.
     seen: list[tuple[str, bool]] = []
-    bell = Doorbell(f"{dbbroker.ALIAS}+{database_url}".split("+", 1)[1], planned=True)
+    bell = Doorbell(f"{dbbroker.ALIAS}+{database_url}".split("+", 1)[1], planned=lambda: True)
     try:
         assert bell.wait_listening(10)
         with (
