@@ -18,9 +18,9 @@ a live system), and:
 then ``VACUUM ANALYZE``. Then ``--claims`` (20) times, each in its own transaction, rolled
 back: ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim statement (``outbox.sql.relay``'s, limit
 200, republish_after 30 s; shared buffers hit + read and execution time at the server), and
-the real :func:`outbox.sql.relay.claim_due` timed at the client. Every claim must return the
-new and the lost rows and nothing of the backlog. Medians are printed per size, with the
-indexes the plan scanned.
+the relay's real :func:`outbox.sql.relay.claim_and_mark_due` timed at the client. Every
+claim must return the new and the lost rows and nothing of the backlog. Medians are printed
+per size, with the indexes the plan scanned.
 
 The script uses the ``outbox`` it imports, so the same file measures another tree when run
 with ``PYTHONPATH`` set to it (before/after a change of the claim).
@@ -120,11 +120,11 @@ def _scans(node: dict[str, Any]) -> Iterator[str]:
 
 def explain_claim(engine: Engine) -> tuple[int, float, list[str]]:
     """EXPLAIN (ANALYZE, BUFFERS) of one claim, rolled back: buffers, server ms, scans."""
-    sql = str(relay._CLAIM_DUE.clause)  # the statement as the relay sends it
+    sql = str(relay._CLAIM_AND_MARK_DUE.clause)  # the statement as the relay sends it
     with engine.connect() as conn, conn.begin() as tx:
         plan = conn.execute(
             text(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"),
-            {"limit": LIMIT, "republish_after": REPUBLISH_AFTER_S},
+            {"limit": LIMIT, "republish_after": REPUBLISH_AFTER_S, "hold_back": 0},
         ).scalar_one()
         tx.rollback()
     top = plan[0]
@@ -134,14 +134,16 @@ def explain_claim(engine: Engine) -> tuple[int, float, list[str]]:
 
 
 def timed_claims(engine: Engine, *, claims: int, new: int, lost: int) -> list[float]:
-    """The real ``claim_due``, each in its own transaction (rolled back) on one connection,
-    as the relay keeps one; client ms each."""
+    """The relay's real claim (``claim_and_mark_due``), each in its own transaction (rolled
+    back) on one connection, as the relay keeps one; client ms each."""
     elapsed: list[float] = []
     with engine.connect() as conn:
         for _ in range(claims):
             with conn.begin() as tx:
                 start = time.perf_counter()
-                claimed = relay.claim_due(conn, limit=LIMIT, republish_after_s=REPUBLISH_AFTER_S)
+                claimed = relay.claim_and_mark_due(
+                    conn, limit=LIMIT, republish_after_s=REPUBLISH_AFTER_S
+                )
                 elapsed.append((time.perf_counter() - start) * 1000)
                 tx.rollback()
             if len({c.id for c in claimed}) != min(new + lost, LIMIT):

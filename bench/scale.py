@@ -19,7 +19,7 @@ with a due check (for the sweep), with their events. Then ``VACUUM ANALYZE`` and
 Then, per round, each size in turn (the first size rotating from round to round), the real
 code paths, on the database, with nothing mocked but the broker:
 
-* ``claim_due``: :func:`outbox.sql.relay.claim_due` (the statement ``Relay.run_once`` calls),
+* ``claim``: :func:`outbox.sql.relay.claim_and_mark_due` (the statement ``Relay.run_once`` calls),
   each call in its own transaction, rolled back; the round's value is the median of
   ``--claims`` calls. Every call must return the ``--due`` planned rows;
 * ``relay pass``: :meth:`outbox.relay.Relay.run_once` with a publisher that confirms nothing

@@ -104,19 +104,20 @@ class Scale:
         )
 
     def claim(self, calls: int) -> float:
-        """Median ms of ``claim_due`` (each in a rolled-back transaction)."""
+        """Median ms of the relay's claim, ``claim_and_mark_due`` (each in a rolled-back
+        transaction)."""
         times = []
         with self.db.engine.connect() as conn:
             for _ in range(calls):
                 with conn.begin() as tx:
                     started = time.perf_counter()
-                    claimed = sql.relay.claim_due(
+                    claimed = sql.relay.claim_and_mark_due(
                         conn, limit=BATCH, republish_after_s=REPUBLISH_AFTER_S
                     )
                     times.append(time.perf_counter() - started)
                     tx.rollback()
                 if len(claimed) != self.due:
-                    raise RuntimeError(f"claim_due returned {len(claimed)} rows, not {self.due}")
+                    raise RuntimeError(f"the claim returned {len(claimed)} rows, not {self.due}")
         return 1000 * statistics.median(times)
 
     def relay_pass(self, passes: int) -> float:
@@ -156,11 +157,16 @@ class Scale:
         return 1000 * statistics.median(times)
 
     def relay_extras(self) -> None:
-        """The relay's other two statements, rolled back, so that EXPLAIN sees them: its
-        idle check and recording the published rows (a pass that confirms nothing skips it)."""
+        """The relay's other statements, rolled back, so that EXPLAIN sees them: its idle
+        check, undoing the stamps of rows the broker did not confirm (a pass that confirms
+        nothing is what times it; here it has rows to undo) and the look for direct takers."""
         with self.db.engine.connect() as conn, conn.begin() as tx:
             sql.relay.any_due_unpublished(conn)
-            sql.relay.mark_published(conn, self.db.planned)
+            claimed = sql.relay.claim_and_mark_due(
+                conn, limit=BATCH, republish_after_s=REPUBLISH_AFTER_S
+            )
+            sql.relay.unmark_published(conn, claimed)
+            sql.relay.live_takers(conn, heartbeat_within_s=30.0)
             tx.rollback()
 
     def reset(self) -> None:

@@ -13,7 +13,7 @@ from scale_data import loaded_database, size_label, vacuum
 from scale_explain import Plan, capture, explain
 from scale_paths import MS, Scale, lookup_registry
 
-CLAIM = "claim_due, {due} due (median of {n} calls, rolled back)"
+CLAIM = "claim, {due} due (median of {n} calls, rolled back)"
 RELAY = "Relay.run_once, {due} due, publisher confirms none (median of {n})"
 SWEEP = "Sweeper.run_once: {due} stale sent + {due} due unknown -> {due2} lookups"
 IDLE = "Sweeper.run_once, nothing due (median of {n})"

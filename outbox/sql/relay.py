@@ -15,7 +15,7 @@ from outbox.models import Executor
 
 @dataclass(frozen=True, slots=True)
 class ClaimedIntent:
-    """A due ``planned`` row the relay claimed (locked) to publish."""
+    """A due ``planned`` row the relay (or a worker taking directly) claimed to publish."""
 
     id: UUID
     tool: str
@@ -39,55 +39,12 @@ class ClaimedIntent:
 # subqueries.) The outer LIMIT stops the Append: the second half is not started
 # when the first fills the batch. The halves are disjoint (published_at NULL or not, on the
 # row as locked), so no row comes twice.
-_CLAIM_DUE = DriverStatement.of(
-    text(
-        """
-    SELECT id, tool, target, traceparent, tracestate FROM (
-        SELECT id, tool, target, traceparent, tracestate FROM outbox.operations
-        WHERE state = 'planned' AND published_at IS NULL
-          AND available_at <= statement_timestamp()
-        ORDER BY available_at
-        LIMIT :limit
-        FOR UPDATE SKIP LOCKED
-    ) AS never_published
-    UNION ALL
-    SELECT id, tool, target, traceparent, tracestate FROM (
-        SELECT id, tool, target, traceparent, tracestate FROM outbox.operations
-        WHERE state = 'planned' AND published_at IS NOT NULL
-          AND published_at <= statement_timestamp() - make_interval(secs => :republish_after)
-          AND available_at <= statement_timestamp()
-        ORDER BY published_at
-        LIMIT :limit
-        FOR UPDATE SKIP LOCKED
-    ) AS republish
-    LIMIT :limit
-    """
-    ),
-    ["id", "tool", "target", "traceparent", "tracestate"],
-)
-
-
-def claim_due(executor: Executor, *, limit: int, republish_after_s: float) -> list[ClaimedIntent]:
-    """Lock up to ``limit`` due ``planned`` rows not published recently.
-
-    Rows never published come first (oldest due first), then rows published more than
-    ``republish_after_s`` ago (their message was lost; oldest publish first).
-
-    ``SKIP LOCKED`` lets several relays claim disjoint batches; the row locks last until the
-    caller's transaction ends, so a batch is published by one relay at a time.
-    """
-    rows = _CLAIM_DUE.fetch_all(executor, {"limit": limit, "republish_after": republish_after_s})
-    return [
-        ClaimedIntent(row["id"], row["tool"], row["target"], row["traceparent"], row["tracestate"])
-        for row in rows
-    ]
-
-
-# The claim above with the mark joined to it (issue 35): the rows it locks are stamped
-# published in the same statement, in the relay's transaction, which commits only once the
-# broker confirmed (a failure rolls the stamp back with the locks). The mark after the
-# publish was a round trip on every operation's critical path: a worker handed the message
-# waits for the row's lock until the relay commits. The claimed rows are read once (a CTE
+# The mark is joined to the claim (issue 35): the rows it locks are stamped published in the
+# same statement, in the relay's transaction, which commits only once the broker confirmed
+# (a failure rolls the stamp back with the locks). A mark after the publish was a round trip
+# on every operation's critical path: a worker handed the message waited for the row's lock
+# until the relay committed. A worker taking directly (outbox.workers.direct) runs the same
+# statement for one row, in autocommit. The claimed rows are read once (a CTE
 # is computed once however often it is referenced), in the claim's order (never published by
 # due time, then republished by their last publish). The update finds them by primary key
 # (`= ANY(ARRAY(...))`): written as a join, the planner hashed the whole table for it.
@@ -138,7 +95,13 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
 def claim_and_mark_due(
     executor: Executor, *, limit: int, republish_after_s: float, hold_back_s: float = 0.0
 ) -> list[ClaimedIntent]:
-    """:func:`claim_due`, and the claimed rows stamped ``published_at`` in the same statement.
+    """Lock up to ``limit`` due ``planned`` rows not published recently, and stamp them
+    ``published_at`` in the same statement.
+
+    Rows never published come first (oldest due first), then rows published more than
+    ``republish_after_s`` ago (their message was lost; oldest publish first). ``SKIP LOCKED``
+    lets several relays (and workers) claim disjoint batches; the row locks last until the
+    caller's transaction ends, so a batch is published by one relay at a time.
 
     The stamp is the caller's to keep or undo: commit it once the broker confirmed the
     messages, roll the transaction back if the publish failed, and hand the rows the broker
@@ -184,30 +147,6 @@ def unmark_published(executor: Executor, claimed: list[ClaimedIntent]) -> None:
             "previous": [c.previous_published_at for c in claimed],
         },
     )
-
-
-_MARK_PUBLISHED = DriverStatement.of(
-    text(
-        """
-    WITH marked AS (
-        UPDATE outbox.operations SET published_at = clock_timestamp()
-        WHERE id = ANY(CAST(:ids AS uuid[])) AND state = 'planned'
-        RETURNING 1
-    )
-    SELECT count(*) AS updated FROM marked
-    """
-    ),
-    ["updated"],
-)
-
-
-def mark_published(executor: Executor, operation_ids: list[UUID]) -> int:
-    """Record that these rows' messages were confirmed by the broker; returns rows updated."""
-    if not operation_ids:
-        return 0
-    row = _MARK_PUBLISHED.fetch_one(executor, {"ids": operation_ids})
-    assert row is not None  # noqa: S101 -- a count always returns a row
-    return int(row["updated"])
 
 
 _ANNOUNCE_RELAY = text(

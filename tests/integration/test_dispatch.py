@@ -807,7 +807,12 @@ def _hold_row_like_a_relay(
             )
             held.set()
             time.sleep(hold_s)
-            sql.relay.mark_published(conn, [operation_id])
+            conn.execute(
+                text(
+                    "UPDATE outbox.operations SET published_at = clock_timestamp() WHERE id = :id"
+                ),
+                {"id": operation_id},
+            )
 
     holder = threading.Thread(target=claim)
     holder.start()

@@ -4,24 +4,19 @@ The claim is two halves (migration 0022): rows never published first, by due tim
 their own partial index; then rows published longer than republish_after ago, oldest publish
 first, from theirs. A backlog of rows published recently is in neither: the claim neither
 returns nor reads it. The relay runs the claim with the mark joined to it
-(``claim_and_mark_due``, issue 35): each test of the claim runs on both statements.
+(``claim_and_mark_due``, issue 35), and so does a worker taking directly (change 38).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-import pytest
 from sqlalchemy import Connection, Engine, text
 
 from outbox import sql
-from outbox.driver import DriverStatement
-from outbox.sql.relay import _CLAIM_AND_MARK_DUE, _CLAIM_DUE, ClaimedIntent
-
-Claim = Callable[..., list[ClaimedIntent]]
+from outbox.sql.relay import _CLAIM_AND_MARK_DUE
 
 #: What the mark adds to the claim's plan: the CTE read (for the ids and the answer), the
 #: update by primary key.
@@ -77,36 +72,21 @@ def _keys(engine: Engine, ids: list[UUID]) -> list[str]:
     return [found[i] for i in ids]
 
 
-STATEMENTS: dict[str, tuple[Claim, DriverStatement]] = {
-    "claim_due": (sql.relay.claim_due, _CLAIM_DUE),
-    "claim_and_mark_due": (sql.relay.claim_and_mark_due, _CLAIM_AND_MARK_DUE),
-}
-
-
-@pytest.fixture(params=sorted(STATEMENTS))
-def statement(request: pytest.FixtureRequest) -> str:
-    """The claim alone, and the claim with the mark the relay runs."""
-    name: str = request.param
-    return name
-
-
-def _claim(
-    engine: Engine, statement: str, *, limit: int, republish_after_s: float = 30
-) -> list[str]:
+def _claim(engine: Engine, *, limit: int, republish_after_s: float = 30) -> list[str]:
     """One claim in its own transaction, rolled back: the intent keys, in the claim's order."""
-    claim, _ = STATEMENTS[statement]
     with engine.connect() as conn, conn.begin() as tx:
-        claimed = claim(conn, limit=limit, republish_after_s=republish_after_s)
+        claimed = sql.relay.claim_and_mark_due(
+            conn, limit=limit, republish_after_s=republish_after_s
+        )
         tx.rollback()
     return _keys(engine, [c.id for c in claimed])
 
 
-def _plan(engine: Engine, statement: str, *, analyze: bool) -> dict[str, Any]:
+def _plan(engine: Engine, *, analyze: bool) -> dict[str, Any]:
     options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
-    _, driver_statement = STATEMENTS[statement]
     with engine.connect() as conn, conn.begin() as tx:
         plan = conn.execute(
-            text(f"EXPLAIN ({options}) {driver_statement.clause}"),
+            text(f"EXPLAIN ({options}) {_CLAIM_AND_MARK_DUE.clause}"),
             {"limit": 200, "republish_after": 30, "hold_back": 0},
         ).scalar_one()
         tx.rollback()
@@ -121,14 +101,14 @@ def _scans(node: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def test_new_rows_come_first_and_the_backlog_is_left_until_republish_after(
-    engine: Engine, statement: str
+    engine: Engine,
 ) -> None:
     """Behind thousands of rows published and waiting for a worker, the claim returns the
     never-published rows first (even before older lost messages), then the lost ones, and
     none of the backlog until republish_after has passed for it."""
     _backlog(engine)
-    assert _claim(engine, statement, limit=4) == ["new-1", "new-2", "new-3", "lost-1"]
-    assert _claim(engine, statement, limit=200) == [
+    assert _claim(engine, limit=4) == ["new-1", "new-2", "new-3", "lost-1"]
+    assert _claim(engine, limit=200) == [
         "new-1",
         "new-2",
         "new-3",
@@ -142,16 +122,16 @@ def test_new_rows_come_first_and_the_backlog_is_left_until_republish_after(
                 " WHERE intent_key LIKE 'backlog-%'"
             )
         )
-    claimed = _claim(engine, statement, limit=200)
+    claimed = _claim(engine, limit=200)
     assert claimed[:5] == ["new-1", "new-2", "new-3", "lost-1", "lost-2"]
     assert claimed[5:] == [f"backlog-{g}" for g in range(1, 196)]
 
 
 def test_two_claims_at_once_take_disjoint_rows_from_both_halves(
-    engine: Engine, statement: str
+    engine: Engine,
 ) -> None:
     """A claim's row locks hold both halves: a second claim skips them and takes the rest."""
-    claim, _ = STATEMENTS[statement]
+    claim = sql.relay.claim_and_mark_due
     _backlog(engine)
     with engine.connect() as first, first.begin():
         mine = claim(first, limit=4, republish_after_s=30)
@@ -162,20 +142,20 @@ def test_two_claims_at_once_take_disjoint_rows_from_both_halves(
 
 
 def test_the_claim_reads_each_half_from_its_own_index_not_the_backlog(
-    engine: Engine, statement: str
+    engine: Engine,
 ) -> None:
     """The plan scans the two partial indexes of migration 0022, and the claim reads a few
     buffers, not one per row of the backlog (the single scan of `ix_operations_planned_due`
     fetched every backlog row from the heap to test its published_at)."""
     _backlog(engine)
-    scans = _scans(_plan(engine, statement, analyze=False))
+    scans = _scans(_plan(engine, analyze=False))
     # The mark reads the claimed rows back from the CTE and updates them by primary key.
     scans = [scan for scan in scans if scan not in _MARK_SCANS]
     assert sorted(scans) == [
         ("Index Scan", "ix_operations_planned_published"),
         ("Index Scan", "ix_operations_planned_unpublished"),
     ]
-    top = _plan(engine, statement, analyze=True)
+    top = _plan(engine, analyze=True)
     buffers = top["Shared Hit Blocks"] + top["Shared Read Blocks"]
     assert top["Actual Rows"] == 5
     assert buffers < 100, f"the claim read {buffers} buffers for 5 rows beside a backlog"

@@ -245,8 +245,9 @@ def test_only_the_first_step_is_due_the_later_ones_are_held(engine: Engine) -> N
     assert release.intent_key == "saga:6:s-held:step:release"
     assert release.metadata == {"saga": "s-held", "saga_step": "release"}
     assert release.requested_by == "agent-7"
-    with engine.begin() as conn:  # the relay publishes only the due step
-        claimed = sql.relay.claim_due(conn, limit=10, republish_after_s=60)
+    with engine.connect() as conn, conn.begin() as tx:  # the relay publishes only the due step
+        claimed = sql.relay.claim_and_mark_due(conn, limit=10, republish_after_s=60)
+        tx.rollback()
     assert [c.id for c in claimed] == [release.id]
 
 
@@ -637,8 +638,9 @@ def test_a_held_step_approved_early_stays_held(engine: Engine) -> None:
         approved = outbox.approve(session, point.id, by="alice", payload_hash=point.payload_hash)
     assert approved.state is State.PLANNED
     assert approved.available_at >= HELD_UNTIL
-    with engine.begin() as conn:
-        claimed = sql.relay.claim_due(conn, limit=10, republish_after_s=60)
+    with engine.connect() as conn, conn.begin() as tx:
+        claimed = sql.relay.claim_and_mark_due(conn, limit=10, republish_after_s=60)
+        tx.rollback()
     assert [c.id for c in claimed] == [release.id]
     advance(engine, "s-approve")
     assert is_held(engine, point.id)
