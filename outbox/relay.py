@@ -210,10 +210,12 @@ class Relay:
                         self._stop.wait(self.config.poll_interval_s)
                         continue
                     if self.standing_by and result.claimed < self.config.batch_size:
-                        # The workers take due rows themselves and ring no relay: the flag
-                        # down (enqueue rings the workers'), a poll now and then.
+                        # The workers take due rows themselves: the flag down (enqueue rings
+                        # the workers'), a poll now and then, and a ring for them if a row
+                        # became due that no commit rang for (a backoff ended).
                         in_a_row = 0
                         bell.announce(idle=False)
+                        bell.ring_takers()
                         self._stop.wait(self.config.poll_interval_s)
                         bell.drain()
                         continue
@@ -365,6 +367,11 @@ class _Bell:
     def live_takers(self, *, heartbeat_within_s: float) -> bool:
         """Whether a worker taking directly heartbeat within ``heartbeat_within_s``."""
         return sql.relay.live_takers(self._connection(), heartbeat_within_s=heartbeat_within_s)
+
+    def ring_takers(self) -> None:
+        """Ring enqueue's bell if a due row was never published (the workers taking directly
+        poll only every few seconds; a backoff's end rings nothing)."""
+        sql.relay.ring_if_due_unpublished(self._connection())
 
     def drain(self) -> None:
         """Forget the bells rung meanwhile (a relay standing by does not wait on them)."""

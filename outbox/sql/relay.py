@@ -192,6 +192,21 @@ def live_takers(executor: Executor, *, heartbeat_within_s: float) -> bool:
     return bool(row.scalar_one())
 
 
+# Rings enqueue's bell (the channel's name written out: see outbox.sql.notify) when some due
+# row was never published: a relay standing by wakes the workers for a row whose backoff
+# ended, which no commit rang for (they poll only every OUTBOX_BROKER_POLL_INTERVAL).
+_RING_IF_DUE_UNPUBLISHED = text(
+    "SELECT pg_notify('outbox_planned', '') WHERE EXISTS (SELECT FROM outbox.operations "
+    "WHERE state = 'planned' AND available_at <= statement_timestamp() AND published_at IS NULL)"
+)
+
+
+def ring_if_due_unpublished(executor: Executor) -> None:
+    """NOTIFY enqueue's bell if some due ``planned`` row has never been published (sent with
+    the caller's commit: at once in autocommit mode)."""
+    executor.execute(_RING_IF_DUE_UNPUBLISHED)
+
+
 _FORGET_RELAY = text("DELETE FROM outbox.relays WHERE name = :name")
 
 

@@ -246,3 +246,29 @@ def test_a_relay_stands_by_while_a_taker_lives(
         assert not sql.relay.live_takers(conn, heartbeat_within_s=30)
     publisher.close()
     assert _published(engine) == {fresh: True, old: True}
+
+
+def test_a_relay_standing_by_rings_the_workers_for_a_row_no_commit_rang_for(
+    app: Celery, engine: Engine, database_url: str
+) -> None:
+    """A row due with nobody rung for it (enqueued while no flag was up; or a backoff that
+    ended): a relay standing by does not claim it, it rings enqueue's bell so that the
+    workers, who otherwise poll only every few seconds, take it now."""
+    (op_id,) = _enqueue(engine, 1)  # no flag up yet: no bell
+    with engine.begin() as conn:
+        sql.relay.announce_relay(conn, f"{sql.relay.TAKER_PREFIX}test", pid=1, host="h", idle=True)
+    bell = Doorbell(database_url, planned=lambda: True)
+    publisher = CeleryPublisher(app, engine=engine)
+    relay = Relay(engine, publisher, RelayConfig(poll_interval_s=0.2, standby_hold_back_s=60))
+    runner = threading.Thread(target=relay.run_forever)
+    try:
+        assert bell.wait_listening(10)
+        bell.clear()
+        runner.start()
+        assert bell.wait(10), "the standing-by relay rang no bell for the due row"
+        assert relay.standing_by
+    finally:
+        relay.stop()
+        runner.join(10)
+        bell.close()
+    assert _published(engine) == {op_id: False}

@@ -228,7 +228,11 @@ def test_each_listen_names_its_channel() -> None:
     assert (
         _flat(notify._LISTEN_UNKNOWN_OPERATION.text) == f"LISTEN {notify.UNKNOWN_OPERATION_CHANNEL}"
     )
-    for rung in (sql.intents._INSERT_INTENT.sql, sql.intents._INSERT_INTENTS.text):
+    for rung in (
+        sql.intents._INSERT_INTENT.sql,
+        sql.intents._INSERT_INTENTS.text,
+        sql.relay._RING_IF_DUE_UNPUBLISHED.text,
+    ):
         assert f"pg_notify('{notify.PLANNED_CHANNEL}', '')" in rung
 
 
