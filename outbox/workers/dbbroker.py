@@ -77,6 +77,9 @@ BUSY_AFTER_TAKES = 16
 #: A worker taking directly looks at its queues' messages before the outbox once in this
 #: many takes (otherwise after it): a backlog of operations never starves them.
 MESSAGES_FIRST_EVERY = 4
+#: Direct takes in a row that each found work after which a take claims a message's worth
+#: of operations (``OUTBOX_OPS_PER_MESSAGE``) instead of one.
+BATCH_AFTER_TAKES = 4
 #: How often a worker taking directly refreshes its flag's heartbeat (a relay's, likewise).
 TAKER_HEARTBEAT_S = 10.0
 
@@ -88,9 +91,10 @@ class DirectSource(Protocol):
     #: The broker queue whose messages these stand in for (this deployment's dispatch queue).
     queue: str
 
-    def take(self, conn: Connection, channel: Channel) -> Any | None:
-        """Claim one due operation on ``conn`` (autocommit) and return its message as
-        ``channel`` would deliver it; None if none is due."""
+    def take(self, conn: Connection, channel: Channel, *, batch: bool) -> Any | None:
+        """Claim the next due operation on ``conn`` (autocommit; with ``batch``, up to a
+        message's worth) and return its message as ``channel`` would deliver it; None if none
+        is due."""
         ...
 
     def announce(self, conn: Connection, *, idle: bool) -> None:
@@ -205,7 +209,7 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
         try:
             taker = self._taker_connection()
             if direct is not None and direct_first:
-                message = direct.take(taker, self)
+                message = self._take_direct(direct, taker)
                 if message is not None:
                     return direct.queue, message
             taken = sql.broker.take_message(taker, list(ids))
@@ -213,7 +217,7 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
                 queue_id, payload = taken
                 return ids[queue_id], loads(payload)
             if direct is not None and not direct_first:
-                message = direct.take(taker, self)
+                message = self._take_direct(direct, taker)
                 if message is not None:
                     return direct.queue, message
         except OperationalError:
@@ -221,6 +225,17 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
             self._close_taker()
             raise
         raise Empty()
+
+    #: Direct takes in a row that found work: from :data:`BATCH_AFTER_TAKES` on, a backlog.
+    _streak = 0
+
+    def _take_direct(self, direct: DirectSource, taker: Connection) -> Any | None:
+        """One direct take: a single operation while each finds at most one (the steady
+        path: one message per operation, each to a free thread), a message naming several
+        once takes keep finding work (a backlog: fewer statements and messages for it)."""
+        message = direct.take(taker, self, batch=self._streak >= BATCH_AFTER_TAKES)
+        self._streak = self._streak + 1 if message is not None else 0
+        return message
 
     @contextlib.contextmanager
     def capture(self, queue: str) -> Iterator[list[Any]]:

@@ -59,14 +59,19 @@ class DirectDispatch:
     queue: str
     #: A stamped row still ``planned`` after this is claimed again (its worker died).
     republish_after_s: float
+    #: Operations one message may name, taken at once through a backlog.
+    ops_per_message: int = 1
     name: str = field(default_factory=taker_name)
     _producers: dict[int, Producer] = field(default_factory=dict, repr=False)
 
-    def take(self, conn: Connection, channel: dbbroker.Channel) -> Any | None:
-        """Claim the next due operation on ``conn`` (autocommit: the stamp commits here) and
-        return its dispatch message as ``channel`` would deliver it; None if none is due."""
+    def take(self, conn: Connection, channel: dbbroker.Channel, *, batch: bool) -> Any | None:
+        """Claim the next due operation on ``conn`` (autocommit: the stamps commit here; with
+        ``batch``, up to :attr:`ops_per_message` of them) and return their dispatch message as
+        ``channel`` would deliver it; None if none is due."""
         claimed = sql.relay.claim_and_mark_due(
-            conn, limit=1, republish_after_s=self.republish_after_s
+            conn,
+            limit=self.ops_per_message if batch else 1,
+            republish_after_s=self.republish_after_s,
         )
         if not claimed:
             return None
@@ -122,5 +127,12 @@ def _take_directly(sender: Any = None, **_: object) -> None:
         dbbroker.take_directly(None)
         return
     app = sender.app
-    dbbroker.take_directly(DirectDispatch(app, dispatch_queue(app), settings.republish_after))
+    dbbroker.take_directly(
+        DirectDispatch(
+            app,
+            dispatch_queue(app),
+            settings.republish_after,
+            ops_per_message=settings.ops_per_message,
+        )
+    )
     log.info("taking due operations directly from the outbox (database broker)")

@@ -272,3 +272,25 @@ def test_a_relay_standing_by_rings_the_workers_for_a_row_no_commit_rang_for(
         runner.join(10)
         bell.close()
     assert _published(engine) == {op_id: False}
+
+
+def test_a_backlog_is_taken_a_message_s_worth_at_a_time(database_url: str, engine: Engine) -> None:
+    """While takes keep finding work, a take claims up to ops_per_message operations into one
+    message; the first ones (and a steady trickle) name one each. Every operation once."""
+    celery = _app(database_url)
+    dbbroker.take_directly(
+        DirectDispatch(celery, dispatch_queue(celery), REPUBLISH_AFTER_S, ops_per_message=4)
+    )
+    try:
+        ids = _enqueue(engine, 30)
+        got = _consume(celery, ("dispatch",), limit=30, timeout=1.0)
+    finally:
+        dbbroker.take_directly(None)
+    named = [
+        kwargs["operation_ids"] if "operation_ids" in kwargs else [kwargs["operation_id"]]
+        for _, kwargs in got
+    ]
+    sizes = [len(ops) for ops in named]
+    assert sizes[: dbbroker.BATCH_AFTER_TAKES] == [1] * dbbroker.BATCH_AFTER_TAKES
+    assert max(sizes) == 4
+    assert sorted(op for ops in named for op in ops) == sorted(ids)
