@@ -253,10 +253,12 @@ class Relay:
 
     def _check_takers(self, bell: _Bell) -> None:
         """Stand by while a worker takes due operations directly (its flag's heartbeat is
-        fresh), looked up once a heartbeat interval."""
+        fresh): looked up every poll interval until one is seen (workers starting beside the
+        relay), then once a heartbeat interval (to notice they are gone)."""
         now = time.monotonic()
         checked = self._takers_checked_at
-        if checked is not None and now - checked < self.config.heartbeat_s:
+        every = self.config.heartbeat_s if self.standing_by else self.config.poll_interval_s
+        if checked is not None and now - checked < every:
             return
         standing_by = bell.live_takers(heartbeat_within_s=3 * self.config.heartbeat_s)
         self._takers_checked_at = now

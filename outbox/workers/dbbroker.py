@@ -233,6 +233,10 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
         """One direct take: a single operation while each finds at most one (the steady
         path: one message per operation, each to a free thread), a message naming several
         once takes keep finding work (a backlog: fewer statements and messages for it)."""
+        if self._idle is None:
+            # Known as a taker from the first take on, busy until a look finds nothing:
+            # relays stand by at once, also while a backlog keeps the flag from going up.
+            self.announce(idle=False)
         message = direct.take(taker, self, batch=self._streak >= BATCH_AFTER_TAKES)
         self._streak = self._streak + 1 if message is not None else 0
         return message
