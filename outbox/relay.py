@@ -268,7 +268,10 @@ class Relay:
                 "standing by: workers take due operations directly"
                 if standing_by
                 else "claiming at once: no worker takes directly",
-                extra={"action": Action.RELAY_STANDBY, "standing_by": standing_by},
+                extra={
+                    "action": Action.RELAY_STANDBY,
+                    "mode": "standing_by" if standing_by else "claiming",
+                },
             )
         self.standing_by = standing_by
 
