@@ -138,7 +138,7 @@ class Relay:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._stop = threading.Event()
 
-        #: Whether a worker takes due operations directly (checked every heartbeat).
+        #: Whether a worker takes due operations directly (:meth:`_check_takers`).
         self.standing_by = False
         self._takers_checked_at: float | None = None
 

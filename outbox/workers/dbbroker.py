@@ -32,7 +32,8 @@ connection of its own.
 
 On the database broker in the outbox's own database a worker goes further still (change 38):
 the channel that consumes the dispatch queue takes due operations from ``outbox.operations``
-itself, alternately with the queues' messages, through a :class:`DirectSource`
+itself, before the queues' messages (after them once in a few takes), through a
+:class:`DirectSource`
 (:mod:`outbox.workers.direct` sets one in a starting worker). Such a worker keeps an idle flag
 in ``outbox.relays``, as a relay does, so that enqueue's bell wakes it, and the relay stands by.
 """
@@ -161,7 +162,7 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
 
     #: The autocommit connection messages are taken on, opened by the first take.
     _taker: Connection | None = None
-    #: Takes so far (the direct source and the messages go first by turns).
+    #: Takes so far (the messages go first on every MESSAGES_FIRST_EVERY-th).
     _takes = 0
     #: Inside :meth:`capture`: the messages published to the queue named, not stored.
     _captured: list[Any] | None = None
@@ -382,11 +383,16 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
 
     def _size(self, queue: str) -> int:
         """The messages waiting on ``queue`` (a declare's count), kombu's session's
-        transaction ended after the count (kombu leaves it open)."""
+        transaction ended after the count (kombu leaves it open). A failed count is rolled
+        back and raised as it came (a commit there would hide kombu's connection error)."""
         try:
-            return int(super()._size(queue))
-        finally:
-            self.session.commit()
+            count = int(super()._size(queue))
+        except BaseException:
+            with contextlib.suppress(Exception):  # the connection may be gone already
+                self.session.rollback()
+            raise
+        self.session.commit()
+        return count
 
     def _get_or_create(self, queue: str) -> Any:
         try:

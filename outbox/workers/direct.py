@@ -62,7 +62,9 @@ class DirectDispatch:
     #: Operations one message may name, taken at once through a backlog.
     ops_per_message: int = 1
     name: str = field(default_factory=taker_name)
-    _producers: dict[int, Producer] = field(default_factory=dict, repr=False)
+    #: The producer of the channel last taken for (a worker consumes on one channel; a new
+    #: one after a reconnect replaces it).
+    _producer_of: tuple[dbbroker.Channel, Producer] | None = field(default=None, repr=False)
 
     def take(self, conn: Connection, channel: dbbroker.Channel, *, batch: bool) -> Any | None:
         """Claim the next due operation on ``conn`` (autocommit: the stamps commit here; with
@@ -85,11 +87,9 @@ class DirectDispatch:
         return message
 
     def _producer(self, channel: dbbroker.Channel) -> Producer:
-        producer = self._producers.get(id(channel))
-        if producer is None or producer.channel is not channel:
-            producer = self.app.amqp.Producer(channel, auto_declare=False)
-            self._producers[id(channel)] = producer
-        return producer
+        if self._producer_of is None or self._producer_of[0] is not channel:
+            self._producer_of = (channel, self.app.amqp.Producer(channel, auto_declare=False))
+        return self._producer_of[1]
 
     def announce(self, conn: Connection, *, idle: bool) -> None:
         """Write this worker's idle flag and heartbeat (``outbox.relays``)."""
