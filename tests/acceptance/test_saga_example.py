@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Engine
 
 from outbox.dev.service import DeployService
 from tests import saga_stack
@@ -48,7 +49,7 @@ def _example(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str
 
 @pytest.mark.timeout(240)
 def test_the_saga_example_completes_or_undoes_both_releases_once(
-    services: Services, stack_env: dict[str, str], service: DeployService
+    engine: Engine, services: Services, stack_env: dict[str, str], service: DeployService
 ) -> None:
     """Completed: two releases, no rollback. Refused last step: the two releases rolled
     back, the second first; the same key again changes nothing at the service."""
