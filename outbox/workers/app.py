@@ -83,8 +83,14 @@ def celery_settings(
 ) -> dict[str, Any]:
     """The Celery configuration for ``settings`` in ``deployment`` (a plain dict, for tests
     and docs; :func:`outbox.deployment.deployment_name` gives the deployment)."""
+    url = broker_url(settings)
+    # The database broker carries no events to another process (kombu's virtual exchanges
+    # and bindings live in each process's memory): nobody could read them, so none are sent,
+    # whatever OUTBOX_TASK_EVENTS says. Each cost every message four events built and routed
+    # to nowhere (sent, received, started, succeeded).
+    task_events = settings.task_events and not uses_database_broker(url)
     conf: dict[str, Any] = {
-        "broker_url": broker_url(settings),
+        "broker_url": url,
         "broker_connection_retry_on_startup": True,
         # JSON only: a message is an operation id, never code.
         "task_serializer": "json",
@@ -117,9 +123,9 @@ def celery_settings(
         "task_time_limit": min(time_limit_s or MAX_TIME_LIMIT_S, MAX_TIME_LIMIT_S),
         "worker_hijack_root_logger": False,
         # Flower's task pages read these events; each costs a publish per task and state
-        # (sent, received, started, succeeded), so operators may turn them off.
-        "worker_send_task_events": settings.task_events,
-        "task_send_sent_event": settings.task_events,
+        # (sent, received, started, succeeded), so operators may turn them off (RabbitMQ).
+        "worker_send_task_events": task_events,
+        "task_send_sent_event": task_events,
     }
     if settings.broker_url is None:
         conf["broker_transport_options"] = {

@@ -231,11 +231,12 @@ def test_a_batch_is_grouped_in_order_into_bounded_messages() -> None:
 def test_task_events_are_on_by_default_and_can_be_turned_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Flower's task events are sent unless OUTBOX_TASK_EVENTS turns them off, for the
-    workers (received, started, succeeded) and the relay (sent) alike."""
+    """Flower's task events are sent on RabbitMQ unless OUTBOX_TASK_EVENTS turns them off,
+    for the workers (received, started, succeeded) and the relay (sent) alike."""
     # A database URL of its own: with none, the database broker's URL would be looked up
     # from an embedded server this unit test must not need.
     monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://u@db/outbox")
+    monkeypatch.setenv("OUTBOX_BROKER_URL", "amqp://guest:guest@mq:5672//")
     on = celery_settings(load_settings(), deployment="unit")
     assert on["worker_send_task_events"] is True
     assert on["task_send_sent_event"] is True
@@ -243,6 +244,23 @@ def test_task_events_are_on_by_default_and_can_be_turned_off(
     off = celery_settings(load_settings(), deployment="unit")
     assert off["worker_send_task_events"] is False
     assert off["task_send_sent_event"] is False
+
+
+@pytest.mark.parametrize("broker", [None, "outboxdb+postgresql+psycopg://u@db/outbox"])
+def test_no_task_events_on_the_database_broker(
+    monkeypatch: pytest.MonkeyPatch, broker: str | None
+) -> None:
+    """The database broker carries no events to another process (kombu's exchanges live in
+    each process's memory): none are sent, whatever OUTBOX_TASK_EVENTS says."""
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://u@db/outbox")
+    if broker is None:
+        monkeypatch.delenv("OUTBOX_BROKER_URL", raising=False)
+    else:
+        monkeypatch.setenv("OUTBOX_BROKER_URL", broker)
+    monkeypatch.setenv("OUTBOX_TASK_EVENTS", "true")
+    conf = celery_settings(load_settings(), deployment="unit")
+    assert conf["worker_send_task_events"] is False
+    assert conf["task_send_sent_event"] is False
 
 
 def test_task_events_value_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
