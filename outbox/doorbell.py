@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import psycopg
 from sqlalchemy.engine import make_url
@@ -31,6 +31,14 @@ BROKER_CHANNEL = notify_sql.BROKER_CHANNEL
 _RECONNECT_FIRST_S = 0.05
 _RECONNECT_MAX_S = 2.0
 
+#: What a ring says may be waiting: a message (a publish's NOTIFY) or a due operation
+#: (enqueue's). A ring of no NOTIFY (a slot freed, a connection (re)opened) says both.
+MESSAGES = "messages"
+PLANNED = "planned"
+EVERYTHING: frozenset[str] = frozenset({MESSAGES, PLANNED})
+#: A ring that only wakes the waiter (a prefetch slot freed: look where it was already due).
+NOTHING_NEW: frozenset[str] = frozenset()
+
 # How long the listening thread blocks on its connection before it looks whether it was
 # closed: a wake-up of a thread, not a statement.
 _LISTEN_TICK_S = 5.0
@@ -39,6 +47,12 @@ _LISTEN_TICK_S = 5.0
 def libpq_url(url: str) -> str:
     """A SQLAlchemy PostgreSQL URL (``postgresql+psycopg://…``) as psycopg connects to it."""
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+_WHAT_RANG = {
+    notify_sql.BROKER_CHANNEL: frozenset({MESSAGES}),
+    notify_sql.PLANNED_CHANNEL: frozenset({PLANNED}),
+}
 
 
 class Doorbell:
@@ -57,22 +71,37 @@ class Doorbell:
         # (outbox.workers.direct), known once its consumers are set up.
         self._planned = planned
         self._event = threading.Event()
+        # What rang since the last take(): the consumer looks only there (a worker woken by
+        # enqueue's bell need not look at the message table too).
+        self._rang: set[str] = set()
+        self._rang_lock = threading.Lock()
         self._closed = threading.Event()
         self._listening = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
-    def ring(self) -> None:
-        """Wake the waiter now (a slot freed, a notification came)."""
-        self._event.set()
+    def ring(self, what: Iterable[str] = EVERYTHING) -> None:
+        """Wake the waiter now (a slot freed, a notification came), saying ``what`` may be
+        waiting (:data:`MESSAGES`, :data:`PLANNED`; by default both)."""
+        with self._rang_lock:
+            self._rang.update(what)
+            self._event.set()
 
     def rung(self) -> bool:
-        """Whether it was rung since the last :meth:`clear`."""
+        """Whether it was rung since the last :meth:`clear` or :meth:`take`."""
         return self._event.is_set()
 
     def clear(self) -> None:
         """Forget earlier rings: call before polling, so a ring during the poll still wakes."""
-        self._event.clear()
+        self.take()
+
+    def take(self) -> frozenset[str]:
+        """What rang since the last take (empty if nothing), forgotten: call before polling,
+        so a ring during the poll still wakes."""
+        with self._rang_lock:
+            self._event.clear()
+            rang, self._rang = frozenset(self._rang), set()
+        return rang
 
     def wait(self, timeout: float) -> bool:
         """Sleep until rung or ``timeout`` seconds passed; whether it was rung."""
@@ -96,7 +125,7 @@ class Doorbell:
     def close(self) -> None:
         """Stop the listening thread (within a few seconds; it is a daemon regardless)."""
         self._closed.set()
-        self._event.set()
+        self.ring()
 
     def _run(self) -> None:
         delay = _RECONNECT_FIRST_S
@@ -110,14 +139,14 @@ class Doorbell:
                     )
                     self._listening.set()
                     # A message may have come while no connection listened: poll now.
-                    self._event.set()
+                    self.ring()
                     delay = _RECONNECT_FIRST_S
                     while not self._closed.is_set():
-                        for _ in conn.notifies(timeout=_LISTEN_TICK_S, stop_after=1):
-                            self._event.set()
+                        for notify in conn.notifies(timeout=_LISTEN_TICK_S, stop_after=1):
+                            self.ring(_WHAT_RANG.get(notify.channel, EVERYTHING))
             except psycopg.Error as exc:
                 self._listening.clear()
-                self._event.set()  # until it listens again, the waiter polls
+                self.ring()  # until it listens again, the waiter polls
                 log.debug("broker doorbell lost its connection: %s", type(exc).__name__)
                 self._closed.wait(delay)
                 delay = min(delay * 2, _RECONNECT_MAX_S)

@@ -48,10 +48,14 @@ class ClaimedIntent:
 # is computed once however often it is referenced), in the claim's order (never published by
 # due time, then republished by their last publish). The update finds them by primary key
 # (`= ANY(ARRAY(...))`): written as a join, the planner hashed the whole table for it.
+# A worker taking directly looks one row further (:look = :limit + 1) and claims only :limit:
+# `seen` then says whether more is due, so a take that emptied the queue is not followed by a
+# look that finds nothing (the row looked at is locked only while the autocommit statement
+# runs; whoever skipped it meanwhile did not claim it, and the one that saw it looks again).
 _CLAIM_AND_MARK_DUE = DriverStatement.of(
     text(
         """
-    WITH claimed AS (
+    WITH candidates AS (
         SELECT id, tool, target, traceparent, tracestate, published_at, 0 AS half,
                available_at AS turn
         FROM (
@@ -60,7 +64,7 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
             WHERE state = 'planned' AND published_at IS NULL
               AND available_at <= statement_timestamp() - make_interval(secs => :hold_back)
             ORDER BY available_at
-            LIMIT :limit
+            LIMIT :look
             FOR UPDATE SKIP LOCKED
         ) AS never_published
         UNION ALL
@@ -73,22 +77,25 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
               AND published_at <= statement_timestamp() - make_interval(secs => :republish_after)
               AND available_at <= statement_timestamp()
             ORDER BY published_at
-            LIMIT :limit
+            LIMIT :look
             FOR UPDATE SKIP LOCKED
         ) AS republish
-        LIMIT :limit
+        LIMIT :look
+    ), claimed AS (
+        SELECT * FROM candidates ORDER BY half, turn LIMIT :limit
     ), marked AS (
         UPDATE outbox.operations SET published_at = clock_timestamp()
         WHERE id = ANY(ARRAY(SELECT id FROM claimed))
         RETURNING id
     )
     SELECT c.id, c.tool, c.target, c.traceparent, c.tracestate,
-           c.published_at AS previous_published_at
+           c.published_at AS previous_published_at,
+           (SELECT count(*) FROM candidates) AS seen
     FROM claimed AS c JOIN marked AS m ON m.id = c.id
     ORDER BY c.half, c.turn
     """
     ),
-    ["id", "tool", "target", "traceparent", "tracestate", "previous_published_at"],
+    ["id", "tool", "target", "traceparent", "tracestate", "previous_published_at", "seen"],
 )
 
 
@@ -111,11 +118,36 @@ def claim_and_mark_due(
     ``hold_back_s``: rows never published are claimed only once due for that long (a relay
     standing by while workers take them directly, :mod:`outbox.workers.direct`).
     """
+    return _claim_and_mark(executor, limit, limit, republish_after_s, hold_back_s).claimed
+
+
+@dataclass(frozen=True, slots=True)
+class DueTake:
+    """What :func:`take_due` claimed, and whether more was due besides."""
+
+    claimed: list[ClaimedIntent]
+    more: bool
+
+
+def take_due(executor: Executor, *, limit: int, republish_after_s: float) -> DueTake:
+    """:func:`claim_and_mark_due` for a worker taking directly (autocommit): up to ``limit``
+    rows, and whether another one was due (looked at in the same statement, not claimed)."""
+    return _claim_and_mark(executor, limit, limit + 1, republish_after_s, 0.0)
+
+
+def _claim_and_mark(
+    executor: Executor, limit: int, look: int, republish_after_s: float, hold_back_s: float
+) -> DueTake:
     rows = _CLAIM_AND_MARK_DUE.fetch_all(
         executor,
-        {"limit": limit, "republish_after": republish_after_s, "hold_back": hold_back_s},
+        {
+            "limit": limit,
+            "look": look,
+            "republish_after": republish_after_s,
+            "hold_back": hold_back_s,
+        },
     )
-    return [
+    claimed = [
         ClaimedIntent(
             row["id"],
             row["tool"],
@@ -126,6 +158,7 @@ def claim_and_mark_due(
         )
         for row in rows
     ]
+    return DueTake(claimed, bool(rows) and rows[0]["seen"] > len(rows))
 
 
 _UNMARK_PUBLISHED = text(

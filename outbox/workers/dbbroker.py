@@ -36,6 +36,13 @@ itself, before the queues' messages (after them once in a few takes), through a
 :class:`DirectSource`
 (:mod:`outbox.workers.direct` sets one in a starting worker). Such a worker keeps an idle flag
 in ``outbox.relays``, as a relay does, so that enqueue's bell wakes it, and the relay stands by.
+
+A channel looks only where something may be waiting (its ``_due``): where the doorbell says a
+commit rang (a publish's NOTIFY: the messages; enqueue's: the outbox), where its last look
+found something and more may follow, and everywhere at each poll interval and after a ring of
+no NOTIFY (a freed slot, a reconnect). On the steady path a worker woken by enqueue then makes
+one statement, its take, not a take and a look at the messages and, after it found the
+operation, both again to find nothing (issue 35).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from queue import Empty
 from time import monotonic
 from typing import Any, Protocol
@@ -56,7 +64,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from outbox import sql
-from outbox.doorbell import Doorbell
+from outbox.doorbell import EVERYTHING, MESSAGES, NOTHING_NEW, PLANNED, Doorbell
 from outbox.locks import advisory_key
 
 # kombu's models use lazy="noload", which SQLAlchemy 2.1 deprecates; nothing we can act on.
@@ -85,6 +93,14 @@ BATCH_AFTER_TAKES = 4
 TAKER_HEARTBEAT_S = 10.0
 
 
+@dataclass(frozen=True, slots=True)
+class DirectTake:
+    """What a direct take found: its message (None: nothing due), and whether more was due."""
+
+    message: Any | None
+    more: bool = False
+
+
 class DirectSource(Protocol):
     """Due operations taken straight from the outbox, as messages of one queue
     (:class:`outbox.workers.direct.DirectDispatch`)."""
@@ -92,10 +108,10 @@ class DirectSource(Protocol):
     #: The broker queue whose messages these stand in for (this deployment's dispatch queue).
     queue: str
 
-    def take(self, conn: Connection, channel: Channel, *, batch: bool) -> Any | None:
+    def take(self, conn: Connection, channel: Channel, *, batch: bool) -> DirectTake:
         """Claim the next due operation on ``conn`` (autocommit; with ``batch``, up to a
-        message's worth) and return its message as ``channel`` would deliver it; None if none
-        is due."""
+        message's worth): its message as ``channel`` would deliver it, and whether more is
+        due."""
         ...
 
     def announce(self, conn: Connection, *, idle: bool) -> None:
@@ -172,6 +188,9 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
     _idle: bool | None = None
     _announced_at = 0.0
     _flagged_by: DirectSource | None = None
+    #: Where a look may find something (doorbell.MESSAGES, doorbell.PLANNED): what rang since
+    #: this channel last looked there, and what its last look found (more may follow).
+    _due: frozenset[str] = EVERYTHING
 
     def _taker_connection(self) -> Connection:
         if self._taker is None:
@@ -196,33 +215,47 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
             return None
         return direct
 
-    def _take(self, queues: list[str]) -> tuple[str, Any]:
+    def mark_due(self, what: frozenset[str]) -> None:
+        """Look at ``what`` (doorbell.MESSAGES, doorbell.PLANNED) at the next poll."""
+        self._due = self._due | what
+
+    def _take(self, queues: list[str], due: frozenset[str] = EVERYTHING) -> tuple[str, Any]:
         """Remove the oldest message of ``queues``: ``(queue, message)``; Empty if none.
+        Only what ``due`` names is looked at; what remains due afterwards is in ``_due``.
 
         Consuming the direct source's queue, a due operation taken from the outbox is one
         too, looked for first (the steady path's latency), except on every
         :data:`MESSAGES_FIRST_EVERY`-th take, so that a backlog of operations does not starve
         the messages (the other queues', a relay's)."""
-        ids = {self._queue_id(queue): queue for queue in queues}
         direct = _direct if _direct is not None and _direct.queue in queues else None
+        look_direct = direct is not None and PLANNED in due
+        look_messages = MESSAGES in due
+        # What a look finds nothing in is not due until it rings again (or the next poll);
+        # where a look found something stays due, and so does what was not looked at.
+        self._due = due - {MESSAGES, PLANNED}
         self._takes += 1
-        direct_first = direct is not None and self._takes % MESSAGES_FIRST_EVERY != 0
+        direct_first = self._takes % MESSAGES_FIRST_EVERY != 0
         try:
             taker = self._taker_connection()
-            if direct is not None and direct_first:
+            if direct is not None and look_direct and direct_first:
                 message = self._take_direct(direct, taker)
                 if message is not None:
+                    self._due |= due & {MESSAGES}
                     return direct.queue, message
-            taken = sql.broker.take_message(taker, list(ids))
-            if taken is not None:
-                queue_id, payload = taken
-                return ids[queue_id], loads(payload)
-            if direct is not None and not direct_first:
+            if look_messages:
+                ids = {self._queue_id(queue): queue for queue in queues}
+                taken = sql.broker.take_message(taker, list(ids))
+                if taken is not None:
+                    self._due |= due & {MESSAGES, PLANNED}
+                    queue_id, payload = taken
+                    return ids[queue_id], loads(payload)
+            if direct is not None and look_direct and not direct_first:
                 message = self._take_direct(direct, taker)
                 if message is not None:
                     return direct.queue, message
         except OperationalError:
             # kombu's connection error: Celery reconnects, and we open a new one.
+            self._due = EVERYTHING
             self._close_taker()
             raise
         raise Empty()
@@ -238,9 +271,11 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
             # Known as a taker from the first take on, busy until a look finds nothing:
             # relays stand by at once, also while a backlog keeps the flag from going up.
             self.announce(idle=False)
-        message = direct.take(taker, self, batch=self._streak >= BATCH_AFTER_TAKES)
-        self._streak = self._streak + 1 if message is not None else 0
-        return message
+        taken = direct.take(taker, self, batch=self._streak >= BATCH_AFTER_TAKES)
+        self._streak = self._streak + 1 if taken.message is not None else 0
+        if taken.more:
+            self._due |= {PLANNED}
+        return taken.message
 
     @contextlib.contextmanager
     def capture(self, queue: str) -> Iterator[list[Any]]:
@@ -280,14 +315,14 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
 
     def _get(self, queue: str) -> Any:
         """One message of ``queue`` (``basic_get``); Empty if none."""
-        return self._take([queue])[1]
+        return self._take([queue], EVERYTHING)[1]
 
     def _poll(self, cycle: Any, callback: Any, timeout: float | None = None) -> None:
         """Deliver the oldest message of every consumed queue, in one statement.
 
         kombu polls the queues one by one, round robin; one statement over them all costs an
         empty poll one round trip, not one per queue, and serves them in the order sent."""
-        queue, message = self._take(list(self._active_queues))
+        queue, message = self._take(list(self._active_queues), self._due)
         callback(message, queue)
 
     def _close_taker(self) -> None:
@@ -362,18 +397,19 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
             raise
 
     def basic_ack(self, delivery_tag: Any, multiple: bool = False) -> None:
-        """Acknowledge; at the prefetch limit, wake the consumer to take the next message."""
+        """Acknowledge; at the prefetch limit, wake the consumer to take the next message
+        (where it is due: what rang while the slots were full stayed due)."""
         full = not self.qos.can_consume()
         super().basic_ack(delivery_tag, multiple=multiple)
         if full:
-            self.connection.doorbell.ring()
+            self.connection.doorbell.ring(NOTHING_NEW)
 
     def basic_reject(self, delivery_tag: Any, requeue: bool = False) -> None:
         """Reject; at the prefetch limit, wake the consumer to take the next message."""
         full = not self.qos.can_consume()
         super().basic_reject(delivery_tag, requeue=requeue)
         if full:
-            self.connection.doorbell.ring()
+            self.connection.doorbell.ring(NOTHING_NEW)
 
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
         """Declare ``queue``: its row looked up or created, and kombu's session's transaction
@@ -436,14 +472,21 @@ class Transport(SQLAlchemyTransport):  # type: ignore[misc]
 
         A channel taking directly also keeps its idle flag: raised when a look finds nothing
         (then it looks once more: what was committed while the flag was down rang no bell),
-        lowered after :data:`BUSY_AFTER_TAKES` messages taken in a row."""
+        lowered after :data:`BUSY_AFTER_TAKES` messages taken in a row.
+
+        Each channel looks only where something may be waiting (``Channel._due``): what rang,
+        what its last look found more of, everything once per poll interval."""
         start = monotonic()
         while True:
             now = monotonic()
             self._heartbeat()
-            if self.doorbell.rung() or now >= self._next_poll:
-                # Cleared before the poll: a message committed during it still rings.
-                self.doorbell.clear()
+            # Taken before the poll: a message committed during it still rings.
+            rang = self.doorbell.take()
+            if now >= self._next_poll:
+                rang = EVERYTHING
+                self._next_poll = now + self.polling_interval
+            self._mark_due(rang)
+            if self._anything_due():
                 full = self._prefetch_full()
                 try:
                     self.cycle.get(self._deliver, timeout=timeout)
@@ -453,17 +496,25 @@ class Transport(SQLAlchemyTransport):  # type: ignore[misc]
                         if self._announce(idle=True):
                             self._next_poll = 0.0
                             continue
-                    self._next_poll = now + self.polling_interval
                 else:
                     self._in_a_row += 1
                     if self._in_a_row >= BUSY_AFTER_TAKES:
                         self._announce(idle=False)
-                    self._next_poll = 0.0  # more may be waiting: look again at the next call
                     return
             until = self._next_poll if timeout is None else min(self._next_poll, start + timeout)
             if timeout is not None and monotonic() >= start + timeout:
                 raise TimeoutError()
             self.doorbell.wait(max(until - monotonic(), 0.0))
+
+    def _mark_due(self, what: frozenset[str]) -> None:
+        if what:
+            for channel in self.channels:
+                channel.mark_due(what)
+
+    def _anything_due(self) -> bool:
+        """Whether a consuming channel has somewhere to look (and a free slot to fill:
+        a full one waits for the ring of the ack that frees one)."""
+        return any(c._due and c.qos.can_consume() for c in self._consuming())
 
     def _consuming(self) -> list[_OurChannel]:
         return [channel for channel in self.channels if channel._consumers]

@@ -4,8 +4,9 @@ On the database broker in the outbox's own database, a message is a row the rela
 its claim's transaction and a worker deletes again: two hops, each a wake-up and a commit,
 between the agent's commit and the dispatch. Here the worker skips them: the channel that
 consumes this deployment's dispatch queue claims a due ``planned`` operation with the relay's
-own statement (``sql.relay.claim_and_mark_due``, one row, ``SKIP LOCKED``, ``published_at``
-stamped in the same autocommit statement) and delivers the dispatch message the relay would
+own statement (``sql.relay.take_due``: ``claim_and_mark_due`` for one row, ``SKIP LOCKED``,
+``published_at`` stamped in the same autocommit statement, looking one row further to know
+whether more is due) and delivers the dispatch message the relay would
 have published for it, built by the same code (``publish.send_dispatch``) but never stored.
 
 Nothing else changes. The dispatch task takes the operation's lock and makes its
@@ -40,6 +41,7 @@ from outbox.db import database_url
 from outbox.relay import OutboundMessage
 from outbox.workers import dbbroker
 from outbox.workers.app import broker_url, uses_database_broker
+from outbox.workers.dbbroker import DirectTake
 from outbox.workers.publish import same_database, send_dispatch
 
 log = logging.getLogger(__name__)
@@ -66,17 +68,18 @@ class DirectDispatch:
     #: one after a reconnect replaces it).
     _producer_of: tuple[dbbroker.Channel, Producer] | None = field(default=None, repr=False)
 
-    def take(self, conn: Connection, channel: dbbroker.Channel, *, batch: bool) -> Any | None:
+    def take(self, conn: Connection, channel: dbbroker.Channel, *, batch: bool) -> DirectTake:
         """Claim the next due operation on ``conn`` (autocommit: the stamps commit here; with
-        ``batch``, up to :attr:`ops_per_message` of them) and return their dispatch message as
-        ``channel`` would deliver it; None if none is due."""
-        claimed = sql.relay.claim_and_mark_due(
+        ``batch``, up to :attr:`ops_per_message` of them): their dispatch message as
+        ``channel`` would deliver it (None if none is due), and whether more is due."""
+        taken = sql.relay.take_due(
             conn,
             limit=self.ops_per_message if batch else 1,
             republish_after_s=self.republish_after_s,
         )
+        claimed = taken.claimed
         if not claimed:
-            return None
+            return DirectTake(None)
         faults.point("direct_after_take")
         messages = [OutboundMessage(c.id, c.tool, c.target) for c in claimed]
         # The PRODUCER span the relay would have started, in the agent's trace.
@@ -84,7 +87,7 @@ class DirectDispatch:
             send_dispatch(self.app, self._producer(channel), messages)
             spans.confirmed({c.id for c in claimed})
         [message] = captured
-        return message
+        return DirectTake(message, more=taken.more)
 
     def _producer(self, channel: dbbroker.Channel) -> Producer:
         if self._producer_of is None or self._producer_of[0] is not channel:

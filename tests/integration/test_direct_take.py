@@ -294,3 +294,59 @@ def test_a_backlog_is_taken_a_message_s_worth_at_a_time(database_url: str, engin
     assert sizes[: dbbroker.BATCH_AFTER_TAKES] == [1] * dbbroker.BATCH_AFTER_TAKES
     assert max(sizes) == 4
     assert sorted(op for ops in named for op in ops) == sorted(ids)
+
+
+def test_a_take_says_whether_more_is_due(engine: Engine) -> None:
+    """take_due looks one row further than it claims: a take that leaves a due row behind
+    says so, the one that empties the queue does not (and claims no row it only looked at)."""
+    first, second = _enqueue(engine, 2)
+    with engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        takes = [
+            sql.relay.take_due(conn, limit=1, republish_after_s=REPUBLISH_AFTER_S) for _ in range(3)
+        ]
+    assert [([str(c.id) for c in t.claimed], t.more) for t in takes] == [
+        ([first], True),
+        ([second], False),
+        ([], False),
+    ]
+
+
+def test_a_worker_rung_by_enqueue_looks_only_at_the_outbox(
+    app: Celery, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once idle, a worker woken by enqueue's bell makes one statement for the operation, its
+    take: it does not also look at the message table (nothing was published), nor look again
+    after a take that said nothing more was due."""
+    looks = {"messages": 0, "outbox": 0}
+    take_message, take_due = sql.broker.take_message, sql.relay.take_due
+
+    def counted_message(*args: Any, **kwargs: Any) -> Any:
+        looks["messages"] += 1
+        return take_message(*args, **kwargs)
+
+    def counted_due(*args: Any, **kwargs: Any) -> Any:
+        looks["outbox"] += 1
+        return take_due(*args, **kwargs)
+
+    monkeypatch.setattr(sql.broker, "take_message", counted_message)
+    monkeypatch.setattr(sql.relay, "take_due", counted_due)
+    got: list[str] = []
+
+    def on_message(body: list[Any], message: Any) -> None:
+        got.append(body[1]["operation_id"])
+        message.ack()
+
+    with (
+        app.connection_for_read() as conn,
+        conn.Consumer(_queues(app, "dispatch"), callbacks=[on_message], prefetch_count=1),
+    ):
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.5)  # found nothing: the flag is up, enqueue rings
+        before = dict(looks)
+        (op_id,) = _enqueue(engine, 1)
+        conn.drain_events(timeout=10)
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.5)
+    assert got == [op_id]
+    assert looks == {"messages": before["messages"], "outbox": before["outbox"] + 1}

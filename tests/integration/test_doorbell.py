@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 from kombu import Connection, Queue
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
-from outbox.doorbell import Doorbell
+from outbox.doorbell import EVERYTHING, MESSAGES, PLANNED, Doorbell
 from outbox.workers import dbbroker
 from outbox.workers.app import BROKER_MESSAGE_TABLE, BROKER_QUEUE_TABLE
 
@@ -101,3 +101,29 @@ def test_a_publish_wakes_a_consumer_with_a_long_poll_interval(
         consumer_conn.drain_events(timeout=WAKE_TIMEOUT_S)
         publisher.join()
         assert received == [{"n": 1}]
+
+
+def test_a_ring_says_what_rang(database_url: str, engine: Engine) -> None:
+    """A publish's NOTIFY rings for the messages, enqueue's for due operations, a ring of no
+    NOTIFY for both; take() hands it over once."""
+    bell = Doorbell(database_url, planned=lambda: True)
+    try:
+        assert bell.wait_listening(WAKE_TIMEOUT_S)
+        bell.wait(WAKE_TIMEOUT_S)
+        assert bell.take() == EVERYTHING  # the ring every (re)connection gives
+        with engine.begin() as conn:
+            conn.execute(text("SELECT pg_notify('outbox_planned', '')"))
+        assert bell.wait(WAKE_TIMEOUT_S)
+        assert bell.take() == {PLANNED}
+        with _broker(database_url) as broker:
+            channel = broker.default_channel
+            channel.queue_declare(queue="dispatch")
+            broker.Producer(channel).publish({"n": 1}, routing_key="dispatch")
+            assert bell.wait(WAKE_TIMEOUT_S)
+            assert bell.take() == {MESSAGES}
+        bell.ring()
+        assert bell.take() == EVERYTHING
+        assert bell.take() == frozenset()
+        assert not bell.rung()
+    finally:
+        bell.close()

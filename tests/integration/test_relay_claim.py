@@ -87,7 +87,7 @@ def _plan(engine: Engine, *, analyze: bool) -> dict[str, Any]:
     with engine.connect() as conn, conn.begin() as tx:
         plan = conn.execute(
             text(f"EXPLAIN ({options}) {_CLAIM_AND_MARK_DUE.clause}"),
-            {"limit": 200, "republish_after": 30, "hold_back": 0},
+            {"limit": 200, "look": 200, "republish_after": 30, "hold_back": 0},
         ).scalar_one()
         tx.rollback()
     top: dict[str, Any] = plan[0]["Plan"]
