@@ -142,8 +142,9 @@ class Settings(BaseSettings):
     task_events: bool = Field(
         default=True,
         description=(
-            "Send Celery's task events (the tasks Flower shows); off, no message costs event "
-            "publishes: a little less latency and broker load (docs/performance.md)."
+            "Send Celery's task events on RabbitMQ (the tasks Flower shows; the database broker "
+            "carries none); off, no message costs event publishes: a little less latency and "
+            "broker load (docs/performance.md)."
         ),
     )
     task_time_limit_slack: Seconds = Field(

@@ -3,7 +3,7 @@
 # ruff: noqa: E501
 
 #: The SHA-256 of outbox/config.py the copy was made from.
-CONFIG_SHA256 = "9aa37953efabdf81cc9904d6e5978e8f9229650cffc9d5a991e5d76900eefb21"
+CONFIG_SHA256 = "70cbe52d5c33abb2dc396ddeb56eb9c38a53ae5856087c7c5ad9c8975fbcd80f"
 
 #: :func:`outbox.cli.output.environment_help` as it was then.
 TEXT = "\n\n".join(
@@ -23,7 +23,7 @@ TEXT = "\n\n".join(
         "`OUTBOX_LOOKUP_LEASE` (default: 60): An `unknown` row the sweep sent to a lookup is not routed again for this long; on the database broker (no redelivery) a lost lookup message delays that operation by up to this.",
         "`OUTBOX_REPUBLISH_AFTER` (default: 30): A published `planned` row is published again after this.",
         "`OUTBOX_OPS_PER_MESSAGE` (default: 8): Operations one dispatch message may name (each still gets its own lock and attempt); a batch is still spread over at least 16 messages when it can be.",
-        "`OUTBOX_TASK_EVENTS` (default: true): Send Celery's task events (the tasks Flower shows); off, no message costs event publishes: a little less latency and broker load (docs/performance.md).",
+        "`OUTBOX_TASK_EVENTS` (default: true): Send Celery's task events on RabbitMQ (the tasks Flower shows; the database broker carries none); off, no message costs event publishes: a little less latency and broker load (docs/performance.md).",
         "`OUTBOX_TASK_TIME_LIMIT_SLACK` (default: 30): A dispatch message's hard time limit is the slowest tool's send deadline + timeout plus this; an operation that would not end inside it waits for a new message instead of being started.",
         "`OUTBOX_MAX_PAYLOAD_BYTES` (default: 262144): Largest canonical payload accepted by enqueue.",
         "`OUTBOX_ALLOW_ASYNC_REPLICAS` (default: false): Let dispatch workers start on a primary whose streaming standbys are all asynchronous: a failover to one may roll back a committed `sent` and send the operation again (docs/deploy.md).",

@@ -80,15 +80,20 @@ POLLING_INTERVAL_S = 5.0
 #: Serialises the creation of the broker's tables across processes.
 TABLES_LOCK_KEY = advisory_key("outbox.broker", "tables")
 
-#: Messages taken in a row without an empty look that make this worker busy: its idle flag
-#: goes down (enqueue stops ringing: NOTIFY costs every agent's commit a cluster-wide lock).
+#: Messages taken in a row, without a look that found nothing or a sleep between them, that
+#: make this worker busy: its idle flag goes down (enqueue stops ringing: NOTIFY costs every
+#: agent's commit a cluster-wide lock).
 BUSY_AFTER_TAKES = 16
 #: A worker taking directly looks at its queues' messages before the outbox once in this
 #: many takes (otherwise after it): a backlog of operations never starves them.
 MESSAGES_FIRST_EVERY = 4
-#: Direct takes in a row that each found work after which a take claims a message's worth
-#: of operations (``OUTBOX_OPS_PER_MESSAGE``) instead of one.
+#: Direct takes in a row that each left more due after which a take claims a message's worth
+#: of operations (``OUTBOX_OPS_PER_MESSAGE``) instead of one (a backlog).
 BATCH_AFTER_TAKES = 4
+#: While its flag is down, a worker taking directly looks this often (nothing rings it)...
+BUSY_POLL_S = 0.002
+#: ...until its looks found nothing for this long: then its flag goes up.
+BUSY_GRACE_S = 0.05
 #: How often a worker taking directly refreshes its flag's heartbeat (a relay's, likewise).
 TAKER_HEARTBEAT_S = 10.0
 
@@ -260,19 +265,19 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
             raise
         raise Empty()
 
-    #: Direct takes in a row that found work: from :data:`BATCH_AFTER_TAKES` on, a backlog.
+    #: Direct takes in a row that left more due: from :data:`BATCH_AFTER_TAKES` on, a backlog.
     _streak = 0
 
     def _take_direct(self, direct: DirectSource, taker: Connection) -> Any | None:
         """One direct take: a single operation while each finds at most one (the steady
         path: one message per operation, each to a free thread), a message naming several
-        once takes keep finding work (a backlog: fewer statements and messages for it)."""
+        once takes keep leaving more due (a backlog: fewer statements and messages for it)."""
         if self._idle is None:
             # Known as a taker from the first take on, busy until a look finds nothing:
             # relays stand by at once, also while a backlog keeps the flag from going up.
             self.announce(idle=False)
         taken = direct.take(taker, self, batch=self._streak >= BATCH_AFTER_TAKES)
-        self._streak = self._streak + 1 if taken.message is not None else 0
+        self._streak = self._streak + 1 if taken.more else 0
         if taken.more:
             self._due |= {PLANNED}
         return taken.message
@@ -455,9 +460,10 @@ class Transport(SQLAlchemyTransport):  # type: ignore[misc]
         # When the queues are next polled unless the doorbell rings first: Celery's loop
         # calls drain_events every 2 s, and a poll per call would cut the interval to that.
         self._next_poll = 0.0
-        # Messages taken since the last empty look (a direct taker's flag goes down at
-        # BUSY_AFTER_TAKES).
+        # Messages taken since the last empty look or sleep (a direct taker's flag goes down
+        # at BUSY_AFTER_TAKES), and when the last was taken.
         self._in_a_row = 0
+        self._found_at = 0.0
 
     def _new_doorbell(self) -> Doorbell:
         # A worker taking directly is woken by enqueue's bell as well as by publishes (asked
@@ -470,41 +476,55 @@ class Transport(SQLAlchemyTransport):  # type: ignore[misc]
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
         """kombu's loop, sleeping on the doorbell instead of ``time.sleep`` when all is empty.
 
-        A channel taking directly also keeps its idle flag: raised when a look finds nothing
-        (then it looks once more: what was committed while the flag was down rang no bell),
-        lowered after :data:`BUSY_AFTER_TAKES` messages taken in a row.
-
         Each channel looks only where something may be waiting (``Channel._due``): what rang,
-        what its last look found more of, everything once per poll interval."""
+        what its last look found more of, everything once per poll interval.
+
+        A channel taking directly also keeps its idle flag. It goes down (enqueue stops
+        ringing) after :data:`BUSY_AFTER_TAKES` messages taken in a row without a look that
+        found nothing or a sleep; while it is down nothing rings, so the worker looks every
+        :data:`BUSY_POLL_S` itself. It goes up once looks found nothing for
+        :data:`BUSY_GRACE_S` (then it looks once more: what was committed while the flag was
+        down rang no bell), and stays up while the worker sleeps between rings."""
         start = monotonic()
         while True:
             now = monotonic()
             self._heartbeat()
             # Taken before the poll: a message committed during it still rings.
             rang = self.doorbell.take()
-            if now >= self._next_poll:
+            busy = self._busy()
+            if now >= self._next_poll or busy:
                 rang = EVERYTHING
-                self._next_poll = now + self.polling_interval
+                if now >= self._next_poll:
+                    self._next_poll = now + self.polling_interval
             self._mark_due(rang)
+            until = self._next_poll
             if self._anything_due():
-                full = self._prefetch_full()
                 try:
                     self.cycle.get(self._deliver, timeout=timeout)
                 except Empty:
-                    if not full:
-                        self._in_a_row = 0
-                        if self._announce(idle=True):
-                            self._next_poll = 0.0
-                            continue
+                    self._in_a_row = 0
+                    if busy and now - self._found_at < BUSY_GRACE_S:
+                        until = min(until, now + BUSY_POLL_S)  # nobody rings: look again soon
+                    elif self._announce(idle=True):
+                        self._next_poll = 0.0
+                        continue
                 else:
+                    self._found_at = monotonic()
                     self._in_a_row += 1
                     if self._in_a_row >= BUSY_AFTER_TAKES:
                         self._announce(idle=False)
                     return
-            until = self._next_poll if timeout is None else min(self._next_poll, start + timeout)
-            if timeout is not None and monotonic() >= start + timeout:
-                raise TimeoutError()
+            elif not self._prefetch_full():
+                self._in_a_row = 0  # it sleeps until rung: not busy
+            if timeout is not None:
+                until = min(until, start + timeout)
+                if monotonic() >= start + timeout:
+                    raise TimeoutError()
             self.doorbell.wait(max(until - monotonic(), 0.0))
+
+    def _busy(self) -> bool:
+        """Whether a channel's idle flag is down: enqueue does not ring it, it polls."""
+        return any(c._idle is False for c in self._consuming())
 
     def _mark_due(self, what: frozenset[str]) -> None:
         if what:

@@ -7,6 +7,7 @@ a relay that sees a live one stands by. Real PostgreSQL, real kombu channels."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -350,3 +351,62 @@ def test_a_worker_rung_by_enqueue_looks_only_at_the_outbox(
             conn.drain_events(timeout=0.5)
     assert got == [op_id]
     assert looks == {"messages": before["messages"], "outbox": before["outbox"] + 1}
+
+
+def _flags(engine: Engine) -> list[bool]:
+    with engine.connect() as db:
+        return [bool(idle) for (idle,) in db.execute(text("SELECT idle FROM outbox.relays"))]
+
+
+def test_a_worker_fed_one_at_a_time_keeps_its_flag_up(app: Celery, engine: Engine) -> None:
+    """Operations enqueued one by one, each taken before the next comes: the worker sleeps
+    between them, so however many it takes its flag stays up and each is rung for (a flag
+    gone down would leave the next one to the 5 s poll)."""
+    count = dbbroker.BUSY_AFTER_TAKES + 4
+    latencies: list[float] = []
+    with (
+        app.connection_for_read() as conn,
+        conn.Consumer(_queues(app, "dispatch"), callbacks=[lambda body, m: m.ack()]),
+    ):
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.5)
+        for _ in range(count):
+            began = time.monotonic()
+            _enqueue(engine, 1)
+            conn.drain_events(timeout=10)
+            latencies.append(time.monotonic() - began)
+        assert _flags(engine) == [True]
+    assert max(latencies) < dbbroker.POLLING_INTERVAL_S / 2, latencies
+
+
+def test_a_busy_worker_lowers_its_flag_and_raises_it_when_the_work_runs_out(
+    app: Celery, engine: Engine
+) -> None:
+    """Through a backlog the flag goes down (enqueue stops ringing: the worker polls); once
+    looks find nothing for BUSY_GRACE_S it goes up again, and the next operation is rung
+    for."""
+    _enqueue(engine, 60)
+    during: list[list[bool]] = []
+    taken = 0
+
+    def on_message(body: list[Any], message: Any) -> None:
+        nonlocal taken
+        taken += len(body[1].get("operation_ids") or [body[1]["operation_id"]])
+        message.ack()
+        if taken >= 40 and not during:
+            during.append(_flags(engine))
+
+    with (
+        app.connection_for_read() as conn,
+        conn.Consumer(_queues(app, "dispatch"), callbacks=[on_message]),
+    ):
+        while taken < 60:
+            conn.drain_events(timeout=10)
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=dbbroker.BUSY_GRACE_S * 10)
+        assert _flags(engine) == [True]
+        began = time.monotonic()
+        _enqueue(engine, 1)
+        conn.drain_events(timeout=10)
+        assert time.monotonic() - began < dbbroker.POLLING_INTERVAL_S / 2
+    assert during == [[False]]
