@@ -371,6 +371,8 @@ def test_a_worker_fed_one_at_a_time_keeps_its_flag_up(app: Celery, engine: Engin
         with pytest.raises(TimeoutError):
             conn.drain_events(timeout=0.5)
         for _ in range(count):
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.05)  # the worker sleeps until the next one
             began = time.monotonic()
             _enqueue(engine, 1)
             conn.drain_events(timeout=10)
