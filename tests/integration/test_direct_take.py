@@ -344,6 +344,10 @@ def test_a_worker_rung_by_enqueue_looks_only_at_the_outbox(
     ):
         with pytest.raises(TimeoutError):
             conn.drain_events(timeout=0.5)  # found nothing: the flag is up, enqueue rings
+        # The ring its doorbell gives on connecting (look everywhere) is behind us.
+        assert conn.transport.doorbell.wait_listening(10)
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.2)
         before = dict(looks)
         (op_id,) = _enqueue(engine, 1)
         conn.drain_events(timeout=10)
