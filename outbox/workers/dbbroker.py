@@ -226,49 +226,59 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
 
     def _take(self, queues: list[str], due: frozenset[str] = EVERYTHING) -> tuple[str, Any]:
         """Remove the oldest message of ``queues``: ``(queue, message)``; Empty if none.
-        Only what ``due`` names is looked at; what remains due afterwards is in ``_due``.
 
-        Consuming the direct source's queue, a due operation taken from the outbox is one
-        too, looked for first (the steady path's latency), except on every
+        Only where ``due`` says something may be waiting is looked at (doorbell.MESSAGES:
+        the queues' messages; doorbell.PLANNED: the outbox, when this channel consumes the
+        direct source's queue); afterwards ``_due`` is what still may be: a source leaves it
+        when a look there found nothing (the outbox: when its take said nothing more was due).
+
+        Due operations are looked for first (the steady path's latency), except on every
         :data:`MESSAGES_FIRST_EVERY`-th take, so that a backlog of operations does not starve
         the messages (the other queues', a relay's)."""
         direct = _direct if _direct is not None and _direct.queue in queues else None
-        look_direct = direct is not None and PLANNED in due
-        look_messages = MESSAGES in due
-        # What a look finds nothing in is not due until it rings again (or the next poll);
-        # where a look found something stays due, and so does what was not looked at.
-        self._due = due - {MESSAGES, PLANNED}
         self._takes += 1
-        direct_first = self._takes % MESSAGES_FIRST_EVERY != 0
+        order = (PLANNED, MESSAGES) if self._takes % MESSAGES_FIRST_EVERY else (MESSAGES, PLANNED)
+        remaining = set(due)
         try:
             taker = self._taker_connection()
-            if direct is not None and look_direct and direct_first:
-                message = self._take_direct(direct, taker)
-                if message is not None:
-                    self._due |= due & {MESSAGES}
-                    return direct.queue, message
-            if look_messages:
-                ids = {self._queue_id(queue): queue for queue in queues}
-                taken = sql.broker.take_message(taker, list(ids))
-                if taken is not None:
-                    self._due |= due & {MESSAGES, PLANNED}
-                    queue_id, payload = taken
-                    return ids[queue_id], loads(payload)
-            if direct is not None and look_direct and not direct_first:
-                message = self._take_direct(direct, taker)
-                if message is not None:
-                    return direct.queue, message
+            for source in order:
+                if source not in due:
+                    continue
+                if source == MESSAGES:
+                    taken = self._take_message(taker, queues)
+                    if taken is not None:
+                        return taken
+                    remaining.discard(MESSAGES)
+                elif direct is None:
+                    remaining.discard(PLANNED)
+                else:
+                    direct_take = self._take_direct(direct, taker)
+                    if not direct_take.more:
+                        remaining.discard(PLANNED)
+                    if direct_take.message is not None:
+                        return direct.queue, direct_take.message
         except OperationalError:
             # kombu's connection error: Celery reconnects, and we open a new one.
-            self._due = EVERYTHING
+            remaining = set(EVERYTHING)
             self._close_taker()
             raise
+        finally:
+            self._due = frozenset(remaining)
         raise Empty()
+
+    def _take_message(self, taker: Connection, queues: list[str]) -> tuple[str, Any] | None:
+        """The oldest message of ``queues``, removed, in one autocommit statement."""
+        ids = {self._queue_id(queue): queue for queue in queues}
+        taken = sql.broker.take_message(taker, list(ids))
+        if taken is None:
+            return None
+        queue_id, payload = taken
+        return ids[queue_id], loads(payload)
 
     #: Direct takes in a row that left more due: from :data:`BATCH_AFTER_TAKES` on, a backlog.
     _streak = 0
 
-    def _take_direct(self, direct: DirectSource, taker: Connection) -> Any | None:
+    def _take_direct(self, direct: DirectSource, taker: Connection) -> DirectTake:
         """One direct take: a single operation while each finds at most one (the steady
         path: one message per operation, each to a free thread), a message naming several
         once takes keep leaving more due (a backlog: fewer statements and messages for it)."""
@@ -278,9 +288,7 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
             self.announce(idle=False)
         taken = direct.take(taker, self, batch=self._streak >= BATCH_AFTER_TAKES)
         self._streak = self._streak + 1 if taken.more else 0
-        if taken.more:
-            self._due |= {PLANNED}
-        return taken.message
+        return taken
 
     @contextlib.contextmanager
     def capture(self, queue: str) -> Iterator[list[Any]]:
