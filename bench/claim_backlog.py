@@ -124,7 +124,14 @@ def explain_claim(engine: Engine) -> tuple[int, float, list[str]]:
     with engine.connect() as conn, conn.begin() as tx:
         plan = conn.execute(
             text(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"),
-            {"limit": LIMIT, "look": LIMIT, "republish_after": REPUBLISH_AFTER_S, "hold_back": 0},
+            {
+                "limit": LIMIT,
+                "look": LIMIT,
+                "republish_after": REPUBLISH_AFTER_S,
+                "hold_back": 0,
+                "without_flush": False,
+                "lock": False,
+            },
         ).scalar_one()
         tx.rollback()
     top = plan[0]

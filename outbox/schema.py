@@ -107,6 +107,9 @@ operations = Table(
     # trace): later stages' spans join that trace. Immutable like the payload.
     Column("traceparent", Text),
     Column("tracestate", Text),
+    # The operation's advisory-lock key, written at enqueue (migration 0027; NULL on older
+    # rows): a worker's take claims and locks the row in one statement (issue 35).
+    Column("lock_key", BigInteger),
     # The row's fifteen invariants (the state machine's, the key's and the hash's shapes), in
     # one PL/pgSQL function that names the rule a bad row breaks (ck_operations_state_known,
     # ck_operations_sent_has_attempt, ...): PostgreSQL prepares every CHECK expression again

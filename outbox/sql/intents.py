@@ -12,6 +12,8 @@ from uuid import UUID
 from sqlalchemy import bindparam, select, text
 
 from outbox.driver import DriverStatement
+from outbox.ids import new_operation_id
+from outbox.locks import operation_lock_key
 from outbox.models import Event, Executor, IntentKey, Operation, PrunedIntent
 from outbox.schema import events, operations
 from outbox.sql.budgets import BudgetDefinition
@@ -21,7 +23,8 @@ _INSERT_INTENT = DriverStatement.of(
     text(
         """
     WITH new AS (
-        SELECT outbox.uuid_v7() AS id,
+        -- The id and its lock key come from enqueue (outbox.ids; migration 0027).
+        SELECT CAST(:id AS uuid) AS id, CAST(:lock_key AS bigint) AS lock_key,
                -- The tool's approval policy (a primary-key probe): an agent process usually
                -- loads no tools, so what the workers loaded reaches enqueue through here.
                (CAST(:require_approval AS boolean)
@@ -37,10 +40,11 @@ _INSERT_INTENT = DriverStatement.of(
     ),
     inserted AS (
         INSERT INTO outbox.operations
-            (id, intent_key, agent, tool, target, payload, payload_hash, intent_hash, metadata,
-             requested_by, traceparent, tracestate, state, approval_required,
+            (id, lock_key, intent_key, agent, tool, target, payload, payload_hash, intent_hash,
+             metadata, requested_by, traceparent, tracestate, state, approval_required,
              approval_expires_at)
-        SELECT new.id, coalesce(:intent_key, new.id::text), :agent, :tool, :target,
+        SELECT new.id, new.lock_key, coalesce(:intent_key, new.id::text), :agent, :tool,
+               :target,
                CAST(:payload AS jsonb), :payload_hash, :intent_hash, CAST(:metadata AS jsonb),
                :requested_by, :traceparent, :tracestate,
                CASE WHEN new.approval THEN 'awaiting_approval' ELSE 'planned' END,
@@ -133,9 +137,12 @@ def insert_intent(
     A concurrent transaction inserting the same key makes this wait for its outcome
     (``ON CONFLICT DO NOTHING``), so racing agents end with one row and no IntegrityError.
     """
+    operation_id = new_operation_id()
     row = _INSERT_INTENT.fetch_one(
         executor,
         {
+            "id": operation_id,
+            "lock_key": operation_lock_key(operation_id),
             "intent_key": intent_key,
             "agent": agent,
             "tool": tool,
@@ -222,14 +229,15 @@ _INSERT_INTENTS = text(
             CAST(:intent_hashes AS text[]), CAST(:metadata AS jsonb[]),
             CAST(:requested_by AS text[]), CAST(:require_approval AS boolean[]),
             CAST(:approval_ttl_s AS double precision[]), CAST(:traceparents AS text[]),
-            CAST(:tracestates AS text[])
+            CAST(:tracestates AS text[]), CAST(:ids AS uuid[]), CAST(:lock_keys AS bigint[])
         ) WITH ORDINALITY
           AS i(intent_key, agent, tool, target, payload, payload_hash, intent_hash, metadata,
-               requested_by, require_approval, approval_ttl_s, traceparent, tracestate, n)
+               requested_by, require_approval, approval_ttl_s, traceparent, tracestate, id,
+               lock_key, n)
     ),
     new AS (
         -- Each tool's approval policy, one primary-key probe per intent (see _INSERT_INTENT).
-        SELECT outbox.uuid_v7() AS id, input.*,
+        SELECT input.*,
                (input.require_approval OR coalesce(policy.approval_required, false)) AS approval,
                coalesce(input.approval_ttl_s, policy.approval_ttl_s, 86400) AS ttl_s,
                -- Skipped when budgeted, unless the budget path checked it (outbox.budgets).
@@ -240,11 +248,11 @@ _INSERT_INTENTS = text(
     ),
     inserted AS (
         INSERT INTO outbox.operations
-            (id, intent_key, agent, tool, target, payload, payload_hash, intent_hash, metadata,
-             requested_by, traceparent, tracestate, state, approval_required,
+            (id, lock_key, intent_key, agent, tool, target, payload, payload_hash, intent_hash,
+             metadata, requested_by, traceparent, tracestate, state, approval_required,
              approval_expires_at)
-        SELECT id, coalesce(intent_key, id::text), agent, tool, target, payload, payload_hash,
-               intent_hash, metadata, requested_by, traceparent, tracestate,
+        SELECT id, lock_key, coalesce(intent_key, id::text), agent, tool, target, payload,
+               payload_hash, intent_hash, metadata, requested_by, traceparent, tracestate,
                CASE WHEN approval THEN 'awaiting_approval' ELSE 'planned' END, approval,
                CASE WHEN approval THEN statement_timestamp() + make_interval(secs => ttl_s) END
         FROM new
@@ -311,9 +319,12 @@ def insert_intents(
     given (the budget path, which checked them under their keys' locks: each inserted
     intent's rows are written to ``outbox.budget_usage``, none for a skipped one).
     """
+    ids = [new_operation_id() for _ in tools]
     rows = executor.execute(
         _INSERT_INTENTS,
         {
+            "ids": ids,
+            "lock_keys": [operation_lock_key(one) for one in ids],
             "intent_keys": list(intent_keys),
             "agents": list(agents),
             "tools": list(tools),

@@ -87,7 +87,7 @@ def try_xact_lock(executor: Executor, key: int) -> bool:
 
 def try_lock(executor: Executor, key: int) -> bool:
     """Take the session-level advisory lock ``key`` without waiting; whether it was taken."""
-    _may_hold_session_locks(executor)
+    mark_session_locks(executor)
     row = executor.execute(_TRY_LOCK, {"key": key})
     return bool(row.scalar_one())
 
@@ -100,7 +100,7 @@ _TRY_LOCK_DURABLE = text(
 
 def try_lock_durable(executor: Executor, key: int) -> DurableLock:
     """:func:`try_lock`, and the session's ``synchronous_commit``, in one round trip."""
-    _may_hold_session_locks(executor)
+    mark_session_locks(executor)
     row = executor.execute(_TRY_LOCK_DURABLE, {"key": key}).one()
     return DurableLock(bool(row.taken), str(row.synchronous_commit))
 
@@ -117,11 +117,20 @@ def unlock_all(executor: Executor) -> None:
         executor.info.pop(SESSION_LOCKS_INFO, None)
 
 
-def _may_hold_session_locks(executor: Executor) -> None:
+def mark_session_locks(executor: Executor) -> None:
+    """Mark a pooled connection as maybe holding session advisory locks (the pool's reset
+    then releases them): before any statement that asks for one."""
     # Marked before the lock is asked for: a statement or step that fails after the lock was
     # granted leaves it held, and the pool's reset must then release it (outbox.db).
     if isinstance(executor, Connection):
         executor.info[SESSION_LOCKS_INFO] = True
+
+
+def unmark_session_locks(executor: Executor) -> None:
+    """Undo :func:`mark_session_locks` for a statement known to have taken no lock (its
+    connection then goes back to the pool without an unlock round trip)."""
+    if isinstance(executor, Connection):
+        executor.info.pop(SESSION_LOCKS_INFO, None)
 
 
 _LOCK_HOLDER_PID = text(
@@ -156,7 +165,7 @@ def try_sweep_claim(executor: Executor, key: int) -> bool:
     its own, which no dispatcher takes and :func:`lock_holder_pid` does not read, so a sweep
     that finds it taken knows another sweep is probing that operation, not its dispatcher.
     """
-    _may_hold_session_locks(executor)
+    mark_session_locks(executor)
     row = executor.execute(_TRY_CLAIM, _claim_halves(key))
     return bool(row.scalar_one())
 
@@ -254,7 +263,7 @@ _LOCK_AND_READ = DriverStatement.of(
            op.published_at, op.first_sent_at, op.sent_at, op.next_check_at, op.replay_deadline,
            op.resolved_at, op.attempt_budget_base, op.intent_hash, op.approval_required,
            op.approval_expires_at, op.decided_by, op.decided_at, op.approved_payload_hash,
-           op.agent, op.traceparent, op.tracestate,
+           op.agent, op.traceparent, op.tracestate, op.lock_key,
            op.available_at <= clock_timestamp() AS due,
            op.replay_deadline IS NOT NULL AND op.replay_deadline <= clock_timestamp()
              AS replay_expired
@@ -277,7 +286,7 @@ def try_lock_and_read(
     lock's previous holder, exactly as a read in a statement of its own would.
     ``unlock_first``: release every advisory lock this session holds before taking this one.
     """
-    _may_hold_session_locks(executor)
+    mark_session_locks(executor)
     row = _LOCK_AND_READ.fetch_one(
         executor, {"key": key, "id": operation_id, "unlock_first": unlock_first}
     )

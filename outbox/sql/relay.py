@@ -10,7 +10,10 @@ from uuid import UUID
 from sqlalchemy import text
 
 from outbox.driver import DriverStatement
-from outbox.models import Executor
+from outbox.locks import operation_lock_key
+from outbox.models import Executor, Operation
+from outbox.sql.columns import OPERATION_COLUMNS
+from outbox.sql.locks import DispatchView, mark_session_locks, unlock_all, unmark_session_locks
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +55,16 @@ class ClaimedIntent:
 # `seen` then says whether more is due, so a take that emptied the queue is not followed by a
 # look that finds nothing (the row looked at is locked only while the autocommit statement
 # runs; whoever skipped it meanwhile did not claim it, and the one that saw it looks again).
+# :without_flush makes this statement's own commit return before its WAL reaches the disk
+# (set_config's third argument: for this transaction only), for a take in autocommit on a
+# connection whose session stays durable (the one a worker hands to its dispatch task).
 _CLAIM_AND_MARK_DUE = DriverStatement.of(
     text(
         """
-    WITH candidates AS (
+    WITH cfg AS MATERIALIZED (
+        SELECT CASE WHEN :without_flush
+                    THEN set_config('synchronous_commit', 'off', true) END AS set
+    ), candidates AS (
         SELECT id, tool, target, traceparent, tracestate, published_at, 0 AS half,
                available_at AS turn
         FROM (
@@ -86,16 +95,54 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
     ), marked AS (
         UPDATE outbox.operations SET published_at = clock_timestamp()
         WHERE id = ANY(ARRAY(SELECT id FROM claimed))
-        RETURNING id
+        RETURNING id, lock_key
+    ), lk AS MATERIALIZED (
+        -- :lock (one row claimed): its advisory lock, by the key enqueue stored (NULL on a row
+        -- enqueued before migration 0027: not locked here).
+        SELECT m.id, m.lock_key, pg_try_advisory_lock(m.lock_key) AS taken
+        FROM marked AS m WHERE :lock AND m.lock_key IS NOT NULL
     )
-    SELECT c.id, c.tool, c.target, c.traceparent, c.tracestate,
+    SELECT c.id AS claimed_id, c.tool AS claimed_tool, c.target AS claimed_target,
+           c.traceparent AS claimed_traceparent, c.tracestate AS claimed_tracestate,
            c.published_at AS previous_published_at,
-           (SELECT count(*) FROM candidates) AS seen
-    FROM claimed AS c JOIN marked AS m ON m.id = c.id
+           (SELECT count(*) FROM candidates) AS seen,
+           lk.lock_key AS locked_key, coalesce(lk.taken, false) AS taken,
+           op.id, op.intent_key, op.tool, op.target, op.payload, op.payload_hash, op.state,
+           op.attempts, op.checks, op.maybe_applied, op.remote_ref, op.result, op.last_error,
+           op.metadata, op.requested_by, op.created_at, op.updated_at, op.available_at,
+           op.published_at, op.first_sent_at, op.sent_at, op.next_check_at, op.replay_deadline,
+           op.resolved_at, op.attempt_budget_base, op.intent_hash, op.approval_required,
+           op.approval_expires_at, op.decided_by, op.decided_at, op.approved_payload_hash,
+           op.agent, op.traceparent, op.tracestate, op.lock_key,
+           op.available_at <= clock_timestamp() AS due,
+           op.replay_deadline IS NOT NULL AND op.replay_deadline <= clock_timestamp()
+             AS replay_expired
+    -- cfg is read for every row claimed: a statement that writes nothing flushes nothing.
+    FROM claimed AS c JOIN marked AS m ON m.id = c.id CROSS JOIN cfg
+    LEFT JOIN lk ON lk.id = c.id
+    -- The row as the lock's previous holder left it: read by a function fed with the lock's
+    -- result, so its query runs after the lock was granted, with a snapshot of its own (as
+    -- outbox.sql.locks' locked read). OFFSET 0 keeps the subquery whole, so its filter gates
+    -- the call: a row not locked here (the relay's, every one) costs no call.
+    LEFT JOIN LATERAL (SELECT * FROM outbox.operation_if_locked(c.id, lk.taken)
+                       WHERE lk.taken OFFSET 0) AS op ON true
     ORDER BY c.half, c.turn
     """
     ),
-    ["id", "tool", "target", "traceparent", "tracestate", "previous_published_at", "seen"],
+    [
+        "claimed_id",
+        "claimed_tool",
+        "claimed_target",
+        "claimed_traceparent",
+        "claimed_tracestate",
+        "previous_published_at",
+        "seen",
+        "locked_key",
+        "taken",
+        *OPERATION_COLUMNS,
+        "due",
+        "replay_expired",
+    ],
 )
 
 
@@ -118,26 +165,78 @@ def claim_and_mark_due(
     ``hold_back_s``: rows never published are claimed only once due for that long (a relay
     standing by while workers take them directly, :mod:`outbox.workers.direct`).
     """
-    return _claim_and_mark(executor, limit, limit, republish_after_s, hold_back_s).claimed
+    taken = _claim_and_mark(
+        executor,
+        limit=limit,
+        look=limit,
+        republish_after_s=republish_after_s,
+        hold_back_s=hold_back_s,
+        without_flush=False,
+        lock=False,
+    )
+    return taken.claimed
 
 
 @dataclass(frozen=True, slots=True)
 class DueTake:
-    """What :func:`take_due` claimed, and whether more was due besides."""
+    """What :func:`take_due` claimed, whether more was due besides, and, when it was asked to
+    lock, whether the claimed row's advisory lock was taken and the row as read after it."""
 
     claimed: list[ClaimedIntent]
     more: bool
+    #: The operation's lock is held by the session (``lock=True`` only).
+    locked: bool = False
+    #: The row read after the lock was granted (None: not locked, or gone meanwhile).
+    found: DispatchView | None = None
 
 
-def take_due(executor: Executor, *, limit: int, republish_after_s: float) -> DueTake:
+def take_due(
+    executor: Executor,
+    *,
+    limit: int,
+    republish_after_s: float,
+    flush: bool = True,
+    lock: bool = False,
+) -> DueTake:
     """:func:`claim_and_mark_due` for a worker taking directly (autocommit): up to ``limit``
-    rows, and whether another one was due (looked at in the same statement, not claimed)."""
-    return _claim_and_mark(executor, limit, limit + 1, republish_after_s, 0.0)
+    rows, and whether another one was due (looked at in the same statement, not claimed).
+
+    ``flush=False``: the statement's commit does not wait for the disk (the stamp is advice:
+    a lost one only lets the row be claimed again), whatever the session's
+    ``synchronous_commit``, which later commits on the connection keep.
+
+    ``lock=True`` (``limit`` 1): the claimed row's session advisory lock is taken in the same
+    statement, by the key enqueue stored in the row (migration 0027), and the row is read
+    after the lock was granted, as :func:`outbox.sql.locks.try_lock_and_read` reads it. The
+    key is checked against the id (:func:`outbox.locks.operation_lock_key`) before the lock
+    is trusted: a wrong one is released at once and the take reports the row not locked, as
+    it does a row that has no key (enqueued before 0027) or whose lock another holder has.
+    """
+    if lock and limit != 1:
+        raise ValueError(f"a take that locks claims one row, not {limit}")
+    return _claim_and_mark(
+        executor,
+        limit=limit,
+        look=limit + 1,
+        republish_after_s=republish_after_s,
+        hold_back_s=0.0,
+        without_flush=not flush,
+        lock=lock,
+    )
 
 
 def _claim_and_mark(
-    executor: Executor, limit: int, look: int, republish_after_s: float, hold_back_s: float
+    executor: Executor,
+    *,
+    limit: int,
+    look: int,
+    republish_after_s: float,
+    hold_back_s: float,
+    without_flush: bool,
+    lock: bool,
 ) -> DueTake:
+    if lock:
+        mark_session_locks(executor)  # before the lock is asked: the pool's reset releases it
     rows = _CLAIM_AND_MARK_DUE.fetch_all(
         executor,
         {
@@ -145,20 +244,36 @@ def _claim_and_mark(
             "look": look,
             "republish_after": republish_after_s,
             "hold_back": hold_back_s,
+            "without_flush": without_flush,
+            "lock": lock,
         },
     )
     claimed = [
         ClaimedIntent(
-            row["id"],
-            row["tool"],
-            row["target"],
-            row["traceparent"],
-            row["tracestate"],
+            row["claimed_id"],
+            row["claimed_tool"],
+            row["claimed_target"],
+            row["claimed_traceparent"],
+            row["claimed_tracestate"],
             row["previous_published_at"],
         )
         for row in rows
     ]
-    return DueTake(claimed, bool(rows) and rows[0]["seen"] > len(rows))
+    more = bool(rows) and rows[0]["seen"] > len(rows)
+    if not lock:
+        return DueTake(claimed, more)
+    if not rows or not rows[0]["taken"]:
+        unmark_session_locks(executor)  # no lock was granted: nothing to release
+        return DueTake(claimed, more)
+    [row] = rows
+    if row["locked_key"] != operation_lock_key(row["claimed_id"]):
+        # Not the key every other holder of this operation's lock computes: worth nothing.
+        unlock_all(executor)
+        return DueTake(claimed, more)
+    if row["id"] is None:
+        return DueTake(claimed, more, locked=True)
+    found = DispatchView(Operation.from_row(row), bool(row["due"]), bool(row["replay_expired"]))
+    return DueTake(claimed, more, locked=True, found=found)
 
 
 _UNMARK_PUBLISHED = text(

@@ -27,24 +27,31 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import Celery
-from celery.signals import worker_init
+from celery import Celery, concurrency
+from celery.concurrency import solo, thread
+from celery.signals import worker_init, worker_shutdown
 from kombu.messaging import Producer
-from sqlalchemy import Connection, make_url
+from sqlalchemy import Connection, Engine, make_url
 
 from outbox import faults, sql, tracing
 from outbox.config import Settings, get_settings
 from outbox.db import database_url
 from outbox.relay import OutboundMessage
-from outbox.workers import dbbroker
+from outbox.workers import dbbroker, handoff, runtime
 from outbox.workers.app import broker_url, uses_database_broker
 from outbox.workers.dbbroker import DirectTake
+from outbox.workers.locking import release
 from outbox.workers.publish import same_database, send_dispatch
 
 log = logging.getLogger(__name__)
+
+#: Set in a pooled connection's ``info`` once its session's ``synchronous_commit`` was set on
+#: (the set stays with the session; the pool's reset does not undo it).
+_DURABLE_INFO = "outbox.synchronous_commit_on"
 
 
 def taker_name() -> str:
@@ -64,6 +71,8 @@ class DirectDispatch:
     #: Operations one message may name, taken at once through a backlog.
     ops_per_message: int = 1
     name: str = field(default_factory=taker_name)
+    #: The engine whose connections are handed to this process's tasks (theirs).
+    engine: Callable[[], Engine] = field(default=runtime.engine, repr=False)
     #: The producer of the channel last taken for (a worker consumes on one channel; a new
     #: one after a reconnect replaces it).
     _producer_of: tuple[dbbroker.Channel, Producer] | None = field(default=None, repr=False)
@@ -71,23 +80,65 @@ class DirectDispatch:
     def take(self, conn: Connection, channel: dbbroker.Channel, *, batch: bool) -> DirectTake:
         """Claim the next due operation on ``conn`` (autocommit: the stamps commit here; with
         ``batch``, up to :attr:`ops_per_message` of them): their dispatch message as
-        ``channel`` would deliver it (None if none is due), and whether more is due."""
-        taken = sql.relay.take_due(
-            conn,
-            limit=self.ops_per_message if batch else 1,
-            republish_after_s=self.republish_after_s,
-        )
+        ``channel`` would deliver it (None if none is due), and whether more is due.
+
+        When this process runs its tasks itself (:mod:`outbox.workers.handoff`), a single
+        operation is claimed on a connection of the workers' engine instead, its lock taken
+        and its row read in the same statement, and that connection is left for the task."""
+        handoffs = handoff.active()
+        if handoffs is not None:
+            handoffs.reap()
+        if handoffs is not None and not batch and handoffs.has_room():
+            taken = self._take_and_lock(handoffs)
+        else:
+            taken = sql.relay.take_due(
+                conn,
+                limit=self.ops_per_message if batch else 1,
+                republish_after_s=self.republish_after_s,
+            )
         claimed = taken.claimed
         if not claimed:
             return DirectTake(None)
-        faults.point("direct_after_take")
-        messages = [OutboundMessage(c.id, c.tool, c.target) for c in claimed]
-        # The PRODUCER span the relay would have started, in the agent's trace.
-        with tracing.publish_spans(claimed) as spans, channel.capture(self.queue) as captured:
-            send_dispatch(self.app, self._producer(channel), messages)
-            spans.confirmed({c.id for c in claimed})
+        try:
+            faults.point("direct_after_take")
+            messages = [OutboundMessage(c.id, c.tool, c.target) for c in claimed]
+            # The PRODUCER span the relay would have started, in the agent's trace.
+            with tracing.publish_spans(claimed) as spans, channel.capture(self.queue) as captured:
+                send_dispatch(self.app, self._producer(channel), messages)
+                spans.confirmed({c.id for c in claimed})
+        except BaseException:
+            if handoffs is not None:  # no message: no task will adopt its lock
+                handoffs.release([c.id for c in claimed])
+            raise
         [message] = captured
         return DirectTake(message, more=taken.more)
+
+    def _take_and_lock(self, handoffs: handoff.Handoffs) -> sql.relay.DueTake:
+        """One due operation claimed, locked and read in one statement on a connection of
+        the workers' engine, that connection handed over if the lock was taken."""
+        conn = self.engine().connect()
+        try:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            if not conn.info.get(_DURABLE_INFO):
+                # The attempt's commits on it must wait for the disk, whatever the server's
+                # or role's default; the take's own does not (flush=False).
+                sql.locks.set_synchronous_commit(conn)
+                conn.info[_DURABLE_INFO] = True
+            taken = sql.relay.take_due(
+                conn, limit=1, republish_after_s=self.republish_after_s, flush=False, lock=True
+            )
+            conn.commit()  # SQLAlchemy's own marker (autocommit: nothing is sent)
+            if taken.locked:
+                faults.point("lock_granted")
+        except BaseException:
+            release(conn)  # the lock may have been granted before the failure
+            conn.close()
+            raise
+        if taken.locked:
+            handoffs.give(taken.claimed[0].id, conn, taken.found)
+        else:
+            conn.close()  # no lock held: back to the pool as it came
+        return taken
 
     def _producer(self, channel: dbbroker.Channel) -> Producer:
         if self._producer_of is None or self._producer_of[0] is not channel:
@@ -121,6 +172,15 @@ def dispatch_queue(app: Celery) -> str:
     raise LookupError("the app has no dispatch queue")
 
 
+def runs_tasks_in_process(pool: Any) -> bool:
+    """Whether Celery's ``pool`` (a class or its name) runs tasks in the worker's own
+    process (threads, solo), where a task can adopt a connection its take handed over."""
+    implementation = concurrency.get_implementation(pool)
+    return isinstance(implementation, type) and issubclass(
+        implementation, solo.TaskPool | thread.TaskPool
+    )
+
+
 @worker_init.connect  # type: ignore[untyped-decorator]
 def _take_directly(sender: Any = None, **_: object) -> None:
     if sender is None or not hasattr(sender, "app"):
@@ -128,7 +188,10 @@ def _take_directly(sender: Any = None, **_: object) -> None:
     settings = get_settings()
     if not applies(settings):
         dbbroker.take_directly(None)
+        handoff.start(None)
         return
+    in_process = runs_tasks_in_process(sender.pool_cls)
+    handoff.start(handoff.Handoffs() if in_process else None)
     app = sender.app
     dbbroker.take_directly(
         DirectDispatch(
@@ -138,4 +201,12 @@ def _take_directly(sender: Any = None, **_: object) -> None:
             ops_per_message=settings.ops_per_message,
         )
     )
-    log.info("taking due operations directly from the outbox (database broker)")
+    log.info(
+        "taking due operations directly from the outbox (database broker)%s",
+        ", their locks handed to this process's tasks" if in_process else "",
+    )
+
+
+@worker_shutdown.connect  # type: ignore[untyped-decorator]
+def _stop_handing(**_: object) -> None:
+    handoff.start(None)  # release the locks no task adopted

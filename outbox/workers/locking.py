@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from uuid import UUID
 
 from sqlalchemy import Connection, Engine
@@ -20,6 +21,19 @@ from sqlalchemy.exc import DBAPIError
 from outbox import faults, sql
 from outbox.locks import operation_lock_key
 from outbox.sql.locks import DispatchView
+
+
+@dataclass(frozen=True, slots=True)
+class Handed:
+    """A connection holding one operation's lock, and the operation as read after it was
+    granted: what a worker's direct take hands to its task (:mod:`outbox.workers.handoff`)."""
+
+    conn: Connection
+    #: The row read after the lock was granted (None: no such operation).
+    found: DispatchView | None
+    #: When it was handed (``time.monotonic()``).
+    at: float
+
 
 #: Takes the lock on a fresh connection: (taken, the session's ``synchronous_commit`` if read).
 _Take = Callable[[Connection], tuple[bool, str | None]]
@@ -60,10 +74,17 @@ class DispatchLocks:
     the operation in the lock's own round trip, and a lock is released in the statement that
     takes the next one (the connection is never used by two attempts at once). :meth:`close`
     releases the last. Use as a context manager.
+
+    ``adopt``: the connection already holding an operation's lock that this process's
+    direct take left for it, if any (:meth:`outbox.workers.handoff.Handoffs.adopt`): such a
+    lock is adopted, not taken again.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self, engine: Engine, *, adopt: Callable[[UUID], Handed | None] | None = None
+    ) -> None:
         self.engine = engine
+        self._adopt = adopt
         self._conn: Connection | None = None
 
     def __enter__(self) -> DispatchLocks:
@@ -81,6 +102,9 @@ class DispatchLocks:
         shows every move the lock's previous holder committed. A block that raises, or leaves
         the connection broken or inside a transaction, gets its lock released and its
         connection returned at once; the next lock takes a fresh one.
+
+        A connection the direct take handed over for ``operation_id`` holds its lock and the
+        row read after it already: it replaces this object's connection, no round trip.
         """
         key = operation_lock_key(operation_id)
         read: list[DispatchView | None] = []
@@ -91,7 +115,13 @@ class DispatchLocks:
             read[:] = [locked.found]
             return locked.taken, locked.synchronous_commit
 
-        conn, taken = self._next_connection(take)
+        handed = self._adopt(operation_id) if self._adopt is not None else None
+        if handed is not None:
+            self.close()  # the previous operation's lock, if any
+            self._conn = conn = handed.conn
+            read[:], taken = [handed.found], True
+        else:
+            conn, taken = self._next_connection(take)
         kept = False
         try:
             yield (conn, read[0]) if taken else None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from uuid import UUID
 
 from celery import Task
 
@@ -11,6 +13,7 @@ from outbox.db import is_database_error
 from outbox.logs import Action, describe_error
 from outbox.workers import (
     direct,  # noqa: F401 -- its worker_init handler: the direct take
+    handoff,
     runtime,
 )
 from outbox.workers.app import DISPATCH_TASK, SAGA_TASK, app
@@ -59,9 +62,11 @@ def dispatch_task(
     settled_steps: list[str] = []
     error: Exception | None = None
     engine = runtime.engine()
+    handoffs = handoff.active()
     # One connection takes the operations' locks in turn (each released as the next is
-    # taken): never two attempts on it at once, one round trip and checkout fewer each.
-    with DispatchLocks(engine) as locks:
+    # taken): never two attempts on it at once, one round trip and checkout fewer each. A lock
+    # this process's direct take already holds for one of them is adopted (outbox.workers.handoff).
+    with DispatchLocks(engine, adopt=None if handoffs is None else handoffs.adopt) as locks:
         for index, one in enumerate(ids):
             if deferred:  # keep the message's order: once one waits, the rest wait too
                 deferred.append(one)
@@ -84,6 +89,7 @@ def dispatch_task(
                 busy.append(one)
             elif report.outcome is Outcome.DEFERRED:
                 deferred.append(one)
+    _release_unadopted(handoffs, ids)
     if settled_steps:
         nudge_sagas(settled_steps)
     if deferred:
@@ -100,6 +106,18 @@ def dispatch_task(
     if error is not None:
         raise error
     return ", ".join(outcomes)
+
+
+def _release_unadopted(handoffs: handoff.Handoffs | None, operation_ids: list[str]) -> None:
+    """Release a lock the direct take handed for an operation of this message that its
+    attempt did not adopt (none as a rule: a message's first operation always locks)."""
+    if handoffs is None or not len(handoffs):
+        return
+    ids = []
+    for value in operation_ids:
+        with contextlib.suppress(ValueError):  # a malformed id failed its attempt already
+            ids.append(UUID(str(value)))
+    handoffs.release(ids)
 
 
 def _log_dispatch_error(operation_id: str, exc: Exception) -> bool:

@@ -1,0 +1,97 @@
+"""A real worker attempts with the lock its take took, when its tasks run in its own process.
+
+On the database broker a worker with the threads (or solo) pool claims a due operation, takes
+its lock and reads it in one statement, and its task adopts that connection
+(``outbox.workers.handoff``); a prefork worker's child cannot, and takes the lock itself.
+Seen from outside: the worker stops right after the lock (``OUTBOX_FAULTS=after_lock=hang``),
+and PostgreSQL says which statement the lock holder's session ran last. Then the worker is
+SIGKILLed there, and a fresh one confirms the operation once.
+"""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+from outbox import api, sql
+from outbox.dev.service import DeployService
+from outbox.locks import operation_lock_key
+from tests.processes import Services, wait_until
+from tests.tool_configs import TOOL
+
+pytestmark = pytest.mark.slow
+
+#: How the take's statement begins (PostgreSQL shows a statement's first kilobyte only).
+TAKE_STATEMENT = "WITH cfg AS MATERIALIZED ("
+
+
+def _enqueue(engine: Engine) -> UUID:
+    with Session(engine) as session, session.begin():
+        return api.enqueue(
+            session, tool=TOOL, target="project-1", payload={"version": "1.0.0"}, intent_key="h"
+        ).id
+
+
+def _holder_query(engine: Engine, op_id: UUID) -> str | None:
+    """The last statement of the session holding ``op_id``'s lock (None: nobody holds it)."""
+    with engine.connect() as conn:
+        pid = sql.locks.lock_holder_pid(conn, operation_lock_key(op_id))
+        if pid is None:
+            return None
+        query = conn.execute(
+            text("SELECT query FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
+        ).scalar_one_or_none()
+        return None if query is None else str(query)
+
+
+def _state(engine: Engine, op_id: UUID) -> str:
+    with engine.connect() as conn:
+        return str(
+            conn.execute(
+                text("SELECT state FROM outbox.operations WHERE id = :id"), {"id": op_id}
+            ).scalar_one()
+        )
+
+
+@pytest.mark.parametrize("broker", ["database"], indirect=True)
+@pytest.mark.parametrize(
+    ("pool", "handed"), [("threads", True), ("solo", True), ("prefork", False)]
+)
+def test_the_attempt_holds_the_lock_its_take_took_unless_its_task_runs_elsewhere(
+    engine: Engine,
+    broker: str | None,
+    stack_env: dict[str, str],
+    services: Services,
+    service: DeployService,
+    pool: str,
+    handed: bool,
+) -> None:
+    assert broker is None
+    op_id = _enqueue(engine)
+    armed = {**stack_env, "OUTBOX_FAULTS": "after_lock=hang@1"}
+    worker = services.start("worker-armed", "worker", "-c", "1", "-P", pool, env=armed)
+    wait_until(
+        lambda: "fault point after_lock: hanging" in worker.output(),
+        timeout=120.0,  # the worker's start-up included
+        interval=0.1,
+        what="the worker stopped right after the operation's lock",
+    )
+    query = _holder_query(engine, op_id)
+    assert query is not None
+    # The child's own lock-and-read (then, on a test database that does not flush by
+    # default, its `SET synchronous_commit`) was the prefork worker's last statement.
+    assert " ".join(query.split()).startswith(TAKE_STATEMENT) is handed, query[:200]
+    worker.kill()
+    # Nothing was written after the lock: the stamped row is taken again once
+    # OUTBOX_REPUBLISH_AFTER passed, and dispatched once.
+    services.start("worker", "worker", "-c", "1", "-P", pool, env=stack_env)
+    wait_until(
+        lambda: _state(engine, op_id) == "confirmed",
+        timeout=120.0,
+        interval=0.2,
+        what="the operation confirmed by a fresh worker",
+    )
+    assert service.effects_by_key() == {str(op_id): 1}

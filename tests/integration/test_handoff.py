@@ -1,0 +1,284 @@
+"""A worker's take claims, locks and reads an operation in one statement and hands that
+connection to its own task (issue 35, ``outbox.workers.handoff``). Real PostgreSQL: the
+locks are read back from ``pg_locks`` through another connection."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from uuid import UUID
+
+import pytest
+from celery import Celery
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.orm import Session
+
+from outbox import api, sql
+from outbox.contracts import ContractTable
+from outbox.locks import SESSION_LOCKS_INFO, operation_lock_key
+from outbox.sql.relay import _CLAIM_AND_MARK_DUE, DueTake
+from outbox.tools import Applied, ToolCall, ToolRegistry, tool
+from outbox.workers.direct import DirectDispatch
+from outbox.workers.dispatch import Outcome, dispatch
+from outbox.workers.handoff import Handoffs
+from outbox.workers.locking import DispatchLocks
+
+REPUBLISH_AFTER_S = 30.0
+
+
+def _enqueue(engine: Engine, count: int) -> list[UUID]:
+    with Session(engine) as session, session.begin():
+        return [
+            api.enqueue(session, tool="deploy.create", target=f"t{i}", payload={"i": i}).id
+            for i in range(count)
+        ]
+
+
+@pytest.fixture
+def taker(engine: Engine) -> Iterator[Connection]:
+    """An autocommit connection of the engine's pool, as a worker's take uses one."""
+    with engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        yield conn
+
+
+def _take(conn: Connection) -> DueTake:
+    return sql.relay.take_due(
+        conn, limit=1, republish_after_s=REPUBLISH_AFTER_S, flush=False, lock=True
+    )
+
+
+def _holder(engine: Engine, operation_id: UUID) -> int | None:
+    """The backend holding ``operation_id``'s lock, read from another connection."""
+    with engine.connect() as conn:
+        return sql.locks.lock_holder_pid(conn, operation_lock_key(operation_id))
+
+
+def _pid(conn: Connection) -> int:
+    return int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+
+
+def _advisory_locks(conn: Connection) -> int:
+    return int(
+        conn.execute(
+            text(
+                "SELECT count(*) FROM pg_locks "
+                "WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+            )
+        ).scalar_one()
+    )
+
+
+def test_enqueue_stores_each_operation_s_lock_key(engine: Engine) -> None:
+    """The key in the row is the one every holder of the lock computes from the id."""
+    ids = _enqueue(engine, 2)
+    with Session(engine) as session, session.begin():
+        ids.append(
+            api.enqueue_many(
+                session,
+                [api.Intent(tool="deploy.create", target="many", payload={"n": 1})],
+            )[0].id
+        )
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT id, lock_key FROM outbox.operations")).all()
+    assert {row.id: row.lock_key for row in rows} == {one: operation_lock_key(one) for one in ids}
+
+
+def test_a_take_claims_locks_and_reads_one_operation_in_one_statement(
+    engine: Engine, taker: Connection
+) -> None:
+    first, second = _enqueue(engine, 2)
+    taken = _take(taker)
+    assert [c.id for c in taken.claimed] == [first]
+    assert taken.more  # the second was due too: looked at, not claimed
+    assert taken.locked
+    assert taken.found is not None
+    assert taken.found.operation.id == first
+    assert taken.found.operation.state.value == "planned"
+    assert taken.found.due
+    assert taken.found.operation.published_at is not None  # as the take stamped it
+    assert _holder(engine, first) == _pid(taker)
+    assert _advisory_locks(taker) == 1
+    assert taker.info.get(SESSION_LOCKS_INFO)  # the pool's reset would release it
+    sql.locks.unlock_all(taker)
+    again = _take(taker)
+    assert [c.id for c in again.claimed] == [second]
+    assert not again.more
+
+
+def test_a_take_s_own_commit_does_not_change_the_session_s_durability(
+    taker: Connection, engine: Engine
+) -> None:
+    """``flush=False`` holds for the take's transaction only: the attempt's commits on the
+    same connection stay durable."""
+    _enqueue(engine, 1)
+    sql.locks.set_synchronous_commit(taker)
+    assert _take(taker).locked
+    setting = taker.execute(text("SHOW synchronous_commit")).scalar_one()
+    assert setting == "on"
+
+
+def test_a_row_without_a_lock_key_is_claimed_and_left_for_its_task_to_lock(
+    engine: Engine, taker: Connection
+) -> None:
+    """A row enqueued before migration 0027 (no key): claimed, not locked, nothing held."""
+    [op_id] = _enqueue(engine, 1)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox.operations SET lock_key = NULL"))
+    taken = _take(taker)
+    assert [c.id for c in taken.claimed] == [op_id]
+    assert (taken.locked, taken.found) == (False, None)
+    assert _advisory_locks(taker) == 0
+    assert not taker.info.get(SESSION_LOCKS_INFO)  # no unlock owed when it goes back
+
+
+def test_a_wrong_lock_key_is_released_and_not_trusted(engine: Engine, taker: Connection) -> None:
+    """A key that is not the id's (written by hand, or a bug) locks nothing anyone else
+    would see: the take lets it go at once and reports the row not locked."""
+    [op_id] = _enqueue(engine, 1)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox.operations SET lock_key = 42"))
+    taken = _take(taker)
+    assert [c.id for c in taken.claimed] == [op_id]
+    assert (taken.locked, taken.found) == (False, None)
+    assert _advisory_locks(taker) == 0
+
+
+def test_a_lock_another_holder_has_is_not_taken(engine: Engine, taker: Connection) -> None:
+    [op_id] = _enqueue(engine, 1)
+    with engine.connect() as other:
+        assert sql.locks.try_lock(other, operation_lock_key(op_id))
+        taken = _take(taker)
+        assert [c.id for c in taken.claimed] == [op_id]
+        assert not taken.locked
+        assert _advisory_locks(taker) == 0
+        sql.locks.unlock_all(other)
+
+
+def test_a_take_that_locks_claims_one_row(taker: Connection) -> None:
+    with pytest.raises(ValueError, match="one row, not 2"):
+        sql.relay.take_due(taker, limit=2, republish_after_s=1.0, lock=True)
+
+
+def test_the_relay_s_claim_never_reads_through_the_lock(engine: Engine) -> None:
+    """The relay runs the same statement without locking: the locked read is never called."""
+    _enqueue(engine, 3)
+    with engine.connect() as conn, conn.begin() as tx:
+        plan = conn.execute(
+            text(f"EXPLAIN (ANALYZE, FORMAT JSON) {_CLAIM_AND_MARK_DUE.clause}"),
+            {
+                "limit": 3,
+                "look": 3,
+                "republish_after": 30,
+                "hold_back": 0,
+                "without_flush": False,
+                "lock": False,
+            },
+        ).scalar_one()
+        tx.rollback()
+    calls = [n for n in _nodes(plan[0]["Plan"]) if n["Node Type"] == "Function Scan"]
+    assert [n["Actual Loops"] for n in calls] == [0]
+
+
+def _nodes(node: dict[str, object]) -> Iterator[dict[str, object]]:
+    yield node
+    for child in node.get("Plans", []):  # type: ignore[attr-defined]
+        yield from _nodes(child)
+
+
+# --- the hand-off -------------------------------------------------------------------------
+
+
+def _hand(engine: Engine, handoffs: Handoffs) -> UUID:
+    """Enqueue one operation and take it as a worker does: claimed, locked and read on a
+    connection of ``engine``'s pool, which waits in ``handoffs`` for its task."""
+    [op_id] = _enqueue(engine, 1)
+    source = DirectDispatch(
+        Celery(set_as_current=False), "q", REPUBLISH_AFTER_S, engine=lambda: engine
+    )
+    taken = source._take_and_lock(handoffs)
+    assert [c.id for c in taken.claimed] == [op_id]
+    assert taken.locked
+    return op_id
+
+
+def test_a_task_adopts_the_lock_its_take_handed_over_and_attempts_on_it(
+    engine: Engine,
+) -> None:
+    """The task's lock is the take's (the same session), and the attempt runs on it: one
+    call, confirmed, the lock released with the message's locks."""
+    registry = ToolRegistry(ContractTable())
+    calls: list[str] = []
+
+    def create(call: ToolCall) -> Applied:
+        calls.append(call.operation_id)
+        return Applied(f"ref-{call.operation_id}")
+
+    tool("deploy.create", timeout=2, send_deadline=2, inflight_horizon=60, registry=registry)(
+        create
+    )
+    handoffs = Handoffs()
+    op_id = _hand(engine, handoffs)
+    holder = _holder(engine, op_id)
+    assert holder is not None
+    assert len(handoffs) == 1
+    with DispatchLocks(engine, adopt=handoffs.adopt) as locks:
+        with locks.lock(op_id) as locked:
+            assert locked is not None
+            conn, found = locked
+            assert found is not None
+            assert found.operation.id == op_id
+            assert _pid(conn) == holder  # the same session: no second lock taken
+            assert len(handoffs) == 0
+        report = dispatch(op_id, engine=engine, registry=registry, locks=locks)
+    assert report.outcome is Outcome.CONFIRMED
+    assert calls == [str(op_id)]
+    assert _holder(engine, op_id) is None
+
+
+def test_a_task_with_nothing_handed_takes_the_lock_itself(engine: Engine) -> None:
+    handoffs = Handoffs()
+    [op_id] = _enqueue(engine, 1)
+    with DispatchLocks(engine, adopt=handoffs.adopt) as locks, locks.lock(op_id) as locked:
+        assert locked is not None
+        assert _holder(engine, op_id) == _pid(locked[0])
+    assert _holder(engine, op_id) is None
+
+
+def test_a_lock_no_task_adopts_is_released(engine: Engine) -> None:
+    """By the task that ran for other operations, by the reaper after its wait, by close."""
+    handoffs = Handoffs(max_wait_s=0.2)
+    kept, reaped, closed = (_hand(engine, handoffs) for _ in range(3))
+    handoffs.release([kept])
+    assert _holder(engine, kept) is None
+    assert handoffs.reap() == 0  # too young
+    time.sleep(0.3)
+    assert handoffs.reap() == 2
+    assert _holder(engine, reaped) is None
+    assert _holder(engine, closed) is None
+    again = _hand(engine, handoffs)
+    handoffs.close()
+    assert _holder(engine, again) is None
+    assert len(handoffs) == 0
+
+
+def test_a_second_hand_off_for_an_operation_releases_the_first(engine: Engine) -> None:
+    """An operation claimed again (its message was lost) while its first hand-off still
+    waits: the first connection and its lock go."""
+    handoffs = Handoffs()
+    op_id = _hand(engine, handoffs)
+    assert _holder(engine, op_id) is not None
+    handoffs.give(op_id, engine.connect(), None)
+    assert _holder(engine, op_id) is None
+    assert len(handoffs) == 1
+    handoffs.close()
+
+
+def test_room_for_hand_offs_is_limited(engine: Engine) -> None:
+    handoffs = Handoffs(max_waiting=2)
+    assert handoffs.has_room()
+    _hand(engine, handoffs)
+    _hand(engine, handoffs)
+    assert not handoffs.has_room()
+    handoffs.close()
+    assert handoffs.has_room()
