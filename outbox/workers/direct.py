@@ -146,7 +146,11 @@ class DirectDispatch:
         return self._producer_of[1]
 
     def announce(self, conn: Connection, *, idle: bool) -> None:
-        """Write this worker's idle flag and heartbeat (``outbox.relays``)."""
+        """Write this worker's idle flag and heartbeat (``outbox.relays``); release the
+        handed locks no task adopted in time (an idle worker takes nothing that would)."""
+        handoffs = handoff.active()
+        if handoffs is not None:
+            handoffs.reap()
         host = socket.gethostname()
         sql.relay.announce_relay(conn, self.name, pid=os.getpid(), host=host, idle=idle)
 
