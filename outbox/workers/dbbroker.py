@@ -113,10 +113,13 @@ class DirectSource(Protocol):
     #: The broker queue whose messages these stand in for (this deployment's dispatch queue).
     queue: str
 
-    def take(self, conn: Connection, channel: Channel, *, batch: bool) -> DirectTake:
+    def take(
+        self, conn: Connection, channel: Channel, *, batch: bool, keeping_up: bool
+    ) -> DirectTake:
         """Claim the next due operation on ``conn`` (autocommit; with ``batch``, up to a
         message's worth): its message as ``channel`` would deliver it, and whether more is
-        due."""
+        due. ``keeping_up``: the worker's last take left nothing due and its idle flag is up
+        (latency counts more than the consumer's own work per take)."""
         ...
 
     def announce(self, conn: Connection, *, idle: bool) -> None:
@@ -286,7 +289,12 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
             # Known as a taker from the first take on, busy until a look finds nothing:
             # relays stand by at once, also while a backlog keeps the flag from going up.
             self.announce(idle=False)
-        taken = direct.take(taker, self, batch=self._streak >= BATCH_AFTER_TAKES)
+        taken = direct.take(
+            taker,
+            self,
+            batch=self._streak >= BATCH_AFTER_TAKES,
+            keeping_up=self._streak == 0 and self._idle is not False,
+        )
         self._streak = self._streak + 1 if taken.more else 0
         return taken
 

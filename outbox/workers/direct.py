@@ -77,18 +77,22 @@ class DirectDispatch:
     #: one after a reconnect replaces it).
     _producer_of: tuple[dbbroker.Channel, Producer] | None = field(default=None, repr=False)
 
-    def take(self, conn: Connection, channel: dbbroker.Channel, *, batch: bool) -> DirectTake:
+    def take(
+        self, conn: Connection, channel: dbbroker.Channel, *, batch: bool, keeping_up: bool = True
+    ) -> DirectTake:
         """Claim the next due operation on ``conn`` (autocommit: the stamps commit here; with
         ``batch``, up to :attr:`ops_per_message` of them): their dispatch message as
         ``channel`` would deliver it (None if none is due), and whether more is due.
 
-        When this process runs its tasks itself (:mod:`outbox.workers.handoff`), a single
-        operation is claimed on a connection of the workers' engine instead, its lock taken
-        and its row read in the same statement, and that connection is left for the task."""
+        When this process runs its tasks itself (:mod:`outbox.workers.handoff`) and the
+        worker is ``keeping_up``, the operation is claimed on a connection of the workers'
+        engine instead, its lock taken and its row read in the same statement, and that
+        connection is left for the task: the attempt starts sooner. Through a backlog the
+        take stays the consumer's cheapest (its thread takes every message of the worker)."""
         handoffs = handoff.active()
         if handoffs is not None:
             handoffs.reap()
-        if handoffs is not None and not batch and handoffs.has_room():
+        if handoffs is not None and keeping_up and not batch and handoffs.has_room():
             taken = self._take_and_lock(handoffs)
         else:
             taken = sql.relay.take_due(
