@@ -14,6 +14,7 @@ index's right edge, lists newest first) and decides nothing.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 
@@ -22,8 +23,17 @@ _VARIANT_RFC = 0x2 << 62
 _RANDOM_BITS = (1 << 74) - 1
 
 
+_LOW_BITS = (1 << 62) - 1
+#: The last id this process made, so that the next sorts after it even within a millisecond
+#: (RFC 9562's monotonic random: the next is the last plus one) or after the clock stepped
+#: back.
+_last = 0
+_last_lock = threading.Lock()
+
+
 def new_operation_id() -> uuid.UUID:
-    """A new time-ordered operation id (UUIDv7)."""
+    """A new time-ordered operation id (UUIDv7), after every id this process made before."""
+    global _last  # noqa: PLW0603 -- the process's sequence
     millis = time.time_ns() // 1_000_000
     rand = int.from_bytes(os.urandom(10), "big") & _RANDOM_BITS
     # 12 random bits after the version, 62 after the variant.
@@ -32,6 +42,12 @@ def new_operation_id() -> uuid.UUID:
         | _VERSION_7
         | (rand >> 62) << 64
         | _VARIANT_RFC
-        | (rand & ((1 << 62) - 1))
+        | (rand & _LOW_BITS)
     )
+    with _last_lock:
+        if value <= _last:
+            # One more than the last, in its low random bits (their carry, at 1 in 2**62 an
+            # id, would only spend one of the 12 bits above them).
+            value = _last + 1 if _last & _LOW_BITS != _LOW_BITS else _last + (1 << 64) - _LOW_BITS
+        _last = value
     return uuid.UUID(int=value)
