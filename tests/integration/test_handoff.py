@@ -18,10 +18,12 @@ from outbox.contracts import ContractTable
 from outbox.locks import SESSION_LOCKS_INFO, operation_lock_key
 from outbox.sql.relay import _CLAIM_AND_MARK_DUE, DueTake
 from outbox.tools import Applied, ToolCall, ToolRegistry, tool
-from outbox.workers.direct import DirectDispatch
+from outbox.workers import dbbroker, handoff
+from outbox.workers.direct import DirectDispatch, dispatch_queue
 from outbox.workers.dispatch import Outcome, dispatch
 from outbox.workers.handoff import Handoffs
 from outbox.workers.locking import DispatchLocks
+from tests.integration.test_direct_take import _app, _consume
 
 REPUBLISH_AFTER_S = 30.0
 
@@ -282,3 +284,35 @@ def test_room_for_hand_offs_is_limited(engine: Engine) -> None:
     assert not handoffs.has_room()
     handoffs.close()
     assert handoffs.has_room()
+
+
+# --- the worker's take --------------------------------------------------------------------
+
+
+def test_a_worker_hands_its_lock_over_only_while_it_keeps_up(
+    database_url: str, engine: Engine
+) -> None:
+    """A real kombu channel on the database broker: the take that finds one operation hands
+    its lock; through a backlog (each take leaving more due) the takes after the first do
+    not, and the consumer's take stays its cheapest; once it keeps up again it hands again.
+    (No task runs here: every hand-off stays waiting, so they can be counted.)"""
+    app = _app(database_url)
+    handoffs = Handoffs()
+    handoff.start(handoffs)
+    dbbroker.take_directly(
+        DirectDispatch(app, dispatch_queue(app), REPUBLISH_AFTER_S, engine=lambda: engine)
+    )
+    try:
+        assert _consume(app, ("dispatch",), 1, timeout=0.5) == []  # idle: its flag goes up
+        backlog = _enqueue(engine, 5)
+        assert [kwargs["operation_id"] for _, kwargs in _consume(app, ("dispatch",), 5)] == [
+            str(one) for one in backlog
+        ]
+        assert len(handoffs) == 1
+        assert handoffs.adopt(backlog[0]) is not None  # the first take's, before it knew
+        [alone] = _enqueue(engine, 1)
+        assert len(_consume(app, ("dispatch",), 1)) == 1
+        assert handoffs.adopt(alone) is not None
+    finally:
+        dbbroker.take_directly(None)
+        handoff.start(None)
