@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 from uuid import UUID
 
 import pytest
@@ -23,7 +24,7 @@ from outbox.workers.direct import DirectDispatch, dispatch_queue
 from outbox.workers.dispatch import Outcome, dispatch
 from outbox.workers.handoff import Handoffs
 from outbox.workers.locking import DispatchLocks
-from tests.integration.test_direct_take import _app, _consume
+from tests.integration.test_direct_take import _app
 
 REPUBLISH_AFTER_S = 30.0
 
@@ -292,27 +293,46 @@ def test_room_for_hand_offs_is_limited(engine: Engine) -> None:
 def test_a_worker_hands_its_lock_over_only_while_it_keeps_up(
     database_url: str, engine: Engine
 ) -> None:
-    """A real kombu channel on the database broker: the take that finds one operation hands
-    its lock; through a backlog (each take leaving more due) the takes after the first do
-    not, and the consumer's take stays its cheapest; once it keeps up again it hands again.
-    (No task runs here: every hand-off stays waiting, so they can be counted.)"""
+    """A real kombu channel on the database broker: once idle (its flag up), the take that
+    finds one operation hands its lock; through a backlog (each take leaving more due) the
+    takes after the first do not, and the consumer's take stays its cheapest; once it keeps
+    up again it hands again. (No task runs here: the hand-offs wait, so they can be seen.)"""
     app = _app(database_url)
     handoffs = Handoffs()
     handoff.start(handoffs)
     dbbroker.take_directly(
         DirectDispatch(app, dispatch_queue(app), REPUBLISH_AFTER_S, engine=lambda: engine)
     )
+    got: list[str] = []
+
+    def on_message(body: list[Any], message: Any) -> None:
+        got.append(body[1]["operation_id"])
+        message.ack()
+
+    def drain(count: int, timeout: float = 2.0) -> list[str]:
+        del got[:]
+        while len(got) < count:
+            try:
+                conn.drain_events(timeout=timeout)
+            except TimeoutError:
+                break
+        return list(got)
+
+    queues = [q for q in app.conf.task_queues if q.alias == "dispatch"]
     try:
-        assert _consume(app, ("dispatch",), 1, timeout=0.5) == []  # idle: its flag goes up
-        backlog = _enqueue(engine, 5)
-        assert [kwargs["operation_id"] for _, kwargs in _consume(app, ("dispatch",), 5)] == [
-            str(one) for one in backlog
-        ]
-        assert len(handoffs) == 1
-        assert handoffs.adopt(backlog[0]) is not None  # the first take's, before it knew
-        [alone] = _enqueue(engine, 1)
-        assert len(_consume(app, ("dispatch",), 1)) == 1
-        assert handoffs.adopt(alone) is not None
+        with (
+            app.connection_for_read() as conn,
+            conn.Consumer(queues, callbacks=[on_message], prefetch_count=8),
+        ):
+            assert drain(1, timeout=0.5) == []  # nothing due: its flag goes up
+            backlog = _enqueue(engine, 5)
+            assert drain(5) == [str(one) for one in backlog]
+            assert len(handoffs) == 1
+            assert handoffs.adopt(backlog[0]) is not None  # the first take's, before it knew
+            [alone] = _enqueue(engine, 1)
+            assert drain(1) == [str(alone)]
+            assert handoffs.adopt(alone) is not None
+            assert len(handoffs) == 0
     finally:
         dbbroker.take_directly(None)
         handoff.start(None)
