@@ -102,6 +102,8 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
         SELECT m.id, m.lock_key, pg_try_advisory_lock(m.lock_key) AS taken
         FROM marked AS m WHERE :lock AND m.lock_key IS NOT NULL
     )
+    -- After the claim's columns, the row's as OPERATION_COLUMNS names them, written out as in
+    -- the dispatcher's own locked read (tests/unit/test_sql_in_one_place.py checks both).
     SELECT c.id AS claimed_id, c.tool AS claimed_tool, c.target AS claimed_target,
            c.traceparent AS claimed_traceparent, c.tracestate AS claimed_tracestate,
            c.published_at AS previous_published_at,

@@ -245,6 +245,9 @@ def test_retention_names_the_terminal_states() -> None:
 def test_the_locked_read_selects_the_operation_columns_in_order() -> None:
     columns = ", ".join(f"op.{name}" for name in OPERATION_COLUMNS)
     assert f"lk.synchronous_commit, {columns}, " in _flat(sql.locks._LOCK_AND_READ.sql)
+    # The take that locks reads the row the same way (outbox.sql.relay).
+    taken = "coalesce(lk.taken, false) AS taken, "
+    assert f"{taken}{columns}, " in _flat(sql.relay._CLAIM_AND_MARK_DUE.sql)
 
 
 def test_the_broker_statement_names_the_broker_table() -> None:
