@@ -47,6 +47,16 @@ def _holder_query(engine: Engine, op_id: UUID) -> str | None:
         return None if query is None else str(query)
 
 
+def _idle_takers(engine: Engine) -> int:
+    """Workers taking directly whose idle flag is up (enqueue rings them)."""
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                text("SELECT count(*) FROM outbox.relays WHERE name LIKE 'taker:%' AND idle")
+            ).scalar_one()
+        )
+
+
 def _state(engine: Engine, op_id: UUID) -> str:
     with engine.connect() as conn:
         return str(
@@ -70,12 +80,20 @@ def test_the_attempt_holds_the_lock_its_take_took_unless_its_task_runs_elsewhere
     handed: bool,
 ) -> None:
     assert broker is None
-    op_id = _enqueue(engine)
     armed = {**stack_env, "OUTBOX_FAULTS": "after_lock=hang@1"}
     worker = services.start("worker-armed", "worker", "-c", "1", "-P", pool, env=armed)
+    # A starting worker takes with its flag down (busy until a look finds nothing): the
+    # operation comes once it waits for work, as at a steady rate.
+    wait_until(
+        lambda: _idle_takers(engine) == 1,
+        timeout=120.0,  # the worker's start-up included
+        interval=0.1,
+        what="the worker waiting for work, its idle flag up",
+    )
+    op_id = _enqueue(engine)
     wait_until(
         lambda: "fault point after_lock: hanging" in worker.output(),
-        timeout=120.0,  # the worker's start-up included
+        timeout=30.0,
         interval=0.1,
         what="the worker stopped right after the operation's lock",
     )
