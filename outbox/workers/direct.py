@@ -44,7 +44,7 @@ from outbox.relay import OutboundMessage
 from outbox.workers import dbbroker, handoff, runtime
 from outbox.workers.app import broker_url, uses_database_broker
 from outbox.workers.dbbroker import DirectTake
-from outbox.workers.locking import release
+from outbox.workers.locking import discard
 from outbox.workers.publish import same_database, send_dispatch
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class DirectDispatch:
     _producer_of: tuple[dbbroker.Channel, Producer] | None = field(default=None, repr=False)
 
     def take(
-        self, conn: Connection, channel: dbbroker.Channel, *, batch: bool, keeping_up: bool = True
+        self, conn: Connection, channel: dbbroker.Channel, *, batch: bool, keeping_up: bool
     ) -> DirectTake:
         """Claim the next due operation on ``conn`` (autocommit: the stamps commit here; with
         ``batch``, up to :attr:`ops_per_message` of them): their dispatch message as
@@ -135,8 +135,7 @@ class DirectDispatch:
             if taken.locked:
                 faults.point("lock_granted")
         except BaseException:
-            release(conn)  # the lock may have been granted before the failure
-            conn.close()
+            discard(conn)  # the lock may have been granted before the failure
             raise
         if taken.locked:
             handoffs.give(taken.claimed[0].id, conn, taken.found)

@@ -33,7 +33,7 @@ from uuid import UUID
 from sqlalchemy import Connection
 
 from outbox.sql.locks import DispatchView
-from outbox.workers.locking import Handed, release
+from outbox.workers.locking import Handed, discard
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +108,7 @@ class Handoffs:
 
 
 def _release(handed: Handed) -> None:
-    release(handed.conn)
-    handed.conn.close()
+    discard(handed.conn)
 
 
 #: This process's hand-offs (None: tasks run elsewhere, or no direct take).

@@ -162,21 +162,22 @@ def _locked_connection(engine: Engine, take: _Take, *, autocommit: bool) -> tupl
                 conn.execution_options(isolation_level="AUTOCOMMIT")
             taken = _take_durably(conn, take)
         except DBAPIError as exc:
-            _discard(conn)
+            discard(conn)
             if retry or not exc.connection_invalidated:
                 raise
             continue
         except BaseException:
-            _discard(conn)
+            discard(conn)
             raise
         return conn, taken
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _discard(conn: Connection) -> None:
-    """Return a connection whose lock step failed: the lock may have been granted before the
-    failure (a later step of ``_take_durably``, the read after it), and a rollback does not
-    release a session lock. Unlocked here; the pool's reset (``outbox.db``) would too."""
+def discard(conn: Connection) -> None:
+    """Return a connection that may hold a session lock (a lock step that failed after the
+    lock may have been granted, a handed lock no task adopted): a rollback does not release
+    one. Unlocked here unless the connection is already invalidated (the server then frees
+    its locks); the pool's reset (``outbox.db``) would unlock too."""
     if not conn.invalidated:
         release(conn)
     conn.close()
