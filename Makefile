@@ -47,7 +47,9 @@ bench: $(INSTALLED)  ## The full benchmark suite (docs/performance.md): about an
 	$(BIN)/python bench/machine.py --seconds 10
 	$(BIN)/python bench/limits.py
 	$(BIN)/python bench/pipeline.py --broker both --mode both
-	$(BIN)/python bench/peers.py --rounds 3 --systems ours,ours-traced,celery,procrastinate,dbos
+	$(BIN)/python bench/peers.py --rounds 3 --systems ours,ours-traced,ours-db,celery,procrastinate,dbos
+	$(BIN)/python bench/contend.py --share 15 --seconds 5
+	$(BIN)/python bench/peers.py --rounds 3 --systems ours,ours-db,celery,procrastinate --loads steady --contend 15
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/claim_backlog.py
 	$(BIN)/python bench/aio.py
@@ -62,6 +64,7 @@ bench-quick: $(INSTALLED)  ## Every benchmark in its few-second smoke form: do t
 	$(BIN)/python bench/limits.py --smoke
 	$(BIN)/python bench/pipeline.py --smoke
 	$(BIN)/python bench/peers.py --smoke --systems ours,celery
+	$(BIN)/python bench/contend.py --smoke
 	$(BIN)/python bench/scale.py --smoke
 	$(BIN)/python bench/claim_backlog.py --smoke
 	$(BIN)/python bench/aio.py --smoke

@@ -7,6 +7,9 @@
   order rotating from round to round), so a noisy machine disturbs them alike (``rounds``);
 * ``--smoke``: a run of a few seconds that only proves the script still works;
 * ``--json FILE``: every value of every round, for comparing runs later (``report``).
+
+The latency benchmarks (``peers.py``, ``pipeline.py``) add ``--contend PCT``
+(:func:`add_contend_argument`): every round under emulated steal (``contend``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+
+from contend import MAX_SHARE
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -38,3 +43,26 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, rounds: int = 3) ->
     parser.add_argument("--rounds", type=int, default=rounds, help="rounds (default %(default)s)")
     parser.add_argument("--smoke", action="store_true", help="a few seconds: does it still run")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write every round's values")
+
+
+def _share(value: str) -> float:
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= MAX_SHARE:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a share of each core in percent (above 0, at most {MAX_SHARE:g})"
+        )
+    return share
+
+
+def add_contend_argument(parser: argparse.ArgumentParser) -> None:
+    """``--contend PCT``: run every round under emulated steal (:mod:`contend`)."""
+    parser.add_argument(
+        "--contend",
+        type=_share,
+        metavar="PCT",
+        help="run under emulated steal: a real-time co-tenant takes PCT %% of every core in "
+        "bursts (bench/contend.py; needs root for real-time, else gentler)",
+    )

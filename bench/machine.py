@@ -11,6 +11,8 @@ to 21 % within minutes while the load looked quiet). So every case a benchmark m
 * **CPU pressure**: the share of the time at least one runnable task waited for a CPU, from
   ``/proc/pressure/cpu`` (Linux PSI; NaN where the kernel has none): other work contending
   for the cores shows here, when steal shows only the hypervisor's;
+* **emulated steal**: under ``--contend`` (:mod:`contend`), the share of all CPU time the
+  co-tenant's processes used, from their own ``/proc/<pid>/stat``;
 * **CPU probe**: the wall time of a fixed pure-Python loop (:data:`PROBE_LOOPS` additions,
   about 20 ms of CPU on a quiet core here), run every :data:`PROBE_PERIOD_S` by a process of
   its own at normal priority while the case runs; its median. A burst that long outlasts the
@@ -39,6 +41,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import contend
 
 #: Additions the probe times: about 20 ms on a quiet core of this machine. A 2 ms probe
 #: (tried first) measured 1.5-2.1 ms at a load average of 16: the scheduler's wake-up credit
@@ -102,6 +106,8 @@ class MachineState:
     probes: int
     #: Share of the time some runnable task waited for a CPU (NaN: not measured).
     pressure_pct: float = float("nan")
+    #: Share of all CPU time the ``--contend`` co-tenant took (NaN: none ran).
+    emulated_steal_pct: float = float("nan")
 
     def marked(self, steal_limit: float = STEAL_LIMIT) -> bool:
         """Whether this stretch ran above ``steal_limit`` percent steal."""
@@ -109,8 +115,13 @@ class MachineState:
 
     def describe(self) -> str:
         """``steal 3.1 %, busy 87 %, CPU pressure 40 %, probe 24.1 ms (n=40)``."""
+        emulated = (
+            f"emulated steal {self.emulated_steal_pct:.1f} %, "
+            if self.emulated_steal_pct == self.emulated_steal_pct  # not NaN
+            else ""
+        )
         return (
-            f"steal {self.steal_pct:.1f} %, busy {self.busy_pct:.0f} %, "
+            f"steal {self.steal_pct:.1f} %, {emulated}busy {self.busy_pct:.0f} %, "
             f"CPU pressure {self.pressure_pct:.0f} %, "
             f"probe {self.probe_ms:.1f} ms (n={self.probes})"
         )
@@ -124,6 +135,7 @@ class MachineMeter:
         self._ticks = CpuTicks(0, 0, 0)
         self._pressure = 0.0
         self._started = 0.0
+        self._contended = 0
         self._probe: subprocess.Popen[str] | None = None
 
     def start(self) -> None:
@@ -139,6 +151,8 @@ class MachineMeter:
         self._probe.stdout.readline()
         self._ticks = cpu_ticks()
         self._pressure = cpu_pressure_us()
+        contender = contend.active()
+        self._contended = contender.cpu_ticks() if contender is not None else 0
         self._started = time.monotonic()
 
     def stop(self) -> MachineState:
@@ -146,6 +160,8 @@ class MachineMeter:
         seconds = time.monotonic() - self._started
         end = cpu_ticks()
         pressure = cpu_pressure_us() - self._pressure
+        contender = contend.active()
+        contended = contender.cpu_ticks() - self._contended if contender is not None else None
         timings: list[float] = []
         if self._probe is not None:
             # Closing its stdin tells the probe to print what it measured and exit.
@@ -160,6 +176,7 @@ class MachineMeter:
             probe_ms=statistics.median(timings) if timings else float("nan"),
             probes=len(timings),
             pressure_pct=min(100.0, pressure / 1e4 / max(seconds, 1e-9)),
+            emulated_steal_pct=float("nan") if contended is None else 100 * contended / total,
         )
 
     def close(self) -> None:

@@ -52,7 +52,7 @@ end, also on a failure, Ctrl-C or SIGTERM.
 Usage: python bench/peers.py [--url postgresql://...] [--rounds 3] [--intents 3000]
        [--rate 100] [--agents 8,1] [--workers 2] [--concurrency 8]
        [--systems ours,celery,procrastinate,dbos] [--broker-url amqp://...] [--dbos-poll 0.1]
-       [--smoke] [--json FILE]
+       [--loads flat,steady,alone] [--contend PCT] [--smoke] [--json FILE]
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from pathlib import Path
 from types import FrameType
 
 # The bench directory is not a package: `python bench/peers.py` puts it on sys.path.
-from arguments import add_common_arguments
+from arguments import add_common_arguments, add_contend_argument
 from otlp_sink import OtlpSink
 from peer_drivers.base import Load, Settings, System, stop_stray_children, tell
 from report import Results, print_table, write_json
@@ -114,6 +114,21 @@ def _agent_counts(value: str) -> list[int]:
     return sorted(set(counts), reverse=True)
 
 
+#: The loads a run may be limited to (``--loads``): flat (every agent count), steady, the
+#: enqueue alone.
+LOAD_KINDS = ("flat", "steady", "alone")
+
+
+def _load_kinds(value: str) -> list[str]:
+    chosen = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in LOAD_KINDS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(
+            f"unknown load(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(LOAD_KINDS)}"
+        )
+    return chosen
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     add_common_arguments(parser)
@@ -142,6 +157,13 @@ def _parser() -> argparse.ArgumentParser:
         help="DBOS queue polling interval, s (default %(default)s; DBOS's own default is 1)",
     )
     parser.add_argument("--log-level", default="WARNING", help="the workers' log level")
+    parser.add_argument(
+        "--loads",
+        type=_load_kinds,
+        default=list(LOAD_KINDS),
+        help=f"comma-separated, from {','.join(LOAD_KINDS)} (default: all)",
+    )
+    add_contend_argument(parser)
     return parser
 
 
@@ -349,8 +371,14 @@ def _loads(args: argparse.Namespace) -> list[Load]:
     """Flat and steady with the most agent threads; flat again with each smaller count; the
     enqueue alone with one agent thread and with the most (issue 35's ``enqueue`` + commit)."""
     _, *fewer = args.agents  # largest first
-    alone = [Load(None, agents=n, alone=True) for n in sorted({1, args.agents[0]})]
-    return [Load(None), *(Load(None, agents=n) for n in fewer), Load(args.rate), *alone]
+    flat = [Load(None), *(Load(None, agents=n) for n in fewer)] if "flat" in args.loads else []
+    steady = [Load(args.rate)] if "steady" in args.loads else []
+    alone = (
+        [Load(None, agents=n, alone=True) for n in sorted({1, args.agents[0]})]
+        if "alone" in args.loads
+        else []
+    )
+    return [*flat, *steady, *alone]
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -397,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 systems.append(_build(name, settings, args, stack))
             cases = [system.case(load) for system in systems for load in loads]
             try:
-                run_rounds(args.rounds, cases, results)
+                run_rounds(args.rounds, cases, results, contend_pct=args.contend)
             except RuntimeError as exc:
                 tell(f"FAILED: {exc}")
                 failed = True

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 import sqlalchemy
 
 # The bench directory is not a package: `python bench/pipeline.py` puts it on sys.path.
-from arguments import add_common_arguments
+from arguments import add_common_arguments, add_contend_argument
 from cpu import CpuMeter, pids_named
 from otlp_sink import OtlpSink
 from report import Results, print_table, say, write_json
@@ -553,6 +553,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default="WARNING", help="the processes' log level")
     parser.add_argument("--broker-url", help="an AMQP URL to use as it is (no vhost is made)")
+    add_contend_argument(parser)
     return parser
 
 
@@ -596,7 +597,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             stack.callback(pipeline.close)
             pipelines.append(pipeline)
         try:
-            run_rounds(args.rounds, [p.case() for p in pipelines], results)
+            run_rounds(
+                args.rounds, [p.case() for p in pipelines], results, contend_pct=args.contend
+            )
         except RuntimeError as exc:
             say(f"FAILED: {exc}")
             return 1

@@ -180,6 +180,13 @@ class Results:
             f"{statistics.median(steal):.1f} % (max {max(steal):.1f}), busy median "
             f"{statistics.median(busy):.0f} % (max {max(busy):.0f})"
         )
+        emulated = [m.state.emulated_steal_pct for m in self.machine]
+        emulated = [v for v in emulated if math.isfinite(v)]
+        if emulated:
+            line += (
+                f", emulated steal median {statistics.median(emulated):.1f} % "
+                f"(max {max(emulated):.1f}; bench/contend.py)"
+            )
         pressure = [m.state.pressure_pct for m in self.machine]
         pressure = [v for v in pressure if math.isfinite(v)]
         if pressure:

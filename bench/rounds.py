@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from contend import contending
 from machine import measuring
 from report import Results, say
 
@@ -30,6 +31,7 @@ def run_rounds(
     results: Results,
     *,
     progress: Callable[[str], None] | None = None,
+    contend_pct: float | None = None,
 ) -> None:
     """Run every case once per round, side by side, the starting case rotating each round.
 
@@ -37,8 +39,19 @@ def run_rounds(
     machine's state over each case's own seconds (CPU steal, busy, the CPU probe:
     :mod:`machine`) is kept in ``results``; a case run above its steal limit has its values
     marked (in the min-max, not in the median).
+
+    ``contend_pct``: every round under emulated steal, a co-tenant taking that share of every
+    core (:mod:`contend`); the table's notes say so, its machine line says what it took.
     """
-    report = progress or say
+    with contending(contend_pct) as contender:
+        if contender is not None:
+            results.note(contender.describe())
+        _run_rounds(rounds, cases, results, progress or say)
+
+
+def _run_rounds(
+    rounds: int, cases: Sequence[Case], results: Results, report: Callable[[str], None]
+) -> None:
     for r in range(rounds):
         start = r % len(cases) if cases else 0
         measured: dict[int, Mapping[str, tuple[float, str]]] = {}

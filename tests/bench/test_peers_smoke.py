@@ -81,3 +81,37 @@ def test_peers_smoke(admin_url: str) -> None:
         assert re.search(
             rf"target ours: enqueue \+ commit alone, 1 agent >= 1\.0x {peer}: .* (met|NOT met)", out
         ), out
+
+
+@pytest.mark.timeout(200)
+def test_peers_steady_alone_under_emulated_steal(admin_url: str) -> None:
+    """``--loads steady --contend 10``: only the steady load, every case under a co-tenant
+    taking a tenth of every core (bench/contend.py), which the table's notes and machine line
+    name."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("OUTBOX_")}
+    env["COLUMNS"] = "200"
+    argv = [sys.executable, str(REPO / "bench" / "peers.py"), "--smoke", "--url", admin_url]
+    argv += ["--systems", "ours-db", "--loads", "steady", "--contend", "10"]
+    result = subprocess.run(
+        argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=180, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    out = " ".join(result.stdout.split())  # the notes wrap at the table's width
+    assert "steady: commit -> arrival p50" in out, out
+    assert "flat: throughput" not in out, out
+    assert "enqueue alone" not in out, out
+    assert "emulated steal: a co-tenant takes 10 % of every core" in out, out
+    assert re.search(r"emulated steal median \d+\.\d %", out), out
+
+
+def test_peers_names_a_load_it_does_not_know() -> None:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "peers.py"), "--loads", "steady,bursty"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "unknown load(s) bursty; choose from flat, steady, alone" in result.stderr

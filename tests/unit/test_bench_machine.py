@@ -105,3 +105,65 @@ def test_the_meter_times_the_probe_and_reads_the_machine_over_its_own_seconds(
     assert state.busy_pct > 0.0
     assert 0.0 <= state.pressure_pct <= 100.0
     assert machine.cpu_ticks().total > 0
+
+
+@pytest.fixture(scope="module")
+def contend() -> ModuleType:
+    return _bench_module("contend")
+
+
+def test_the_co_tenant_takes_its_share_of_every_core_and_the_meter_says_how_much(
+    machine: ModuleType, contend: ModuleType
+) -> None:
+    with contend.contending(20.0) as contender, machine.measuring() as meter:
+        assert contend.active() is contender
+        machine.time.sleep(2.0)
+        state = meter.stop()
+    assert contend.active() is None
+    # 20 % of every core in bursts: within a few points over two seconds.
+    assert 14.0 <= state.emulated_steal_pct <= 26.0, state
+    assert "emulated steal" in state.describe()
+    assert contender._processes == []  # every co-tenant stopped
+    expected = "SCHED_FIFO" if contender.realtime else "normal priority"
+    assert expected in contender.describe()
+
+
+def test_without_a_co_tenant_nothing_is_emulated(machine: ModuleType, contend: ModuleType) -> None:
+    with contend.contending(None) as contender, machine.measuring() as meter:
+        state = meter.stop()
+    assert contender is None
+    assert math.isnan(state.emulated_steal_pct)
+    assert "emulated" not in state.describe()
+
+
+@pytest.mark.parametrize("share", [0.0, -5.0, 50.5, 100.0])
+def test_a_share_outside_what_the_co_tenant_may_take_is_refused(
+    contend: ModuleType, share: float
+) -> None:
+    with pytest.raises(ValueError, match="share must be in"):
+        contend.Contender(share)
+
+
+def test_the_summary_gives_the_emulated_steal_when_a_co_tenant_ran(
+    report: ModuleType, machine: ModuleType
+) -> None:
+    results = report.Results("t")
+    for emulated in (14.0, 16.0):
+        state = machine.MachineState(
+            seconds=10.0, steal_pct=0.0, busy_pct=80.0, probe_ms=2.0, probes=5,
+            emulated_steal_pct=emulated,
+        )  # fmt: skip
+        assert results.record_machine(1, "ours, steady", state) is False  # not real steal
+    summary = results.machine_summary()
+    assert summary is not None
+    assert "emulated steal median 15.0 % (max 16.0; bench/contend.py)" in summary
+
+
+def test_the_latency_benchmarks_refuse_a_share_they_cannot_emulate() -> None:
+    arguments = _bench_module("arguments")
+    parser = arguments.argparse.ArgumentParser()
+    arguments.add_contend_argument(parser)
+    assert parser.parse_args(["--contend", "15"]).contend == 15.0
+    assert parser.parse_args([]).contend is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--contend", "80"])
