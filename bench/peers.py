@@ -61,12 +61,10 @@ import argparse
 import contextlib
 import importlib.util
 import logging
-import signal
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 
 # The bench directory is not a package: `python bench/peers.py` puts it on sys.path.
 from arguments import add_common_arguments, add_contend_argument
@@ -76,7 +74,12 @@ from report import Results, print_table, write_json
 from rich.markup import escape
 from rounds import run_rounds
 from services import ServiceProcess
-from throwaway import rabbitmq_available, throwaway_database, throwaway_vhost
+from throwaway import (
+    rabbitmq_available,
+    sigterm_as_interrupt,
+    throwaway_database,
+    throwaway_vhost,
+)
 
 SYSTEMS = ("ours", "ours-traced", "ours-db", "celery", "procrastinate", "dbos")
 #: What runs when --systems is not given (tracing's cost and the database broker are asked
@@ -384,11 +387,6 @@ def _loads(args: argparse.Namespace) -> list[Load]:
     return [*flat, *steady, *alone]
 
 
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM as Ctrl-C: unwind, so every ``finally`` and context manager cleans up."""
-    raise KeyboardInterrupt
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.smoke:
@@ -406,11 +404,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not names:
         tell("nothing to run")
         return 2
-    previous: Callable[..., object] | int | None = signal.signal(signal.SIGTERM, _on_sigterm)
     systems: list[System] = []
     failed = False
     try:
-        with contextlib.ExitStack() as stack:
+        with sigterm_as_interrupt(), contextlib.ExitStack() as stack:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-peers-")))
             service = stack.enter_context(ServiceProcess(port=0, record_arrivals=True))
             settings = Settings(
@@ -441,7 +438,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         strays = stop_stray_children()
         if strays:
             tell(f"stopped {len(strays)} stray worker process(es): {strays}")
-        signal.signal(signal.SIGTERM, previous)
     if any(s.key == "ours" and getattr(s, "broker", None) == "database" for s in systems):
         results.note("ours ran on the database broker: no RabbitMQ was reachable")
     _ratios(results, systems)

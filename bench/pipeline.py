@@ -62,7 +62,12 @@ from rounds import Case, percentile, run_rounds
 from services import ServiceProcess
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
-from throwaway import rabbitmq_available, throwaway_database, throwaway_vhost
+from throwaway import (
+    rabbitmq_available,
+    sigterm_as_interrupt,
+    throwaway_database,
+    throwaway_vhost,
+)
 
 from outbox import api
 from outbox.db import normalize_url
@@ -573,8 +578,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.workers} workers x {args.concurrency} threads, {args.rounds} rounds"
     )
     cpu = Results("CPU while measuring, in % of one core (from /proc; rabbitmq: the whole broker)")
+    try:
+        return _run(args, configs, results, cpu)
+    except KeyboardInterrupt:
+        say("interrupted: processes stopped, databases and vhost removed")
+        return 130
+
+
+def _run(
+    args: argparse.Namespace,
+    configs: Sequence[Config],
+    results: Results,
+    cpu: Results,
+) -> int:
+    """Set every configuration up, run the rounds, print the tables; the exit status."""
     pipelines: list[Pipeline] = []
-    with contextlib.ExitStack() as stack:
+    with sigterm_as_interrupt(), contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-pipeline-")))
         service = stack.enter_context(ServiceProcess(port=0, record_arrivals=True))
         vhost = None

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
+from types import FrameType
 
 from sqlalchemy import make_url, text
 from sqlalchemy.pool import NullPool
@@ -17,6 +19,22 @@ from outbox.db import create_engine, normalize_url
 
 RABBITMQ_HOST = "127.0.0.1"
 RABBITMQ_PORT = 5672
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside, SIGTERM (``kill``, ``timeout``) unwinds as Ctrl-C does, so every ``finally``
+    and context manager runs: the benchmark's processes stopped, its databases and vhosts
+    removed (a run killed without it left its relay running on a dropped database)."""
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def database_url_for(url: str, name: str) -> str:

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,61 @@ def test_claim_backlog_smoke(admin_url: str) -> None:
         result.stdout,
         re.MULTILINE,
     ), result.stdout
+
+
+def _children(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found |= frontier
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.timeout(110)
+def test_pipeline_stopped_by_sigterm_stops_its_processes(admin_url: str) -> None:
+    """``kill`` (SIGTERM) on a running pipeline.py unwinds like Ctrl-C: its relay, workers
+    and service stop with it (a run killed so once left its relay running)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("OUTBOX_")}
+    argv = [sys.executable, "-u", str(REPO / "bench" / "pipeline.py"), "--url", admin_url]
+    argv += ["--broker", "database", "--mode", "flat", "--rounds", "1", "--intents", "100000"]
+    with subprocess.Popen(
+        argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as process:
+        assert process.stdout is not None
+        # Until its relay runs (the round's case starts the relay, the workers, the agents).
+        deadline = time.monotonic() + 60
+        while not any("outbox relay" in _cmdline(pid) for pid in _children(process.pid)):
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+            time.sleep(0.1)
+        time.sleep(1.0)  # the workers too
+        children = _children(process.pid)
+        process.terminate()
+        rest = process.stdout.read()
+        assert process.wait(timeout=60) == 130, rest
+    assert len(children) >= 4, rest  # the relay, two workers, the service...
+    assert "interrupted: processes stopped" in rest, rest
+    left = {pid for pid in children if _alive(pid)}
+    assert not left, f"still running after the benchmark stopped: {left}"
