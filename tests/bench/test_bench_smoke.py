@@ -180,7 +180,8 @@ def test_pipeline_stopped_by_sigterm_stops_its_processes(admin_url: str) -> None
         # Until its relay runs (the round's case starts the relay, the workers, the agents).
         deadline = time.monotonic() + 60
         while not any("outbox relay" in _cmdline(pid) for pid in _children(process.pid)):
-            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "the relay never started"
             time.sleep(0.1)
         time.sleep(1.0)  # the workers too
         children = _children(process.pid)
