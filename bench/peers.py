@@ -95,14 +95,20 @@ PACKAGES = {
 INSTALL = "pip install -e '.[bench]'"
 
 
-def _systems(value: str) -> list[str]:
+def _chosen(value: str, allowed: Sequence[str], what: str) -> list[str]:
+    """The comma-separated names of ``value``, each once, in order; an argparse error naming
+    the unknown ones (``what``: "system", "load") and the choices."""
     chosen = [name.strip() for name in value.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in SYSTEMS]
+    unknown = [name for name in chosen if name not in allowed]
     if unknown or not chosen:
         raise argparse.ArgumentTypeError(
-            f"unknown system(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(SYSTEMS)}"
+            f"unknown {what}(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(allowed)}"
         )
     return list(dict.fromkeys(chosen))
+
+
+def _systems(value: str) -> list[str]:
+    return _chosen(value, SYSTEMS, "system")
 
 
 def _agent_counts(value: str) -> list[int]:
@@ -123,13 +129,7 @@ LOAD_KINDS = ("flat", "steady", "alone")
 
 
 def _load_kinds(value: str) -> list[str]:
-    chosen = [name.strip() for name in value.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in LOAD_KINDS]
-    if unknown or not chosen:
-        raise argparse.ArgumentTypeError(
-            f"unknown load(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(LOAD_KINDS)}"
-        )
-    return chosen
+    return _chosen(value, LOAD_KINDS, "load")
 
 
 def _parser() -> argparse.ArgumentParser:

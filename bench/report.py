@@ -168,38 +168,38 @@ class Results:
         }
 
     def machine_summary(self) -> str | None:
-        """One line: steal, busy and the CPU probe over every case, median and worst; None
-        if nothing was recorded."""
+        """One line: steal, busy, the emulated steal (under ``--contend``), CPU pressure and
+        the CPU probe over every case, median and worst; None if nothing was recorded."""
         if not self.machine:
             return None
         steal = [m.state.steal_pct for m in self.machine]
         busy = [m.state.busy_pct for m in self.machine]
-        probe = [m.state.probe_ms for m in self.machine if math.isfinite(m.state.probe_ms)]
         line = (
             f"machine while measuring ({len(self.machine)} cases): steal median "
             f"{statistics.median(steal):.1f} % (max {max(steal):.1f}), busy median "
             f"{statistics.median(busy):.0f} % (max {max(busy):.0f})"
         )
-        emulated = [m.state.emulated_steal_pct for m in self.machine]
-        emulated = [v for v in emulated if math.isfinite(v)]
-        if emulated:
-            line += (
-                f", emulated steal median {statistics.median(emulated):.1f} % "
-                f"(max {max(emulated):.1f}; bench/contend.py)"
-            )
-        pressure = [m.state.pressure_pct for m in self.machine]
-        pressure = [v for v in pressure if math.isfinite(v)]
-        if pressure:
-            line += (
-                f", CPU pressure median {statistics.median(pressure):.0f} % "
-                f"(max {max(pressure):.0f})"
-            )
-        if probe:
-            line += (
-                f", CPU probe median {statistics.median(probe):.1f} ms "
-                f"(max {max(probe):.1f}; bench/machine.py)"
-            )
+        for label, values, digits, source in (
+            ("emulated steal", [m.state.emulated_steal_pct for m in self.machine], 1, "contend"),
+            ("CPU pressure", [m.state.pressure_pct for m in self.machine], 0, None),
+            ("CPU probe", [m.state.probe_ms for m in self.machine], 1, "machine"),
+        ):
+            line += _median_and_max(label, values, digits, source)
         return line
+
+
+def _median_and_max(label: str, values: Sequence[float], digits: int, source: str | None) -> str:
+    """``, <label> median <v> <unit> (max <v>[; bench/<source>.py])`` over the finite
+    ``values`` (the probe in ms, the rest in %); empty if there are none."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return ""
+    unit = "ms" if label == "CPU probe" else "%"
+    where = f"; bench/{source}.py" if source else ""
+    return (
+        f", {label} median {statistics.median(finite):.{digits}f} {unit} "
+        f"(max {max(finite):.{digits}f}{where})"
+    )
 
 
 def _median(values: Sequence[float]) -> float:
