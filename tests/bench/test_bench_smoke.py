@@ -9,8 +9,10 @@ non-zero when an operation did not reach `confirmed` or a key has two effects at
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -158,12 +160,14 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _alive(pid: int) -> bool:
+def _started(pid: int) -> str | None:
+    """``pid``'s start time (``/proc/<pid>/stat``, field 22): with the pid, one process's
+    identity (a pid may be reused); None if it is gone or a zombie."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return False
-    return state != "Z"
+        return None
+    return None if fields[0] == "Z" else fields[19]
 
 
 @pytest.mark.timeout(110)
@@ -184,11 +188,25 @@ def test_pipeline_stopped_by_sigterm_stops_its_processes(admin_url: str) -> None
             assert time.monotonic() < deadline, "the relay never started"
             time.sleep(0.1)
         time.sleep(1.0)  # the workers too
-        children = _children(process.pid)
+        children = {pid: (_started(pid), _cmdline(pid)) for pid in _children(process.pid)}
         process.terminate()
         rest = process.stdout.read()
         assert process.wait(timeout=60) == 130, rest
     assert len(children) >= 4, rest  # the relay, two workers, the service...
     assert "interrupted: processes stopped" in rest, rest
-    left = {pid for pid in children if _alive(pid)}
+    # Each must be gone within a few seconds (multiprocessing's resource tracker notices its
+    # parent's exit on its own, a moment later).
+    deadline = time.monotonic() + 15
+    while True:
+        left = {
+            pid: cmdline
+            for pid, (started, cmdline) in children.items()
+            if started is not None and _started(pid) == started
+        }
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in left:  # leave nothing behind for the next test
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
     assert not left, f"still running after the benchmark stopped: {left}"
