@@ -18,7 +18,7 @@ import argparse
 import os
 from pathlib import Path
 
-from contend import MAX_SHARE
+from contend import checked_share
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -49,12 +49,11 @@ def _share(value: str) -> float:
     try:
         share = float(value)
     except ValueError:
-        share = -1.0
-    if not 0 < share <= MAX_SHARE:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not a share of each core in percent (above 0, at most {MAX_SHARE:g})"
-        )
-    return share
+        raise argparse.ArgumentTypeError(f"{value!r} is not a percentage") from None
+    try:
+        return checked_share(share)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_contend_argument(parser: argparse.ArgumentParser) -> None:

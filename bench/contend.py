@@ -43,16 +43,22 @@ MAX_SHARE = 50.0
 _active: Contender | None = None
 
 
+def checked_share(share_pct: float) -> float:
+    """``share_pct`` if the co-tenant may take it (above 0, at most :data:`MAX_SHARE`);
+    ValueError naming the bounds otherwise."""
+    if not 0 < share_pct <= MAX_SHARE:
+        raise ValueError(
+            f"the co-tenant's share must be in (0, {MAX_SHARE:g}] percent of a core, "
+            f"not {share_pct:g}"
+        )
+    return share_pct
+
+
 class Contender:
     """The co-tenant's processes (one per core) between :meth:`start` and :meth:`stop`."""
 
     def __init__(self, share_pct: float) -> None:
-        if not 0 < share_pct <= MAX_SHARE:
-            raise ValueError(
-                f"the co-tenant's share must be in (0, {MAX_SHARE:g}] percent of a core, "
-                f"not {share_pct:g}"
-            )
-        self.share_pct = share_pct
+        self.share_pct = checked_share(share_pct)
         self.realtime = False
         self._processes: list[subprocess.Popen[str]] = []
 

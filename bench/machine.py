@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import subprocess
@@ -117,7 +118,7 @@ class MachineState:
         """``steal 3.1 %, busy 87 %, CPU pressure 40 %, probe 24.1 ms (n=40)``."""
         emulated = (
             f"emulated steal {self.emulated_steal_pct:.1f} %, "
-            if self.emulated_steal_pct == self.emulated_steal_pct  # not NaN
+            if math.isfinite(self.emulated_steal_pct)
             else ""
         )
         return (
