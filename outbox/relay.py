@@ -106,6 +106,11 @@ class RelayConfig:
     #: the relay stands by: it claims a row never published only once it has been due this
     #: long (nobody took it: a worker that does not take directly waits for its message).
     standby_hold_back_s: float = 10.0
+    #: While a RabbitMQ worker that takes due operations directly waits for work
+    #: (:mod:`outbox.workers.listening`), a row never published is left to it this long after
+    #: it became due: the worker takes it in about a millisecond; past this, it was busy or
+    #: died, and the relay publishes the row.
+    defer_to_takers_s: float = 0.2
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,8 @@ class Relay:
                 limit=self.config.batch_size,
                 republish_after_s=self.config.republish_after_s,
                 hold_back_s=self.config.standby_hold_back_s if self.standing_by else 0.0,
+                defer_to_takers_s=self.config.defer_to_takers_s,
+                takers_heartbeat_within_s=3 * self.config.heartbeat_s,
             )
             if not claimed:
                 return RelayResult(0, 0)

@@ -55,6 +55,10 @@ class ClaimedIntent:
 # `seen` then says whether more is due, so a take that emptied the queue is not followed by a
 # look that finds nothing (the row looked at is locked only while the autocommit statement
 # runs; whoever skipped it meanwhile did not claim it, and the one that saw it looks again).
+# :defer (a relay beside RabbitMQ workers that take directly, outbox.workers.listening): rows
+# never published are claimed only once due that long while such a worker's flag says it waits
+# for work (idle, heartbeat within :fresh): the worker takes them, one hop sooner. One look at
+# the few rows of outbox.relays, computed once per statement (an uncorrelated subquery).
 # :without_flush makes this statement's own commit return before its WAL reaches the disk
 # (set_config's third argument: for this transaction only), for a take in autocommit on a
 # connection whose session stays durable (the one a worker hands to its dispatch task).
@@ -71,7 +75,12 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
             SELECT id, tool, target, traceparent, tracestate, published_at, available_at
             FROM outbox.operations
             WHERE state = 'planned' AND published_at IS NULL
-              AND available_at <= statement_timestamp() - make_interval(secs => :hold_back)
+              AND available_at <= statement_timestamp() - make_interval(secs => GREATEST(
+                  CAST(:hold_back AS float8),
+                  (SELECT CAST(:defer AS float8) WHERE CAST(:defer AS float8) > 0 AND EXISTS (
+                      SELECT FROM outbox.relays WHERE idle AND name LIKE 'listening-taker:%'
+                        AND heartbeat_at > clock_timestamp()
+                                           - make_interval(secs => CAST(:fresh AS float8))))))
             ORDER BY available_at
             LIMIT :look
             FOR UPDATE SKIP LOCKED
@@ -149,7 +158,13 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
 
 
 def claim_and_mark_due(
-    executor: Executor, *, limit: int, republish_after_s: float, hold_back_s: float = 0.0
+    executor: Executor,
+    *,
+    limit: int,
+    republish_after_s: float,
+    hold_back_s: float = 0.0,
+    defer_to_takers_s: float = 0.0,
+    takers_heartbeat_within_s: float = 30.0,
 ) -> list[ClaimedIntent]:
     """Lock up to ``limit`` due ``planned`` rows not published recently, and stamp them
     ``published_at`` in the same statement.
@@ -166,6 +181,11 @@ def claim_and_mark_due(
 
     ``hold_back_s``: rows never published are claimed only once due for that long (a relay
     standing by while workers take them directly, :mod:`outbox.workers.direct`).
+
+    ``defer_to_takers_s``: while a RabbitMQ worker that takes directly waits for work (its
+    ``listening-taker:`` flag idle, heartbeat within ``takers_heartbeat_within_s``), rows never
+    published are claimed only once due for that long: that worker takes them
+    (:mod:`outbox.workers.listening`). Decided inside the statement, no round trip of its own.
     """
     taken = _claim_and_mark(
         executor,
@@ -175,6 +195,8 @@ def claim_and_mark_due(
         hold_back_s=hold_back_s,
         without_flush=False,
         lock=False,
+        defer_s=defer_to_takers_s,
+        fresh_s=takers_heartbeat_within_s,
     )
     return taken.claimed
 
@@ -236,6 +258,8 @@ def _claim_and_mark(
     hold_back_s: float,
     without_flush: bool,
     lock: bool,
+    defer_s: float = 0.0,
+    fresh_s: float = 0.0,
 ) -> DueTake:
     if lock:
         mark_session_locks(executor)  # before the lock is asked: the pool's reset releases it
@@ -246,6 +270,8 @@ def _claim_and_mark(
             "look": look,
             "republish_after": republish_after_s,
             "hold_back": hold_back_s,
+            "defer": defer_s,
+            "fresh": fresh_s,
             "without_flush": without_flush,
             "lock": lock,
         },
@@ -329,6 +355,10 @@ def any_due_unpublished(executor: Executor) -> bool:
 #: itself, on the database broker in the outbox's own database (:mod:`outbox.workers.direct`).
 #: Its idle flag rings the bell as a relay's does; a relay stands by while one lives.
 TAKER_PREFIX = "taker:"
+#: The name prefix of a RabbitMQ worker's row that takes due operations itself while it waits
+#: for work (:mod:`outbox.workers.listening`): a relay defers to it only while its flag is up
+#: (a busy one takes nothing; the relay and the broker carry the backlog).
+LISTENING_TAKER_PREFIX = "listening-taker:"
 
 _LIVE_TAKERS = text(
     "SELECT EXISTS (SELECT FROM outbox.relays WHERE name LIKE 'taker:%' "

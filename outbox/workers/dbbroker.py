@@ -298,6 +298,16 @@ class Channel(SQLAlchemyChannel):  # type: ignore[misc]
         self._streak = self._streak + 1 if taken.more else 0
         return taken
 
+    #: The producer direct takes build their messages with (:meth:`producer`).
+    _producer: Any = None
+
+    def producer(self, app: Any) -> Any:
+        """A producer of ``app``'s on this channel, made once (a direct take's messages are
+        published through it inside :meth:`capture`)."""
+        if self._producer is None:
+            self._producer = app.amqp.Producer(self, auto_declare=False)
+        return self._producer
+
     @contextlib.contextmanager
     def capture(self, queue: str) -> Iterator[list[Any]]:
         """Messages published to ``queue`` on this channel inside are collected, not stored:

@@ -28,20 +28,20 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from celery import Celery, concurrency
 from celery.concurrency import solo, thread
 from celery.signals import worker_init, worker_shutdown
-from kombu.messaging import Producer
 from sqlalchemy import Connection, Engine, make_url
 
 from outbox import faults, sql, tracing
 from outbox.config import Settings, get_settings
 from outbox.db import database_url
 from outbox.relay import OutboundMessage
-from outbox.workers import dbbroker, handoff, runtime
+from outbox.workers import dbbroker, handoff, listening, runtime
 from outbox.workers.app import broker_url, uses_database_broker
 from outbox.workers.dbbroker import DirectTake
 from outbox.workers.locking import discard
@@ -59,6 +59,20 @@ def taker_name() -> str:
     return f"{sql.relay.TAKER_PREFIX}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+class Capturing(Protocol):
+    """Where a take's message is built: a producer whose publishes to the queue named in
+    :meth:`capture` are collected as a consumer would receive them, not sent
+    (:class:`outbox.workers.dbbroker.Channel`, :class:`outbox.workers.listening.Capture`)."""
+
+    def producer(self, app: Celery) -> Any:
+        """The producer ``app.send_task`` publishes the take's message with."""
+        ...
+
+    def capture(self, queue: str) -> AbstractContextManager[list[Any]]:
+        """Inside: messages published to ``queue`` are collected in the list, not sent."""
+        ...
+
+
 @dataclass
 class DirectDispatch:
     """A :class:`outbox.workers.dbbroker.DirectSource`: due operations as dispatch messages."""
@@ -73,12 +87,9 @@ class DirectDispatch:
     name: str = field(default_factory=taker_name)
     #: The engine whose connections are handed to this process's tasks (theirs).
     engine: Callable[[], Engine] = field(default=runtime.engine, repr=False)
-    #: The producer of the channel last taken for (a worker consumes on one channel; a new
-    #: one after a reconnect replaces it).
-    _producer_of: tuple[dbbroker.Channel, Producer] | None = field(default=None, repr=False)
 
     def take(
-        self, conn: Connection, channel: dbbroker.Channel, *, batch: bool, keeping_up: bool
+        self, conn: Connection, channel: Capturing, *, batch: bool, keeping_up: bool
     ) -> DirectTake:
         """Claim the next due operation on ``conn`` (autocommit: the stamps commit here; with
         ``batch``, up to :attr:`ops_per_message` of them): their dispatch message as
@@ -108,7 +119,7 @@ class DirectDispatch:
             messages = [OutboundMessage(c.id, c.tool, c.target) for c in claimed]
             # The PRODUCER span the relay would have started, in the agent's trace.
             with tracing.publish_spans(claimed) as spans, channel.capture(self.queue) as captured:
-                send_dispatch(self.app, self._producer(channel), messages)
+                send_dispatch(self.app, channel.producer(self.app), messages)
                 spans.confirmed({c.id for c in claimed})
         except BaseException:
             if handoffs is not None:  # no message: no task will adopt its lock
@@ -143,11 +154,6 @@ class DirectDispatch:
             conn.close()  # no lock held: back to the pool as it came
         return taken
 
-    def _producer(self, channel: dbbroker.Channel) -> Producer:
-        if self._producer_of is None or self._producer_of[0] is not channel:
-            self._producer_of = (channel, self.app.amqp.Producer(channel, auto_declare=False))
-        return self._producer_of[1]
-
     def announce(self, conn: Connection, *, idle: bool) -> None:
         """Write this worker's idle flag and heartbeat (``outbox.relays``); release the
         handed locks no task adopted in time (an idle worker takes nothing that would)."""
@@ -169,6 +175,12 @@ def applies(settings: Settings) -> bool:
         return False
     url = broker_url(settings)
     return uses_database_broker(url) and same_database(make_url(database_url(settings)), url)
+
+
+def applies_listening(settings: Settings) -> bool:
+    """Whether workers on a broker other than the database (RabbitMQ) take directly while
+    they wait for work (:mod:`outbox.workers.listening`): ``OUTBOX_BROKER_DIRECT_TAKE`` on."""
+    return settings.broker_direct_take and not uses_database_broker(broker_url(settings))
 
 
 def dispatch_queue(app: Celery) -> str:
@@ -193,25 +205,33 @@ def _take_directly(sender: Any = None, **_: object) -> None:
     if sender is None or not hasattr(sender, "app"):
         return  # the signal sent by hand (tests), not by a starting worker
     settings = get_settings()
-    if not applies(settings):
-        dbbroker.take_directly(None)
-        handoff.start(None)
-        return
-    in_process = runs_tasks_in_process(sender.pool_cls)
-    handoff.start(handoff.Handoffs() if in_process else None)
     app = sender.app
-    dbbroker.take_directly(
-        DirectDispatch(
-            app,
-            dispatch_queue(app),
-            settings.republish_after,
-            ops_per_message=settings.ops_per_message,
+    database_broker, other_broker = applies(settings), applies_listening(settings)
+    dbbroker.take_directly(None)
+    listening.take_directly(None)
+    in_process = runs_tasks_in_process(sender.pool_cls)
+    handoff.start(handoff.Handoffs() if in_process and (database_broker or other_broker) else None)
+    if database_broker:
+        dbbroker.take_directly(
+            DirectDispatch(
+                app,
+                dispatch_queue(app),
+                settings.republish_after,
+                ops_per_message=settings.ops_per_message,
+            )
         )
-    )
-    log.info(
-        "taking due operations directly from the outbox (database broker)%s",
-        ", their locks handed to this process's tasks" if in_process else "",
-    )
+        log.info(
+            "taking due operations directly from the outbox (database broker)%s",
+            ", their locks handed to this process's tasks" if in_process else "",
+        )
+    elif other_broker:
+        listening.take_directly(
+            DirectDispatch(
+                app, dispatch_queue(app), settings.republish_after, name=listening.taker_name()
+            )
+        )
+        # Run by the worker's consumer on its event loop (added before the consumer is built).
+        app.steps["consumer"].add(listening.TakeDirectly)
 
 
 @worker_shutdown.connect  # type: ignore[untyped-decorator]

@@ -63,7 +63,7 @@ class Stage(enum.StrEnum):
     """Which component passes the point, so which processes phase one needs."""
 
     RELAY = "relay"
-    DIRECT = "direct"  #: a worker taking due operations itself (database broker)
+    DIRECT = "direct"  #: a worker taking due operations itself (either broker)
     DISPATCH = "dispatch"
     SWEEP = "sweep"
     LOOKUP = "lookup"
@@ -92,7 +92,7 @@ def _cases() -> Iterator[Any]:
     for point in faults.POINTS:
         for kill in Kill:
             yield pytest.param((point, kill, "database"), id=f"{point}-{kill}-database")
-            if STAGES.get(point) is Stage.DISPATCH:
+            if STAGES.get(point) in (Stage.DISPATCH, Stage.DIRECT):
                 yield pytest.param((point, kill, "rabbitmq"), id=f"{point}-{kill}-rabbitmq")
 
 

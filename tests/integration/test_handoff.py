@@ -174,6 +174,9 @@ def test_the_relay_s_claim_never_reads_through_the_lock(engine: Engine) -> None:
                 "look": 3,
                 "republish_after": 30,
                 "hold_back": 0,
+                # The relay's: a look at RabbitMQ workers taking directly (none here).
+                "defer": 0.2,
+                "fresh": 30,
                 "without_flush": False,
                 "lock": False,
             },
