@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 #: How often an idle worker's flag heartbeat is refreshed (relays forget silent flags).
 HEARTBEAT_S = 10.0
-#: How often the loop looks at the heartbeat (and a lost connection's state).
+#: How often an idle worker looks for due operations no commit rang for (and at the heartbeat).
 TICK_S = 1.0
 #: While its flag is down (every slot busy), a worker looks this often for a freed slot.
 BUSY_CHECK_S = 0.01
@@ -80,6 +80,8 @@ class Source(Protocol):
 
     #: This deployment's dispatch queue (the worker takes only if it consumes it).
     queue: str
+    #: The worker's name in ``outbox.relays`` (:func:`taker_name`).
+    name: str
 
     def take(self, conn: Connection, channel: Any, *, batch: bool, keeping_up: bool) -> Any:
         """Claim the next due operation on ``conn``: a ``DirectTake`` (message, more)."""
@@ -250,13 +252,15 @@ class ListeningTaker:
         self._take_while_free(rang=self._drained())
 
     def tick(self) -> None:
-        """Refresh the flag's heartbeat if due; raise the flag if it is down and a slot is
-        free (then take what is due: nothing rang for it while the flag was down)."""
+        """Look for due operations if a slot is free: after the flag was down nothing rang
+        for them, and no commit rings for a row whose backoff ended or whose message was lost
+        (a stamped row whose worker died, ``OUTBOX_REPUBLISH_AFTER`` later). Then refresh
+        the flag's heartbeat if due."""
         if self._conn is None:
             return
-        if self._idle is False and self.has_free_slot():
+        if self.has_free_slot():
             self._take_while_free(rang=True)
-        elif self._idle is not None and monotonic() - self._announced_at >= HEARTBEAT_S:
+        if self._idle is not None and monotonic() - self._announced_at >= HEARTBEAT_S:
             self._announce(idle=self._idle)
 
     def close(self) -> None:

@@ -1,8 +1,10 @@
 """A real worker attempts with the lock its take took, when its tasks run in its own process.
 
-On the database broker a worker with the threads (or solo) pool claims a due operation, takes
-its lock and reads it in one statement, and its task adopts that connection
-(``outbox.workers.handoff``); a prefork worker's child cannot, and takes the lock itself.
+On either broker a worker with the threads (or solo) pool claims a due operation, takes its
+lock and reads it in one statement, and its task adopts that connection
+(``outbox.workers.handoff``; on RabbitMQ the take runs on Celery's event loop while a thread
+is free, ``outbox.workers.listening``); a prefork worker's child cannot, and takes the lock
+itself.
 Seen from outside: the worker stops right after the lock (``OUTBOX_FAULTS=after_lock=hang``),
 and PostgreSQL says which statement the lock holder's session ran last. Then the worker is
 SIGKILLed there, and a fresh one confirms the operation once.
@@ -52,7 +54,10 @@ def _idle_takers(engine: Engine) -> int:
     with engine.connect() as conn:
         return int(
             conn.execute(
-                text("SELECT count(*) FROM outbox.relays WHERE name LIKE 'taker:%' AND idle")
+                text(
+                    "SELECT count(*) FROM outbox.relays WHERE idle"
+                    " AND (name LIKE 'taker:%' OR name LIKE 'listening-taker:%')"
+                )
             ).scalar_one()
         )
 
@@ -66,7 +71,7 @@ def _state(engine: Engine, op_id: UUID) -> str:
         )
 
 
-@pytest.mark.parametrize("broker", ["database"], indirect=True)
+@pytest.mark.parametrize("broker", ["database", "rabbitmq"], indirect=True)
 @pytest.mark.parametrize(
     ("pool", "handed"), [("threads", True), ("solo", True), ("prefork", False)]
 )
@@ -79,7 +84,6 @@ def test_the_attempt_holds_the_lock_its_take_took_unless_its_task_runs_elsewhere
     pool: str,
     handed: bool,
 ) -> None:
-    assert broker is None
     armed = {**stack_env, "OUTBOX_FAULTS": "after_lock=hang@1"}
     worker = services.start("worker-armed", "worker", "-c", "1", "-P", pool, env=armed)
     # A starting worker takes with its flag down (busy until a look finds nothing): the
