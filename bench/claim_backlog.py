@@ -129,6 +129,9 @@ def explain_claim(engine: Engine) -> tuple[int, float, list[str]]:
                 "look": LIMIT,
                 "republish_after": REPUBLISH_AFTER_S,
                 "hold_back": 0,
+                # The relay's deferral to RabbitMQ workers taking directly (none here).
+                "defer": 0.2,
+                "fresh": 30,
                 "without_flush": False,
                 "lock": False,
             },

@@ -114,9 +114,11 @@ class Settings(BaseSettings):
     broker_direct_take: bool = Field(
         default=True,
         description=(
-            "On the database broker in the outbox's own database: workers take due operations "
-            "from the outbox themselves, without the relay's message in between (the relay "
-            "stands by); false: every operation goes through the relay's message."
+            "Workers take due operations from the outbox themselves, without the relay's "
+            "message in between: on the database broker in the outbox's own database always "
+            "(the relay stands by), on RabbitMQ while a thread is free (the relay leaves a "
+            "fresh row to such a worker for 0.2 s); false: every operation goes through the "
+            "relay's message."
         ),
     )
     lookup_lease: Seconds = Field(

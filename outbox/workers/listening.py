@@ -391,7 +391,7 @@ class Loop:
     def _retry_later(self, exc: BaseException) -> None:
         wait_s = self._backoff.next_s()
         log.warning(
-            "direct take lost its database connection, again in %.1fs: %s",
+            "direct take stopped, starting again in %.1fs: %s",
             wait_s,
             describe_error(exc),
         )
@@ -403,7 +403,9 @@ class Loop:
         def guarded() -> None:
             try:
                 step()
-            except (DBAPIError, psycopg.Error, OSError) as exc:
+            except Exception as exc:  # nothing may stop the consumer's loop
+                if not isinstance(exc, DBAPIError | psycopg.Error | OSError):
+                    log.exception("direct take failed, starting it again")
                 self._drop_reader()
                 self.taker.discard()
                 self._retry_later(exc)
@@ -473,7 +475,7 @@ class TakeDirectly(bootsteps.StartStopStep):  # type: ignore[misc]
             deliver=c.create_task_handler(),
             has_free_slot=free_slot(c.pool),
             engine=_engine(),
-            capture=Capture(forward=_forwarder(events)),
+            capture=Capture(forward=task_sent_forwarder(events)),
         )
         self.loop = Loop(taker, hub)
         self.loop.start()
@@ -495,15 +497,24 @@ def _consumes(c: Any, queue: str) -> bool:
     return consumer is not None and any(q.name == queue for q in consumer.queues)
 
 
-def _forwarder(events: Any) -> Callable[..., Any] | None:
+#: What Celery's event dispatcher adds to every event it builds (not the task's own fields).
+_SENDER_FIELDS = frozenset({"type", "timestamp", "hostname", "utcoffset", "pid", "clock"})
+
+
+def task_sent_forwarder(events: Any) -> Callable[..., Any] | None:
     """Celery's ``task-sent`` event of a taken message, sent as the relay's publish would."""
     if events is None or not getattr(events, "enabled", False):
         return None
 
     def forward(body: Any, **_: Any) -> None:
         if isinstance(body, dict) and body.get("type") == "task-sent":
-            fields = {k: v for k, v in body.items() if k not in ("type", "timestamp")}
-            events.send("task-sent", **fields)
+            # The event as built for the producer; the worker's dispatcher adds its own
+            # sender fields and clock.
+            fields = {k: v for k, v in body.items() if k not in _SENDER_FIELDS}
+            try:
+                events.send("task-sent", **fields)
+            except Exception as exc:  # noqa: BLE001 -- an event is never worth a take
+                log.warning("task-sent event not sent: %s", describe_error(exc))
 
     return forward
 

@@ -174,6 +174,9 @@ def stack(
         env = clean_environment(
             OUTBOX_DATABASE_URL=database_url,
             OUTBOX_BROKER_URL=rabbitmq_url,
+            # Every operation through the relay's message: stopping the relay holds a new
+            # intent `planned` while its agent dies (a worker taking directly would run it).
+            OUTBOX_BROKER_DIRECT_TAKE="false",
             OUTBOX_CONFIG=str(config),
             OUTBOX_HOME=str(log_dir / "home"),
             OUTBOX_REPUBLISH_AFTER="2",

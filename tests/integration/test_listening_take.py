@@ -6,7 +6,9 @@ and the kill matrix."""
 
 from __future__ import annotations
 
+import contextlib
 import select
+import socket
 import threading
 import time
 import uuid
@@ -27,7 +29,13 @@ from outbox import api, sql
 from outbox.doorbell import libpq_url
 from outbox.workers.app import DISPATCH_TASK, LOOKUP_TASK, task_queues
 from outbox.workers.direct import DirectDispatch, dispatch_queue
-from outbox.workers.listening import Capture, ListeningTaker, Loop, taker_name
+from outbox.workers.listening import (
+    Capture,
+    ListeningTaker,
+    Loop,
+    taker_name,
+    task_sent_forwarder,
+)
 
 REPUBLISH_AFTER_S = 30.0
 DEFER_S = 0.2
@@ -334,3 +342,40 @@ def _wait(condition: Any, what: str, timeout: float = 10.0) -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_take_s_task_sent_event_reaches_flower_s_exchange(
+    app: Celery, own_engine: Engine, engine: Engine
+) -> None:
+    """With task events on (RabbitMQ's default), the ``task-sent`` event Celery builds beside
+    the take's message is sent by the worker's event dispatcher, as the relay's publish
+    would have sent it: Flower sees the task from its first state."""
+    app.conf.task_send_sent_event = True
+    events: list[dict[str, Any]] = []
+    with app.connection_for_read() as conn, app.connection_for_write() as out:
+        receiver = app.events.Receiver(conn, handlers={"task-sent": events.append})
+        dispatcher = app.events.Dispatcher(out, enabled=True)
+        source = DirectDispatch(app, dispatch_queue(app), REPUBLISH_AFTER_S, name=taker_name())
+        delivered: list[Message] = []
+        worker = ListeningTaker(
+            source,
+            deliver=delivered.append,
+            has_free_slot=lambda: True,
+            engine=own_engine,
+            capture=Capture(forward=task_sent_forwarder(dispatcher)),
+        )
+        with receiver.consumer_context() as (connection, _, _):
+            [op_id] = _enqueue(engine)
+            try:
+                worker.open()
+            finally:
+                worker.close()
+            deadline = time.monotonic() + 5
+            while not events and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError, socket.timeout):
+                    connection.drain_events(timeout=0.5)
+    assert [_operation_id(m) for m in delivered] == [op_id]
+    [event] = events
+    assert event["name"] == DISPATCH_TASK
+    assert event["uuid"] == delivered[0].headers["id"]
+    assert event["queue"] == source.queue
