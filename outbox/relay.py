@@ -145,6 +145,8 @@ class Relay:
 
         #: Whether a worker takes due operations directly (:meth:`_check_takers`).
         self.standing_by = False
+        #: Whether a RabbitMQ worker waits for work, taking fresh rows itself.
+        self.deferring = False
         self._takers_checked_at: float | None = None
 
     def run_once(self) -> RelayResult:
@@ -216,15 +218,8 @@ class Relay:
                         in_a_row = 0
                         self._stop.wait(self.config.poll_interval_s)
                         continue
-                    if self.standing_by and result.claimed < self.config.batch_size:
-                        # The workers take due rows themselves: the flag down (enqueue rings
-                        # the workers'), a poll now and then, and a ring for them if a row
-                        # became due that no commit rang for (a backoff ended).
+                    if result.claimed < self.config.batch_size and self._leave_to_workers(bell):
                         in_a_row = 0
-                        bell.announce(idle=False)
-                        bell.ring_takers()
-                        self._stop.wait(self.config.poll_interval_s)
-                        bell.drain()
                         continue
                     in_a_row = in_a_row + 1 if result.claimed else 0
                     backlog = (
@@ -258,6 +253,30 @@ class Relay:
             self._unregister()
             self.publisher.close()
 
+    def _leave_to_workers(self, bell: _Bell) -> bool:
+        """Between batches, while workers take due rows themselves, wait as they need: True
+        if it waited so (then the next batch), False if the relay waits on its bell."""
+        if self.deferring:
+            # RabbitMQ workers wait for work and take fresh rows themselves
+            # (outbox.workers.listening): enqueue rings them, not the relay. It claims what
+            # they left once every defer_to_takers_s, and looks again at once when a
+            # worker's last slot fills (its ring).
+            bell.announce(idle=False)
+            bell.hear_planned(False)
+            if bell.rung_within(self.config.defer_to_takers_s):
+                self._takers_checked_at = None
+            return True
+        if self.standing_by:
+            # The workers take due rows themselves: the flag down (enqueue rings the
+            # workers'), a poll now and then, and a ring for them if a row became due that
+            # no commit rang for (a backoff ended).
+            bell.announce(idle=False)
+            bell.ring_takers()
+            self._stop.wait(self.config.poll_interval_s)
+            bell.drain()
+            return True
+        return False
+
     def _check_takers(self, bell: _Bell) -> None:
         """Stand by while a worker takes due operations directly (its flag's heartbeat is
         fresh): looked up every poll interval until one is seen (workers starting beside the
@@ -267,8 +286,23 @@ class Relay:
         every = self.config.heartbeat_s if self.standing_by else self.config.poll_interval_s
         if checked is not None and now - checked < every:
             return
-        standing_by = bell.live_takers(heartbeat_within_s=3 * self.config.heartbeat_s)
+        seen = bell.takers(heartbeat_within_s=3 * self.config.heartbeat_s)
         self._takers_checked_at = now
+        standing_by, deferring = seen.live, seen.waiting and not seen.live
+        if deferring != self.deferring:
+            log.info(
+                "relay %s",
+                "leaving fresh rows to workers waiting for work"
+                if deferring
+                else "claiming fresh rows at once: no worker waits for work",
+                extra={
+                    "action": Action.RELAY_STANDBY,
+                    "mode": "deferring" if deferring else "claiming",
+                },
+            )
+            self.deferring = deferring
+            if not deferring:
+                bell.hear_planned(True)
         if standing_by != self.standing_by:
             log.info(
                 "relay %s",
@@ -333,6 +367,8 @@ class _Bell:
         self._conn: Connection | None = None
         #: The flag as last written on this connection (None: not written yet).
         self.idle: bool | None = None
+        #: Whether the connection listens to enqueue's bell (always to the workers' ring).
+        self.hearing_planned = True
         self._announced_at = 0.0
 
     def _connection(self) -> Connection:
@@ -342,11 +378,12 @@ class _Bell:
                 # The idle flag is advice (a lost one costs a poll interval or a needless
                 # NOTIFY), so its commits need not wait for the disk.
                 sql.notify.listen_planned(conn)
+                sql.notify.listen_relay(conn)
             except BaseException:
                 conn.invalidate()
                 conn.close()
                 raise
-            self._conn, self.idle = conn, None
+            self._conn, self.idle, self.hearing_planned = conn, None, True
         return self._conn
 
     def announce(self, *, idle: bool) -> None:
@@ -376,9 +413,27 @@ class _Bell:
             if not conn.invalidated and not conn.in_transaction():
                 conn.execution_options(isolation_level="AUTOCOMMIT")
 
-    def live_takers(self, *, heartbeat_within_s: float) -> bool:
-        """Whether a worker taking directly heartbeat within ``heartbeat_within_s``."""
-        return sql.relay.live_takers(self._connection(), heartbeat_within_s=heartbeat_within_s)
+    def takers(self, *, heartbeat_within_s: float) -> sql.relay.Takers:
+        """The workers taking directly that heartbeat within ``heartbeat_within_s``."""
+        return sql.relay.takers(self._connection(), heartbeat_within_s=heartbeat_within_s)
+
+    def hear_planned(self, hear: bool) -> None:
+        """Listen to enqueue's bell (``hear``) or not; the workers' ring is always heard."""
+        if self.hearing_planned is not hear:
+            sql.notify.hear_planned(self._connection(), hear=hear)
+            self.hearing_planned = hear
+
+    def rung_within(self, timeout_s: float) -> bool:
+        """Whether a bell rang within ``timeout_s`` (or before; stop ends the wait early)."""
+        listener = self._connection().connection.driver_connection
+        deadline = time.monotonic() + timeout_s
+        while not self._stop.is_set():
+            remaining = deadline - time.monotonic()
+            if _drained(listener, max(min(remaining, _STOP_CHECK_S), 0.0)):
+                return True
+            if remaining <= 0:
+                break
+        return False
 
     def ring_takers(self) -> None:
         """Ring enqueue's bell if a due row was never published (the workers taking directly

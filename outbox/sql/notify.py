@@ -17,6 +17,10 @@ SETTLED_CHANNEL = "outbox_settled"
 #: NOTIFY channel the relay listens on; rung by enqueue only while some relay is idle.
 PLANNED_CHANNEL = "outbox_planned"
 
+#: NOTIFY channel a RabbitMQ worker taking directly rings when its idle flag goes down (every
+#: slot busy): a relay that left fresh rows to waiting workers looks again at once.
+RELAY_CHANNEL = "outbox_relay"
+
 #: NOTIFY channel on which a worker reports a message naming an operation this database does
 #: not have; its payload is the task (``dispatch``, ``lookup``). ``outbox metrics`` counts them.
 UNKNOWN_OPERATION_CHANNEL = "outbox_unknown_operation"
@@ -32,6 +36,13 @@ _LISTEN_SETTLED = text("LISTEN outbox_settled")
 _LISTEN_PLANNED = text("SET synchronous_commit = off; LISTEN outbox_planned")
 
 _LISTEN_UNKNOWN_OPERATION = text("LISTEN outbox_unknown_operation")
+
+# The relay's: it hears the workers' rings whether or not it listens to enqueue's bell.
+_LISTEN_RELAY = text("LISTEN outbox_relay")
+
+# A relay that leaves fresh rows to waiting workers stops hearing enqueue's bell.
+_UNLISTEN_PLANNED_ONLY = text("UNLISTEN outbox_planned")
+_LISTEN_PLANNED_ONLY = text("LISTEN outbox_planned")
 
 #: Run by the doorbell's own psycopg connection (no SQLAlchemy session there), hence a string.
 LISTEN_BROKER = "LISTEN outbox_broker"
@@ -59,6 +70,17 @@ def listen_planned(executor: Executor) -> None:
 def unlisten_planned(executor: Executor) -> None:
     """Undo :func:`listen_planned`: stop listening and reset ``synchronous_commit``."""
     executor.execute(_UNLISTEN_PLANNED)
+
+
+def listen_relay(executor: Executor) -> None:
+    """LISTEN on :data:`RELAY_CHANNEL` (the relay: a worker's flag went down)."""
+    executor.execute(_LISTEN_RELAY)
+
+
+def hear_planned(executor: Executor, *, hear: bool) -> None:
+    """LISTEN (``hear``) or UNLISTEN on :data:`PLANNED_CHANNEL` only, the session's other
+    channels and settings left as they are."""
+    executor.execute(_LISTEN_PLANNED_ONLY if hear else _UNLISTEN_PLANNED_ONLY)
 
 
 def listen_unknown_operations(executor: Executor) -> None:

@@ -372,6 +372,41 @@ def live_takers(executor: Executor, *, heartbeat_within_s: float) -> bool:
     return bool(row.scalar_one())
 
 
+@dataclass(frozen=True, slots=True)
+class Takers:
+    """The workers that take due operations directly, as a relay sees them."""
+
+    #: A database broker's taker heartbeat lately: the relay stands by.
+    live: bool
+    #: A RabbitMQ worker's flag is up (it waits for work, heartbeat lately): the relay leaves
+    #: fresh rows to it.
+    waiting: bool
+
+
+_TAKERS = text(
+    "SELECT EXISTS (SELECT FROM outbox.relays WHERE name LIKE 'taker:%' "
+    "AND heartbeat_at > clock_timestamp() - make_interval(secs => :fresh)), "
+    "EXISTS (SELECT FROM outbox.relays WHERE name LIKE 'listening-taker:%' AND idle "
+    "AND heartbeat_at > clock_timestamp() - make_interval(secs => :fresh))"
+)
+
+
+def takers(executor: Executor, *, heartbeat_within_s: float) -> Takers:
+    """Which workers take directly (a heartbeat within ``heartbeat_within_s``), one look."""
+    live, waiting = executor.execute(_TAKERS, {"fresh": heartbeat_within_s}).one()
+    return Takers(bool(live), bool(waiting))
+
+
+# A RabbitMQ worker whose last slot filled (its flag just went down) rings the relays: one that
+# left fresh rows to waiting workers looks again at once (outbox.workers.listening).
+_RING_RELAYS = text("SELECT pg_notify('outbox_relay', '')")
+
+
+def ring_relays(executor: Executor) -> None:
+    """NOTIFY the relays' own channel (sent with the caller's commit: at once in autocommit)."""
+    executor.execute(_RING_RELAYS)
+
+
 # Rings enqueue's bell (the channel's name written out: see outbox.sql.notify) when some due
 # row was never published: a relay standing by wakes the workers for a row whose backoff
 # ended, which no commit rang for (they poll only every OUTBOX_BROKER_POLL_INTERVAL).

@@ -19,8 +19,10 @@ slot, and keeps an idle flag (``listening-taker:`` rows in ``outbox.relays``) up
 worker leaves the backlog to the relay and the broker, which spread it over every worker. The
 relay claims a row never published only once it has been due ``defer_to_takers_s`` (0.2 s)
 while some such flag is up (decided inside its claim statement), so an idle worker takes it
-first; when a worker's last slot fills, its flag goes down and it rings the relay's bell if
-some due row waits, so nothing waits for the deferral.
+first. While such a flag is up the relay does not hear enqueue's bell either (the workers
+do): it looks for what they left every 0.2 s, and when a worker's last slot fills, its flag
+goes down and it rings the relays' own channel (``outbox_relay``), so the relay looks again
+at once and, with no flag up, hears enqueue's bell again.
 
 Crash safety is the database broker's: a row stamped by a worker that died before its task ran
 is claimed again ``OUTBOX_REPUBLISH_AFTER`` later, like a row whose message was lost; a task's
@@ -62,8 +64,12 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 10.0
 #: How often an idle worker looks for due operations no commit rang for (and at the heartbeat).
 TICK_S = 1.0
-#: While its flag is down (every slot busy), a worker looks this often for a freed slot.
+#: While its flag is down (every slot busy, or a backlog), a worker looks this often for a
+#: freed slot and takes one operation if so (its flag goes up when that take left none due).
 BUSY_CHECK_S = 0.01
+#: Takes in a row that each left more due that make a backlog: the flag goes down and the
+#: relay claims at once, in batches, through the broker.
+BACKLOG_AFTER_TAKES = 4
 #: Between attempts to open a lost database connection again: doubling up to the last.
 RECONNECT_FIRST_S = 0.1
 RECONNECT_MAX_S = 5.0
@@ -282,15 +288,24 @@ class ListeningTaker:
                 conn.close()
 
     def _take_while_free(self, *, rang: bool) -> None:
+        """Take while a bell rang, a slot is free and no backlog shows; the flag goes up
+        once a take left nothing due with a slot free (the worker waits for work)."""
         while rang:
-            more = True
-            while more:
+            streak = 0
+            while True:
                 if not self.has_free_slot():
                     self._go_busy()
                     return
-                if self._idle is not True:
-                    self._announce(idle=True)
-                more = self._take_one()
+                if not self._take_one():
+                    break
+                streak += 1
+                if streak >= BACKLOG_AFTER_TAKES or self._idle is False:
+                    # A backlog: the relay's batches and the broker spread it over every
+                    # worker (a worker whose flag is down takes one per look meanwhile).
+                    self._go_busy()
+                    return
+            if self._idle is not True:
+                self._announce(idle=True)
             # Bells heard while the takes ran wait in psycopg's backlog, not on the socket.
             rang = self._drained()
 
@@ -302,11 +317,12 @@ class ListeningTaker:
         return taken.message is not None and taken.more
 
     def _go_busy(self) -> None:
-        """Every slot is taken: lower the flag and, if some due row waits, ring the relay's
-        bell (it claims at once while no flag is up); look again for a freed slot soon."""
+        """Every slot is taken: lower the flag and ring the relays' own bell (one that left
+        fresh rows to waiting workers looks again at once, and claims them while no flag is
+        up); the loop looks again for a freed slot soon."""
         if self._idle is not False:
             self._announce(idle=False)
-            sql.relay.ring_if_due_unpublished(self._connection())
+            sql.relay.ring_relays(self._connection())
 
     def _announce(self, *, idle: bool) -> None:
         self.direct.announce(self._connection(), idle=idle)

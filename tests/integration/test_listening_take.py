@@ -27,15 +27,18 @@ from sqlalchemy.pool import NullPool
 
 from outbox import api, sql
 from outbox.doorbell import libpq_url
+from outbox.relay import Relay, RelayConfig
 from outbox.workers.app import DISPATCH_TASK, LOOKUP_TASK, task_queues
 from outbox.workers.direct import DirectDispatch, dispatch_queue
 from outbox.workers.listening import (
+    BACKLOG_AFTER_TAKES,
     Capture,
     ListeningTaker,
     Loop,
     taker_name,
     task_sent_forwarder,
 )
+from outbox.workers.publish import CeleryPublisher
 
 REPUBLISH_AFTER_S = 30.0
 DEFER_S = 0.2
@@ -232,22 +235,21 @@ def test_what_was_due_before_the_worker_listened_is_taken_when_it_opens(
 def test_a_busy_worker_takes_nothing_lowers_its_flag_and_rings_the_relay(
     taker: Taker, engine: Engine, database_url: str
 ) -> None:
-    """Every slot taken: rung, the worker takes nothing, lowers its flag and rings enqueue's
-    bell for the relay (some due row waits), which then claims the row at once. A slot
-    freed, its tick raises the flag and takes what came meanwhile."""
+    """Every slot taken: rung, the worker takes nothing, lowers its flag and rings the
+    relays' own channel; the relay then claims the row at once. A slot freed, its tick
+    raises the flag and takes what came meanwhile."""
     worker, delivered, slots = taker
     fd = worker.open()
     with psycopg.connect(libpq_url(database_url), autocommit=True) as relay_bell:
-        relay_bell.execute("LISTEN outbox_planned")
+        relay_bell.execute("LISTEN outbox_relay")
         slots.free = False
         [first] = _enqueue(engine)
         assert _readable(fd)
-        list(relay_bell.notifies(timeout=1.0, stop_after=1))  # enqueue's own ring
         worker.on_readable()
         assert delivered == []
         assert _flags(engine) == {worker.direct.name: False}
         rang = list(relay_bell.notifies(timeout=2.0, stop_after=1))
-        assert [n.channel for n in rang] == ["outbox_planned"], "the relay was not rung"
+        assert [n.channel for n in rang] == ["outbox_relay"], "the relay was not rung"
     assert _relay_claim(engine) == [first]
     [second] = _enqueue(engine)
     slots.free = True
@@ -379,3 +381,60 @@ def test_a_take_s_task_sent_event_reaches_flower_s_exchange(
     assert event["name"] == DISPATCH_TASK
     assert event["uuid"] == delivered[0].headers["id"]
     assert event["queue"] == source.queue
+
+
+# --- the relay beside waiting workers -------------------------------------------------------
+
+
+def test_a_relay_beside_a_waiting_worker_hears_its_ring_not_enqueue_s(
+    app: Celery, engine: Engine
+) -> None:
+    """A running relay that sees a RabbitMQ worker's flag up lowers its own flag and stops
+    hearing enqueue's bell: a fresh row is left to the worker for the deferral, then claimed.
+    When the worker's flag goes down and it rings the relays' channel, the relay claims a
+    fresh row at once and hears enqueue's bell again."""
+    name = f"listening-taker:elsewhere:1:{uuid.uuid4().hex[:8]}"
+    _flag(engine, name, idle=True)
+    publisher = CeleryPublisher(app)
+    relay = Relay(engine, publisher, RelayConfig(poll_interval_s=0.2, defer_to_takers_s=1.0))
+    runner = threading.Thread(target=relay.run_forever, daemon=True)
+    runner.start()
+    try:
+        _wait(lambda: relay.deferring, "the relay deferring to the waiting worker")
+        _wait(lambda: _flags(engine).get(relay.name) is False, "the relay's flag down")
+        [left] = _enqueue(engine)
+        time.sleep(0.5)
+        assert _published(engine) == {left: False}, "claimed inside the deferral"
+        _wait(lambda: _published(engine)[left], "the row claimed once the deferral passed")
+        # The worker's last slot fills: its flag goes down, it rings the relays.
+        _flag(engine, name, idle=False)
+        with engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            sql.relay.ring_relays(conn)
+        _wait(lambda: not relay.deferring, "the relay claiming at once again", timeout=2.0)
+        [fresh] = _enqueue(engine)
+        _wait(lambda: _published(engine)[fresh], "the fresh row claimed at once", timeout=0.5)
+    finally:
+        relay.stop()
+        runner.join(10)
+    assert not runner.is_alive()
+
+
+def test_through_a_backlog_a_worker_lowers_its_flag_and_takes_one_per_look(
+    taker: Taker, engine: Engine
+) -> None:
+    """Takes that keep leaving more due make a backlog: after a few the worker's flag goes
+    down (the relay claims at once, in batches, through the broker); while it is down each
+    look takes one; the take that leaves nothing due raises it again."""
+    worker, delivered, _ = taker
+    ids = _enqueue(engine, BACKLOG_AFTER_TAKES + 3)
+    worker.open()
+    assert len(delivered) == BACKLOG_AFTER_TAKES
+    assert _flags(engine) == {worker.direct.name: False}
+    worker.tick()
+    assert len(delivered) == BACKLOG_AFTER_TAKES + 1
+    assert _flags(engine) == {worker.direct.name: False}
+    worker.tick()
+    worker.tick()
+    assert [_operation_id(m) for m in delivered] == ids
+    assert _flags(engine) == {worker.direct.name: True}
