@@ -40,6 +40,7 @@ import logging
 import os
 import socket
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from time import monotonic
@@ -70,6 +71,13 @@ BUSY_CHECK_S = 0.01
 #: Takes in a row that each left more due that make a backlog: the flag goes down and the
 #: relay claims at once, in batches, through the broker.
 BACKLOG_AFTER_TAKES = 4
+#: This many takes within BUSY_WINDOW_S (160 a second, one worker) make a stream (flat out:
+#: enqueue's ring, a NOTIFY that serialises every agent's commit, costs more than the take
+#: saves): the flag goes down as for a backlog...
+BUSY_AFTER_TAKES = 16
+BUSY_WINDOW_S = 0.1
+#: ...and up again only once looks found nothing for this long.
+BUSY_GRACE_S = 0.05
 #: Between attempts to open a lost database connection again: doubling up to the last.
 RECONNECT_FIRST_S = 0.1
 RECONNECT_MAX_S = 5.0
@@ -224,6 +232,10 @@ class ListeningTaker:
     #: The flag as last written (None: not written on this connection).
     _idle: bool | None = None
     _announced_at: float = 0.0
+    #: When the last takes that found an operation were made (the stream's measure).
+    _recent: deque[float] = field(
+        default_factory=lambda: deque([0.0], maxlen=BUSY_AFTER_TAKES), repr=False
+    )
 
     @property
     def listening(self) -> bool:
@@ -288,33 +300,49 @@ class ListeningTaker:
                 conn.close()
 
     def _take_while_free(self, *, rang: bool) -> None:
-        """Take while a bell rang, a slot is free and no backlog shows; the flag goes up
-        once a take left nothing due with a slot free (the worker waits for work)."""
+        """Take while a bell rang, a slot is free and no backlog or stream shows; the flag
+        goes up once a take left nothing due with a slot free (the worker waits for work),
+        after a stream only once :data:`BUSY_GRACE_S` passed without finding any."""
         while rang:
             streak = 0
             while True:
                 if not self.has_free_slot():
                     self._go_busy()
                     return
-                if not self._take_one():
+                found, more = self._take_one()
+                if not found:
                     break
-                streak += 1
-                if streak >= BACKLOG_AFTER_TAKES or self._idle is False:
-                    # A backlog: the relay's batches and the broker spread it over every
-                    # worker (a worker whose flag is down takes one per look meanwhile).
+                streak = streak + 1 if more else 0
+                if self._idle is False or self._streaming() or streak >= BACKLOG_AFTER_TAKES:
+                    # A stream or a backlog: the relay's batches and the broker spread it
+                    # over every worker, and enqueue stops ringing (a NOTIFY serialises
+                    # every agent's commit); a worker whose flag is down takes one per look.
                     self._go_busy()
                     return
-            if self._idle is not True:
+                if not more:
+                    break
+            if self._idle is not True and (
+                self._idle is None or monotonic() - self._recent[-1] >= BUSY_GRACE_S
+            ):
                 self._announce(idle=True)
             # Bells heard while the takes ran wait in psycopg's backlog, not on the socket.
             rang = self._drained()
 
-    def _take_one(self) -> bool:
-        """Take one due operation and deliver its message; whether more is due."""
+    def _streaming(self) -> bool:
+        """Whether the last :data:`BUSY_AFTER_TAKES` takes came within :data:`BUSY_WINDOW_S`."""
+        recent = self._recent
+        window = BUSY_WINDOW_S
+        return len(recent) == recent.maxlen and recent[-1] - recent[0] <= window
+
+    def _take_one(self) -> tuple[bool, bool]:
+        """Take one due operation and deliver its message: whether one was found, and
+        whether more is due."""
         taken = self.direct.take(self._connection(), self.capture, batch=False, keeping_up=True)
-        if taken.message is not None:
-            self.deliver(taken.message)
-        return taken.message is not None and taken.more
+        if taken.message is None:
+            return False, False
+        self._recent.append(monotonic())
+        self.deliver(taken.message)
+        return True, bool(taken.more)
 
     def _go_busy(self) -> None:
         """Every slot is taken: lower the flag and ring the relays' own bell (one that left

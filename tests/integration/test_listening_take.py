@@ -28,10 +28,13 @@ from sqlalchemy.pool import NullPool
 from outbox import api, sql
 from outbox.doorbell import libpq_url
 from outbox.relay import Relay, RelayConfig
+from outbox.workers import listening
 from outbox.workers.app import DISPATCH_TASK, LOOKUP_TASK, task_queues
 from outbox.workers.direct import DirectDispatch, dispatch_queue
 from outbox.workers.listening import (
     BACKLOG_AFTER_TAKES,
+    BUSY_AFTER_TAKES,
+    BUSY_GRACE_S,
     Capture,
     ListeningTaker,
     Loop,
@@ -255,6 +258,10 @@ def test_a_busy_worker_takes_nothing_lowers_its_flag_and_rings_the_relay(
     slots.free = True
     worker.tick()
     assert [_operation_id(m) for m in delivered] == [second]
+    # Up again once its looks found nothing for a while (no flapping flag).
+    assert _flags(engine) == {worker.direct.name: False}
+    time.sleep(BUSY_GRACE_S)
+    worker.tick()
     assert _flags(engine) == {worker.direct.name: True}
 
 
@@ -437,4 +444,24 @@ def test_through_a_backlog_a_worker_lowers_its_flag_and_takes_one_per_look(
     worker.tick()
     worker.tick()
     assert [_operation_id(m) for m in delivered] == ids
+    assert _flags(engine) == {worker.direct.name: False}
+    time.sleep(BUSY_GRACE_S)
+    worker.tick()
     assert _flags(engine) == {worker.direct.name: True}
+
+
+def test_a_stream_of_rings_lowers_the_flag_until_the_looks_find_nothing(
+    taker: Taker, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Operations rung for one at a time, BUSY_AFTER_TAKES of them within BUSY_WINDOW_S
+    (flat out): the flag goes down, so enqueue stops ringing (its NOTIFY serialises the
+    agents' commits), and the relay carries the stream. (The window is widened so that a
+    slow machine's enqueues still count as a stream.)"""
+    monkeypatch.setattr(listening, "BUSY_WINDOW_S", 60.0)
+    worker, delivered, _ = taker
+    worker.open()
+    for _ in range(BUSY_AFTER_TAKES):
+        _enqueue(engine)
+        worker.on_readable()
+    assert len(delivered) == BUSY_AFTER_TAKES
+    assert _flags(engine) == {worker.direct.name: False}
