@@ -65,9 +65,9 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 10.0
 #: How often an idle worker looks for due operations no commit rang for (and at the heartbeat).
 TICK_S = 1.0
-#: While its flag is down (every slot busy, or a backlog), a worker looks this often for a
-#: freed slot and takes one operation if so (its flag goes up when that take left none due).
-BUSY_CHECK_S = 0.01
+#: While its flag is down (every slot busy, a stream or a backlog), a worker looks this often
+#: whether a slot is free and the backlog is gone: then it raises the flag and takes again.
+BUSY_CHECK_S = 0.05
 #: Takes in a row that each left more due that make a backlog: the flag goes down and the
 #: relay claims at once, in batches, through the broker.
 BACKLOG_AFTER_TAKES = 4
@@ -267,7 +267,9 @@ class ListeningTaker:
         """The socket has something: drain the bells, take while they rang and a slot is free."""
         if self._conn is None:
             return
-        self._take_while_free(rang=self._drained())
+        rang = self._drained()
+        if self._idle is not False:  # flag down: the relay claims; the tick raises it again
+            self._take_while_free(rang=rang)
 
     def tick(self) -> None:
         """Look for due operations if a slot is free: after the flag was down nothing rang
@@ -276,7 +278,7 @@ class ListeningTaker:
         the flag's heartbeat if due."""
         if self._conn is None:
             return
-        if self.has_free_slot():
+        if self.has_free_slot() and not self._backlog_remains():
             self._take_while_free(rang=True)
         if self._idle is not None and monotonic() - self._announced_at >= HEARTBEAT_S:
             self._announce(idle=self._idle)
@@ -316,7 +318,7 @@ class ListeningTaker:
                 if self._idle is False or self._streaming() or streak >= BACKLOG_AFTER_TAKES:
                     # A stream or a backlog: the relay's batches and the broker spread it
                     # over every worker, and enqueue stops ringing (a NOTIFY serialises
-                    # every agent's commit); a worker whose flag is down takes one per look.
+                    # every agent's commit).
                     self._go_busy()
                     return
                 if not more:
@@ -327,6 +329,16 @@ class ListeningTaker:
                 self._announce(idle=True)
             # Bells heard while the takes ran wait in psycopg's backlog, not on the socket.
             rang = self._drained()
+
+    def _backlog_remains(self) -> bool:
+        """While the flag is down: whether the stream or backlog that lowered it goes on (a
+        take found one within :data:`BUSY_GRACE_S`, or a due row waits unpublished: the
+        relay carries it). One look, much cheaper than a take each."""
+        if self._idle is not False:
+            return False
+        if monotonic() - self._recent[-1] < BUSY_GRACE_S:
+            return True
+        return sql.relay.any_due_unpublished(self._connection())
 
     def _streaming(self) -> bool:
         """Whether the last :data:`BUSY_AFTER_TAKES` takes came within :data:`BUSY_WINDOW_S`."""
