@@ -14,15 +14,19 @@ runs tasks in the worker's process (threads, solo) the take also takes the opera
 and reads its row in the same statement, and hands that connection to the task
 (:mod:`outbox.workers.handoff`).
 
-Unlike the database broker's takers, a RabbitMQ worker takes only while it has a free pool
-slot, and keeps an idle flag (``listening-taker:`` rows in ``outbox.relays``) up only then: a busy
-worker leaves the backlog to the relay and the broker, which spread it over every worker. The
-relay claims a row never published only once it has been due ``defer_to_takers_s`` (0.2 s)
-while some such flag is up (decided inside its claim statement), so an idle worker takes it
-first. While such a flag is up the relay does not hear enqueue's bell either (the workers
-do): it looks for what they left every 0.2 s, and when a worker's last slot fills, its flag
-goes down and it rings the relays' own channel (``outbox_relay``), so the relay looks again
-at once and, with no flag up, hears enqueue's bell again.
+Unlike the database broker's takers, a RabbitMQ worker takes only while it waits for work (a
+pool slot free, no backlog), and keeps an idle flag (``listening-taker:`` rows in
+``outbox.relays``) up only then. The flag goes down when the last slot fills, through a backlog
+(takes that keep leaving more due) and through a stream (many takes within a short window:
+enqueue's bell then costs the agents more than the take saves); while it is down the worker
+takes nothing, the relay claims at once and the broker spreads the work over every worker. The
+flag goes up again once a slot is free and no due row waits unpublished. The relay claims a row
+never published only once it has been due ``defer_to_takers_s`` (0.2 s) while some such flag is
+up (decided inside its claim statement), so a waiting worker takes it first. While such a flag
+is up the relay does not hear enqueue's bell either (the workers do): it looks for what they
+left every 0.2 s, and when a worker's flag goes down it rings the relays' own channel
+(``outbox_relay``), so the relay looks again at once and, with no flag up, hears enqueue's
+bell again.
 
 Crash safety is the database broker's: a row stamped by a worker that died before its task ran
 is claimed again ``OUTBOX_REPUBLISH_AFTER`` later, like a row whose message was lost; a task's
