@@ -290,30 +290,17 @@ class Relay:
         self._takers_checked_at = now
         standing_by, deferring = seen.live, seen.waiting and not seen.live
         if deferring != self.deferring:
-            log.info(
-                "relay %s",
-                "leaving fresh rows to workers waiting for work"
-                if deferring
-                else "claiming fresh rows at once: no worker waits for work",
-                extra={
-                    "action": Action.RELAY_STANDBY,
-                    "mode": "deferring" if deferring else "claiming",
-                },
-            )
-            self.deferring = deferring
-            if not deferring:
+            if deferring:
+                _log_mode("leaving fresh rows to workers waiting for work", "deferring")
+            else:
+                _log_mode("claiming fresh rows at once: no worker waits for work", "claiming")
                 bell.hear_planned(True)
+            self.deferring = deferring
         if standing_by != self.standing_by:
-            log.info(
-                "relay %s",
-                "standing by: workers take due operations directly"
-                if standing_by
-                else "claiming at once: no worker takes directly",
-                extra={
-                    "action": Action.RELAY_STANDBY,
-                    "mode": "standing_by" if standing_by else "claiming",
-                },
-            )
+            if standing_by:
+                _log_mode("standing by: workers take due operations directly", "standing_by")
+            else:
+                _log_mode("claiming at once: no worker takes directly", "claiming")
         self.standing_by = standing_by
 
     @staticmethod
@@ -350,6 +337,11 @@ class Relay:
                 describe_error(exc),
                 extra={"action": Action.RELAY_ERROR, "error": describe_error(exc)},
             )
+
+
+def _log_mode(message: str, mode: str) -> None:
+    """How the relay now claims, logged when it changes."""
+    log.info("relay %s", message, extra={"action": Action.RELAY_STANDBY, "mode": mode})
 
 
 def _announce(conn: Connection, name: str, *, idle: bool) -> None:
