@@ -464,9 +464,10 @@ def test_a_stream_of_rings_lowers_the_flag_until_the_looks_find_nothing(
     slow machine's enqueues still count as a stream.)"""
     monkeypatch.setattr(listening, "BUSY_WINDOW_S", 60.0)
     worker, delivered, _ = taker
-    worker.open()
+    fd = worker.open()
     for _ in range(BUSY_AFTER_TAKES):
         _enqueue(engine)
+        assert _readable(fd), "enqueue's bell did not ring the worker's socket"
         worker.on_readable()
     assert len(delivered) == BUSY_AFTER_TAKES
     assert _flags(engine) == {worker.direct.name: False}
