@@ -400,7 +400,10 @@ def test_wait_is_woken_by_the_notify_not_by_polling(url: str, engine: Engine) ->
     settled, reads = run(url, body)
     assert (settled.state, settled.remote_ref) == (State.CONFIRMED, "rel-7")
     assert time.monotonic() - started < 30  # far below the hour a poll would have taken
-    assert reads == 2  # the first read, and the one the NOTIFY asked for
+    # The first read, and the one the NOTIFY asked for; or the first read alone, when the move
+    # committed before it ran (the count goes up when a read is sent, not when it returns: CI
+    # saw it once on a loaded machine). A poll would have taken the hour either way.
+    assert reads in (1, 2)
     assert _waiter_rows(engine) == []
 
 
