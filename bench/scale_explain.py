@@ -63,7 +63,7 @@ def statement_name(sql: str) -> str:
         ("horizon_passed", "reconcile_facts"),
         ("SET next_check_at", "schedule_check"),
         ("AND published_at IS NULL", "any_due_unpublished"),
-        ("taker:%", "live_takers"),
+        ("taker:%", "takers"),
         ("moved", "move (transition)"),
         ("AS due", "get_for_dispatch"),
         ("INSERT INTO outbox.webhook", "webhook record"),

@@ -166,7 +166,7 @@ class Scale:
                 conn, limit=BATCH, republish_after_s=REPUBLISH_AFTER_S
             )
             sql.relay.unmark_published(conn, claimed)
-            sql.relay.live_takers(conn, heartbeat_within_s=30.0)
+            sql.relay.takers(conn, heartbeat_within_s=30.0)
             tx.rollback()
 
     def reset(self) -> None:

@@ -360,17 +360,6 @@ TAKER_PREFIX = "taker:"
 #: (a busy one takes nothing; the relay and the broker carry the backlog).
 LISTENING_TAKER_PREFIX = "listening-taker:"
 
-_LIVE_TAKERS = text(
-    "SELECT EXISTS (SELECT FROM outbox.relays WHERE name LIKE 'taker:%' "
-    "AND heartbeat_at > clock_timestamp() - make_interval(secs => :fresh))"
-)
-
-
-def live_takers(executor: Executor, *, heartbeat_within_s: float) -> bool:
-    """Whether a worker that takes operations directly heartbeat within ``heartbeat_within_s``."""
-    row = executor.execute(_LIVE_TAKERS, {"fresh": heartbeat_within_s})
-    return bool(row.scalar_one())
-
 
 @dataclass(frozen=True, slots=True)
 class Takers:

@@ -231,7 +231,7 @@ def test_a_relay_stands_by_while_a_taker_lives(
     relay = Relay(engine, publisher, RelayConfig(standby_hold_back_s=5.0))
     with engine.begin() as conn:
         sql.relay.announce_relay(conn, f"{sql.relay.TAKER_PREFIX}test", pid=1, host="h", idle=True)
-        assert sql.relay.live_takers(conn, heartbeat_within_s=30)
+        assert sql.relay.takers(conn, heartbeat_within_s=30).live
     relay.standing_by = True
     assert relay.run_once().claimed == 0
     with engine.begin() as conn:
@@ -244,7 +244,7 @@ def test_a_relay_stands_by_while_a_taker_lives(
     assert relay.run_once().claimed == 1
     with engine.begin() as conn:
         sql.relay.forget_relay(conn, f"{sql.relay.TAKER_PREFIX}test")
-        assert not sql.relay.live_takers(conn, heartbeat_within_s=30)
+        assert not sql.relay.takers(conn, heartbeat_within_s=30).live
     publisher.close()
     assert _published(engine) == {fresh: True, old: True}
 
