@@ -54,9 +54,10 @@ log = logging.getLogger(__name__)
 _DURABLE_INFO = "outbox.synchronous_commit_on"
 
 
-def taker_name() -> str:
-    """A worker's name in ``outbox.relays``: ``taker:host:pid:random``."""
-    return f"{sql.relay.TAKER_PREFIX}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+def taker_name(prefix: str = sql.relay.TAKER_PREFIX) -> str:
+    """A worker's name in ``outbox.relays``: ``prefix`` then ``host:pid:random``
+    (``taker:`` on the database broker, ``listening-taker:`` on another broker)."""
+    return f"{prefix}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 class Capturing(Protocol):
@@ -227,7 +228,10 @@ def _take_directly(sender: Any = None, **_: object) -> None:
     elif other_broker:
         listening.take_directly(
             DirectDispatch(
-                app, dispatch_queue(app), settings.republish_after, name=listening.taker_name()
+                app,
+                dispatch_queue(app),
+                settings.republish_after,
+                name=taker_name(sql.relay.LISTENING_TAKER_PREFIX),
             )
         )
         # Run by the worker's consumer on its event loop (added before the consumer is built).

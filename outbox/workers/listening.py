@@ -41,9 +41,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
-import socket
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -87,18 +84,12 @@ RECONNECT_FIRST_S = 0.1
 RECONNECT_MAX_S = 5.0
 
 
-def taker_name() -> str:
-    """A RabbitMQ worker's name in ``outbox.relays``: ``listening-taker:host:pid:random``."""
-    prefix = sql.relay.LISTENING_TAKER_PREFIX
-    return f"{prefix}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
 class Source(Protocol):
     """Due operations taken as dispatch messages (:class:`outbox.workers.direct.DirectDispatch`)."""
 
     #: This deployment's dispatch queue (the worker takes only if it consumes it).
     queue: str
-    #: The worker's name in ``outbox.relays`` (:func:`taker_name`).
+    #: The worker's name in ``outbox.relays`` (``listening-taker:host:pid:random``).
     name: str
 
     def take(self, conn: Connection, channel: Any, *, batch: bool, keeping_up: bool) -> Any:

@@ -30,7 +30,7 @@ from outbox.doorbell import libpq_url
 from outbox.relay import Relay, RelayConfig
 from outbox.workers import listening
 from outbox.workers.app import DISPATCH_TASK, LOOKUP_TASK, task_queues
-from outbox.workers.direct import DirectDispatch, dispatch_queue
+from outbox.workers.direct import DirectDispatch, dispatch_queue, taker_name
 from outbox.workers.listening import (
     BACKLOG_AFTER_TAKES,
     BUSY_AFTER_TAKES,
@@ -38,7 +38,6 @@ from outbox.workers.listening import (
     Capture,
     ListeningTaker,
     Loop,
-    taker_name,
     task_sent_forwarder,
 )
 from outbox.workers.publish import CeleryPublisher
@@ -93,7 +92,12 @@ def own_engine(database_url: str) -> Iterator[Engine]:
 def taker(app: Celery, own_engine: Engine, engine: Engine) -> Iterator[Taker]:
     delivered: list[Message] = []
     slots = Slots()
-    source = DirectDispatch(app, dispatch_queue(app), REPUBLISH_AFTER_S, name=taker_name())
+    source = DirectDispatch(
+        app,
+        dispatch_queue(app),
+        REPUBLISH_AFTER_S,
+        name=taker_name(sql.relay.LISTENING_TAKER_PREFIX),
+    )
     taker = ListeningTaker(source, deliver=delivered.append, has_free_slot=slots, engine=own_engine)
     yield taker, delivered, slots
     taker.close()
@@ -368,7 +372,12 @@ def test_a_take_s_task_sent_event_reaches_flower_s_exchange(
     with app.connection_for_read() as conn, app.connection_for_write() as out:
         receiver = app.events.Receiver(conn, handlers={"task-sent": events.append})
         dispatcher = app.events.Dispatcher(out, enabled=True)
-        source = DirectDispatch(app, dispatch_queue(app), REPUBLISH_AFTER_S, name=taker_name())
+        source = DirectDispatch(
+            app,
+            dispatch_queue(app),
+            REPUBLISH_AFTER_S,
+            name=taker_name(sql.relay.LISTENING_TAKER_PREFIX),
+        )
         delivered: list[Message] = []
         worker = ListeningTaker(
             source,
