@@ -49,8 +49,15 @@ class ClaimedIntent:
 # until the relay committed. A worker taking directly (outbox.workers.direct) runs the same
 # statement for one row, in autocommit. The claimed rows are read once (a CTE
 # is computed once however often it is referenced), in the claim's order (never published by
-# due time, then republished by their last publish). The update finds them by primary key
-# (`= ANY(ARRAY(...))`): written as a join, the planner hashed the whole table for it.
+# due time, then republished by their last publish). The update finds them by primary key,
+# whatever the table looked like when the statement's generic plan was made (a prepared
+# statement keeps it until the table's statistics change): its condition is written twice,
+# as a join and as `= ANY(ARRAY(...))`. The join alone hashed the whole table when a large
+# backlog was due (thousands of claimed rows expected); the array alone read the whole table
+# when the plan was made on a new, near-empty one (ten rows expected, ten pages assumed:
+# 1,500 sequential scans of about 3,000 rows in ten seconds of a flat benchmark, until an
+# autovacuum). With both, every plan probes pk_operations (tests/integration/
+# test_relay_claim.py prepares it both ways).
 # A worker taking directly looks one row further (:look = :limit + 1) and claims only :limit:
 # `seen` then says whether more is due, so a take that emptied the queue is not followed by a
 # look that finds nothing (the row looked at is locked only while the autocommit statement
@@ -102,9 +109,9 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
     ), claimed AS (
         SELECT * FROM candidates ORDER BY half, turn LIMIT :limit
     ), marked AS (
-        UPDATE outbox.operations SET published_at = clock_timestamp()
-        WHERE id = ANY(ARRAY(SELECT id FROM claimed))
-        RETURNING id, lock_key
+        UPDATE outbox.operations AS o SET published_at = clock_timestamp()
+        FROM claimed AS cl WHERE o.id = cl.id AND o.id = ANY(ARRAY(SELECT id FROM claimed))
+        RETURNING o.id, o.lock_key
     ), lk AS MATERIALIZED (
         -- :lock (one row claimed): its advisory lock, by the key enqueue stored (NULL on a row
         -- enqueued before migration 0027: not locked here).

@@ -9,14 +9,16 @@ returns nor reads it. The relay runs the claim with the mark joined to it
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, create_engine, text
 
-from outbox import sql
+from outbox import migrate, sql
 from outbox.sql.relay import _CLAIM_AND_MARK_DUE
+from tests.conftest import Databases
 
 #: What the mark adds to the claim's plan: the CTE read (for the ids and the answer), the
 #: update by primary key.
@@ -226,3 +228,82 @@ def test_unconfirmed_rows_get_their_previous_stamp_back(engine: Engine) -> None:
     assert after["new-1"] is not None
     assert after["new-2"] is None
     assert after["lost-1"] == before["lost-1"]
+
+
+def _generic_plan(engine: Engine) -> dict[str, Any]:
+    """The claim's plan as a prepared statement keeps it: generic (psycopg prepares a
+    statement run five times; PostgreSQL then plans it once for any values)."""
+    names: list[str] = []
+
+    def positional(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    statement = re.sub(r"%\((\w+)\)s", positional, _CLAIM_AND_MARK_DUE.sql)
+    values = {
+        "limit": "1",
+        "look": "2",
+        "republish_after": "30",
+        "hold_back": "0",
+        "defer": "0.2",
+        "fresh": "30",
+        "without_flush": "true",
+        "lock": "true",
+    }
+    with engine.connect() as conn:
+        try:
+            conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+            # Sent through psycopg with no values: its %% still stands for %.
+            conn.exec_driver_sql(f"PREPARE generic_claim AS {statement}", ())
+            args = ", ".join(values[name] for name in names)
+            plan = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) EXECUTE generic_claim({args})")
+            top: dict[str, Any] = plan.scalar_one()[0]["Plan"]
+        finally:
+            conn.invalidate()  # its session's setting and prepared statement go with it
+    return top
+
+
+def _operations_scans(node: dict[str, Any]) -> list[tuple[str, str]]:
+    here = []
+    if node.get("Relation Name") == "operations" and "Scan" in node["Node Type"]:
+        here.append((node["Node Type"], node.get("Index Name", "")))
+    return here + [s for child in node.get("Plans", []) for s in _operations_scans(child)]
+
+
+def test_the_generic_plan_made_on_a_new_table_probes_the_primary_key(
+    databases: Databases,
+) -> None:
+    """A worker's take prepared while the table is new (a new database: no statistics, ten
+    pages assumed) keeps its plan while the table grows: the mark must still find the claimed
+    rows by primary key, not read the table (the array form alone did, on every take)."""
+    engine = create_engine(databases.create())
+    try:
+        migrate.upgrade(engine)
+        with engine.connect() as conn:
+            never_analysed = conn.execute(
+                text(
+                    "SELECT reltuples = -1 AND NOT EXISTS (SELECT FROM pg_statistic "
+                    "WHERE starelid = 'outbox.operations'::regclass) "
+                    "FROM pg_class WHERE oid = 'outbox.operations'::regclass"
+                )
+            ).scalar_one()
+        assert never_analysed
+        scans = _operations_scans(_generic_plan(engine))
+    finally:
+        engine.dispose()
+    assert ("Seq Scan", "") not in scans, scans
+    assert ("Index Scan", "pk_operations") in scans, scans
+
+
+def test_the_generic_plan_made_beside_a_due_backlog_probes_the_primary_key(
+    engine: Engine,
+) -> None:
+    """Made while thousands of never-published rows are due (analysed), the plan still
+    updates the claimed rows by primary key."""
+    _load(engine, "due", 20_000, "1 minute", None)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("ANALYZE outbox.operations"))
+    scans = _operations_scans(_generic_plan(engine))
+    assert ("Seq Scan", "") not in scans, scans
+    assert ("Index Scan", "pk_operations") in scans, scans
