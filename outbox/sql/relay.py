@@ -49,15 +49,17 @@ class ClaimedIntent:
 # until the relay committed. A worker taking directly (outbox.workers.direct) runs the same
 # statement for one row, in autocommit. The claimed rows are read once (a CTE
 # is computed once however often it is referenced), in the claim's order (never published by
-# due time, then republished by their last publish). The update finds them by primary key,
-# whatever the table looked like when the statement's generic plan was made (a prepared
-# statement keeps it until the table's statistics change): its condition is written twice,
-# as a join and as `= ANY(ARRAY(...))`. The join alone hashed the whole table when a large
-# backlog was due (thousands of claimed rows expected); the array alone read the whole table
+# due time, then republished by their last publish). The update finds each row where the
+# claim locked it, whatever the table looked like when the statement's generic plan was made
+# (a prepared statement keeps it until the table's statistics change): by its ctid (the
+# version the claim locked; a newer one, committed after this statement's snapshot, is not
+# seen here, so that rare row is left unmarked and unclaimed for the next look) and by
+# primary key. A join by id alone hashed the whole table when a large backlog was due
+# (thousands of claimed rows expected); `id = ANY(ARRAY(...))` alone read the whole table
 # when the plan was made on a new, near-empty one (ten rows expected, ten pages assumed:
 # 1,500 sequential scans of about 3,000 rows in ten seconds of a flat benchmark, until an
-# autovacuum). With both, every plan probes pk_operations (tests/integration/
-# test_relay_claim.py prepares it both ways).
+# autovacuum). With both, a plan fetches each row by its ctid or probes pk_operations
+# (tests/integration/test_relay_claim.py prepares it both ways).
 # A worker taking directly looks one row further (:look = :limit + 1) and claims only :limit:
 # `seen` then says whether more is due, so a take that emptied the queue is not followed by a
 # look that finds nothing (the row looked at is locked only while the autocommit statement
@@ -76,10 +78,11 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
         SELECT CASE WHEN :without_flush
                     THEN set_config('synchronous_commit', 'off', true) END AS set
     ), candidates AS (
-        SELECT id, tool, target, traceparent, tracestate, published_at, 0 AS half,
+        SELECT row_ctid, id, tool, target, traceparent, tracestate, published_at, 0 AS half,
                available_at AS turn
         FROM (
-            SELECT id, tool, target, traceparent, tracestate, published_at, available_at
+            SELECT ctid AS row_ctid, id, tool, target, traceparent, tracestate, published_at,
+                   available_at
             FROM outbox.operations
             WHERE state = 'planned' AND published_at IS NULL
               AND available_at <= statement_timestamp() - make_interval(secs => GREATEST(
@@ -93,10 +96,10 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
             FOR UPDATE SKIP LOCKED
         ) AS never_published
         UNION ALL
-        SELECT id, tool, target, traceparent, tracestate, published_at, 1 AS half,
+        SELECT row_ctid, id, tool, target, traceparent, tracestate, published_at, 1 AS half,
                published_at AS turn
         FROM (
-            SELECT id, tool, target, traceparent, tracestate, published_at
+            SELECT ctid AS row_ctid, id, tool, target, traceparent, tracestate, published_at
             FROM outbox.operations
             WHERE state = 'planned' AND published_at IS NOT NULL
               AND published_at <= statement_timestamp() - make_interval(secs => :republish_after)
@@ -110,7 +113,8 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
         SELECT * FROM candidates ORDER BY half, turn LIMIT :limit
     ), marked AS (
         UPDATE outbox.operations AS o SET published_at = clock_timestamp()
-        FROM claimed AS cl WHERE o.id = cl.id AND o.id = ANY(ARRAY(SELECT id FROM claimed))
+        FROM claimed AS cl
+        WHERE o.ctid = cl.row_ctid AND o.id = ANY(ARRAY(SELECT id FROM claimed))
         RETURNING o.id, o.lock_key
     ), lk AS MATERIALIZED (
         -- :lock (one row claimed): its advisory lock, by the key enqueue stored (NULL on a row
