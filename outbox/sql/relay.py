@@ -53,7 +53,8 @@ class ClaimedIntent:
 # claim locked it, whatever the table looked like when the statement's generic plan was made
 # (a prepared statement keeps it until the table's statistics change): by its ctid (the
 # version the claim locked; a newer one, committed after this statement's snapshot, is not
-# seen here, so that rare row is left unmarked and unclaimed for the next look) and by
+# seen here: a relay's stamp undone by unmark_published in that instant leaves its row
+# unmarked and unclaimed for the next look) and by
 # primary key. A join by id alone hashed the whole table when a large backlog was due
 # (thousands of claimed rows expected); `id = ANY(ARRAY(...))` alone read the whole table
 # when the plan was made on a new, near-empty one (ten rows expected, ten pages assumed:
