@@ -237,6 +237,9 @@ relays = Table(
     Column("idle", Boolean, nullable=False, server_default=text("false")),
     _timestamp("started_at", nullable=False, now=True),
     _timestamp("heartbeat_at", nullable=False, now=True),
+    # The session that wrote the flag (migration 0028): once it is gone the flag no longer
+    # counts, whatever its heartbeat's age (NULL: written before 0028, the heartbeat decides).
+    Column("backend_pid", Integer),
 )
 
 #: Callers of ``outbox.wait`` listening for an operation to settle, one row per waiting

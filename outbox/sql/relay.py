@@ -67,8 +67,10 @@ class ClaimedIntent:
 # runs; whoever skipped it meanwhile did not claim it, and the one that saw it looks again).
 # :defer (a relay beside RabbitMQ workers that take directly, outbox.workers.listening): rows
 # never published are claimed only once due that long while such a worker's flag says it waits
-# for work (idle, heartbeat within :fresh): the worker takes them, one hop sooner. One look at
-# the few rows of outbox.relays, computed once per statement (an uncorrelated subquery).
+# for work (idle, heartbeat within :fresh, the session that wrote it still open: a killed
+# worker's flag stops counting when its socket closes): the worker takes them, one hop
+# sooner. One look at the few rows of outbox.relays, computed once per statement (an
+# uncorrelated subquery).
 # :without_flush makes this statement's own commit return before its WAL reaches the disk
 # (set_config's third argument: for this transaction only), for a take in autocommit on a
 # connection whose session stays durable (the one a worker hands to its dispatch task).
@@ -91,7 +93,9 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
                   (SELECT CAST(:defer AS float8) WHERE CAST(:defer AS float8) > 0 AND EXISTS (
                       SELECT FROM outbox.relays WHERE idle AND name LIKE 'listening-taker:%'
                         AND heartbeat_at > clock_timestamp()
-                                           - make_interval(secs => CAST(:fresh AS float8))))))
+                                           - make_interval(secs => CAST(:fresh AS float8))
+                        AND (backend_pid IS NULL
+                             OR EXISTS (SELECT FROM pg_stat_get_activity(backend_pid)))))))
             ORDER BY available_at
             LIMIT :look
             FOR UPDATE SKIP LOCKED
@@ -338,15 +342,19 @@ def unmark_published(executor: Executor, claimed: list[ClaimedIntent]) -> None:
 
 
 _ANNOUNCE_RELAY = text(
-    "INSERT INTO outbox.relays (name, pid, host, idle) VALUES (:name, :pid, :host, :idle) "
-    "ON CONFLICT (name) DO UPDATE SET idle = :idle, heartbeat_at = clock_timestamp()"
+    "INSERT INTO outbox.relays (name, pid, host, idle, backend_pid) "
+    "VALUES (:name, :pid, :host, :idle, pg_backend_pid()) "
+    "ON CONFLICT (name) DO UPDATE SET idle = :idle, heartbeat_at = clock_timestamp(), "
+    "backend_pid = pg_backend_pid()"
 )
 
 
 def announce_relay(executor: Executor, name: str, *, pid: int, host: str, idle: bool) -> None:
     """Record a running relay and whether it sleeps on LISTEN (then enqueue rings the bell).
 
-    An upsert, so it doubles as the heartbeat and survives a peer's clean-up of its row.
+    An upsert, so it doubles as the heartbeat and survives a peer's clean-up of its row. The
+    row names the session that wrote it (``backend_pid``): a worker's flag counts only while
+    that session is open, so write it on the connection kept for the process's life.
     """
     executor.execute(_ANNOUNCE_RELAY, {"name": name, "pid": pid, "host": host, "idle": idle})
 
@@ -384,16 +392,25 @@ class Takers:
     waiting: bool
 
 
+# A flag counts while its heartbeat is fresh and the session that wrote it is still there
+# (a killed worker's ends with its socket: no need to wait for the heartbeat to age).
 _TAKERS = text(
-    "SELECT EXISTS (SELECT FROM outbox.relays WHERE name LIKE 'taker:%' "
-    "AND heartbeat_at > clock_timestamp() - make_interval(secs => :fresh)), "
-    "EXISTS (SELECT FROM outbox.relays WHERE name LIKE 'listening-taker:%' AND idle "
-    "AND heartbeat_at > clock_timestamp() - make_interval(secs => :fresh))"
+    """
+    SELECT EXISTS (SELECT FROM outbox.relays WHERE name LIKE 'taker:%'
+                   AND heartbeat_at > clock_timestamp() - make_interval(secs => :fresh)
+                   AND (backend_pid IS NULL
+                        OR EXISTS (SELECT FROM pg_stat_get_activity(backend_pid)))),
+           EXISTS (SELECT FROM outbox.relays WHERE name LIKE 'listening-taker:%' AND idle
+                   AND heartbeat_at > clock_timestamp() - make_interval(secs => :fresh)
+                   AND (backend_pid IS NULL
+                        OR EXISTS (SELECT FROM pg_stat_get_activity(backend_pid))))
+    """
 )
 
 
 def takers(executor: Executor, *, heartbeat_within_s: float) -> Takers:
-    """Which workers take directly (a heartbeat within ``heartbeat_within_s``), one look."""
+    """Which workers take directly, one look: a flag counts while its heartbeat is within
+    ``heartbeat_within_s`` and the database session that wrote it is still open."""
     live, waiting = executor.execute(_TAKERS, {"fresh": heartbeat_within_s}).one()
     return Takers(bool(live), bool(waiting))
 

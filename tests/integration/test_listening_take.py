@@ -41,6 +41,7 @@ from outbox.workers.listening import (
     task_sent_forwarder,
 )
 from outbox.workers.publish import CeleryPublisher
+from tests.processes import wait_until
 
 REPUBLISH_AFTER_S = 30.0
 DEFER_S = 0.2
@@ -480,3 +481,35 @@ def test_a_stream_of_rings_lowers_the_flag_until_the_looks_find_nothing(
         worker.on_readable()
     assert len(delivered) == BUSY_AFTER_TAKES
     assert _flags(engine) == {worker.direct.name: False}
+
+
+def test_a_flag_whose_session_ended_counts_no_more(engine: Engine) -> None:
+    """A worker killed while it waited for work leaves its flag up, its heartbeat fresh for
+    30 s; the session that wrote the flag ends with the process's socket, and from then on a
+    relay neither counts the flag nor defers a fresh row to it."""
+    name = f"listening-taker:elsewhere:1:{uuid.uuid4().hex[:8]}"
+    worker_conn = engine.connect()  # the worker's own session, kept for its life
+    try:
+        with worker_conn.begin():
+            sql.relay.announce_relay(worker_conn, name, pid=1, host="elsewhere", idle=True)
+        backend = worker_conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        worker_conn.commit()
+        with engine.connect() as conn:
+            assert sql.relay.takers(conn, heartbeat_within_s=30).waiting
+        [op_id] = _enqueue(engine)
+        assert _relay_claim(engine, defer_s=30.0) == []
+    finally:
+        worker_conn.invalidate()  # the socket closes, as a SIGKILLed process's does
+        worker_conn.close()
+
+    def ended() -> bool:
+        with engine.connect() as conn:
+            found = conn.execute(
+                text("SELECT count(*) FROM pg_stat_get_activity(:pid)"), {"pid": backend}
+            ).scalar_one()
+        return bool(found == 0)
+
+    wait_until(ended, timeout=10.0, interval=0.05, what="the worker's session ended")
+    with engine.connect() as conn:
+        assert not sql.relay.takers(conn, heartbeat_within_s=30).waiting
+    assert _relay_claim(engine, defer_s=30.0) == [op_id]
