@@ -54,13 +54,13 @@ class ClaimedIntent:
 # (a prepared statement keeps it until the table's statistics change): by its ctid (the
 # version the claim locked; a newer one, committed after this statement's snapshot, is not
 # seen here: a relay's stamp undone by unmark_published in that instant leaves its row
-# unmarked and unclaimed for the next look) and by
-# primary key. A join by id alone hashed the whole table when a large backlog was due
-# (thousands of claimed rows expected); `id = ANY(ARRAY(...))` alone read the whole table
-# when the plan was made on a new, near-empty one (ten rows expected, ten pages assumed:
-# 1,500 sequential scans of about 3,000 rows in ten seconds of a flat benchmark, until an
-# autovacuum). With both, a plan fetches each row by its ctid or probes pk_operations
-# (tests/integration/test_relay_claim.py prepares it both ways).
+# unmarked and unclaimed for the next look) and by primary key. A join by id alone hashed
+# the whole table when a large backlog was due (thousands of claimed rows expected);
+# `id = ANY(ARRAY(...))` alone read the whole table when the plan was made on a new,
+# near-empty one (ten rows expected, ten pages assumed: 1,500 sequential scans of about
+# 3,000 rows in ten seconds of a flat benchmark, until an autovacuum). With both, a plan
+# fetches each row by its ctid or probes pk_operations (tests/integration/
+# test_relay_claim.py prepares it both ways).
 # A worker taking directly looks one row further (:look = :limit + 1) and claims only :limit:
 # `seen` then says whether more is due, so a take that emptied the queue is not followed by a
 # look that finds nothing (the row looked at is locked only while the autocommit statement
