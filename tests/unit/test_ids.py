@@ -40,8 +40,10 @@ def test_an_id_after_one_whose_random_bits_are_full_carries_into_the_bits_above(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     last = ids.new_operation_id().int | ((1 << 62) - 1)
-    # A millisecond ahead of the clock, low bits all ones.
-    monkeypatch.setattr(ids, "_last", last + (1 << 80))
+    # An hour ahead of the clock, low bits all ones: the next id must follow it. (A millisecond
+    # ahead was caught up by the clock itself on a loaded machine: the next id then carried a
+    # later time of its own, and random low bits.)
+    monkeypatch.setattr(ids, "_last", last + (3_600_000 << 80))
     made = ids.new_operation_id()
     assert made.int > ids._last - 1
     assert (made.version, made.variant) == (7, uuid.RFC_4122)
