@@ -396,14 +396,11 @@ class Takers:
 # (a killed worker's ends with its socket: no need to wait for the heartbeat to age).
 _TAKERS = text(
     """
-    SELECT EXISTS (SELECT FROM outbox.relays WHERE name LIKE 'taker:%'
-                   AND heartbeat_at > clock_timestamp() - make_interval(secs => :fresh)
-                   AND (backend_pid IS NULL
-                        OR EXISTS (SELECT FROM pg_stat_get_activity(backend_pid)))),
-           EXISTS (SELECT FROM outbox.relays WHERE name LIKE 'listening-taker:%' AND idle
-                   AND heartbeat_at > clock_timestamp() - make_interval(secs => :fresh)
-                   AND (backend_pid IS NULL
-                        OR EXISTS (SELECT FROM pg_stat_get_activity(backend_pid))))
+    SELECT coalesce(bool_or(name LIKE 'taker:%'), false),
+           coalesce(bool_or(name LIKE 'listening-taker:%' AND idle), false)
+    FROM outbox.relays
+    WHERE heartbeat_at > clock_timestamp() - make_interval(secs => :fresh)
+      AND (backend_pid IS NULL OR EXISTS (SELECT FROM pg_stat_get_activity(backend_pid)))
     """
 )
 
