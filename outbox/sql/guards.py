@@ -313,13 +313,14 @@ def admit(executor: Executor, admission: Admission) -> Admitted:
 # --- holding an operation back ----------------------------------------------------------------
 
 # Not a state change: the row stays `planned`, not attempted, and becomes due again when the
-# guard may let it through; published_at is cleared so the relay publishes it then.
+# guard may let it through; published_at is cleared so the relay publishes it then. By key:
+# COLLATE "C" keeps the state's partial index out of the plan (``sql.moves``, change 44).
 _HOLD = text(
     """
     UPDATE outbox.operations
     SET available_at = clock_timestamp() + make_interval(secs => :delay_s),
         published_at = NULL, last_error = :reason, updated_at = clock_timestamp()
-    WHERE id = :operation_id AND state = 'planned' AND attempts = :attempt
+    WHERE id = :operation_id AND state COLLATE "C" = 'planned' AND attempts = :attempt
     RETURNING available_at
     """
 )

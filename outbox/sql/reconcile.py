@@ -130,19 +130,20 @@ def reconcile_facts(
 
 
 # The two forms of schedule_check: the next check a delay from now, or at the row's horizon.
+# By key: COLLATE "C" keeps the state's partial index out of the plan (``sql.moves``, change 44).
 _SCHEDULE_CHECK_IN = text(
     "UPDATE outbox.operations "
     "SET next_check_at = clock_timestamp() + make_interval(secs => :delay), "
     "checks = checks + :add, last_error = coalesce(:error, last_error), "
     "updated_at = updated_at "
-    "WHERE id = :id AND state = 'unknown' AND attempts = :attempt"
+    "WHERE id = :id AND state COLLATE \"C\" = 'unknown' AND attempts = :attempt"
 )
 _SCHEDULE_CHECK_AT_HORIZON = text(
     "UPDATE outbox.operations "
     "SET next_check_at = sent_at + make_interval(secs => :horizon), "
     "checks = checks + :add, last_error = coalesce(:error, last_error), "
     "updated_at = updated_at "
-    "WHERE id = :id AND state = 'unknown' AND attempts = :attempt"
+    "WHERE id = :id AND state COLLATE \"C\" = 'unknown' AND attempts = :attempt"
 )
 
 
