@@ -9,7 +9,6 @@ instead (``ix_operations_sent_since`` for an outcome, ``ix_operations_planned_du
 
 from __future__ import annotations
 
-import re
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -24,6 +23,7 @@ from outbox.sql.moves import MoveShape, _move_statement, move
 from outbox.sql.reconcile import _SCHEDULE_CHECK_AT_HORIZON, _SCHEDULE_CHECK_IN
 from outbox.states import Actor, State
 from tests.conftest import Databases
+from tests.plans import operations_scans, prepared_plan
 
 #: The moves a dispatch worker makes, and the reconciler's from `unknown`.
 SHAPES = {
@@ -76,34 +76,9 @@ _VALUES = {
 }
 
 
-def _operations_scans(node: dict[str, Any]) -> list[tuple[str, str]]:
-    here = []
-    if node.get("Relation Name") == "operations" and "Scan" in node["Node Type"]:
-        here.append((node["Node Type"], node.get("Index Name", "")))
-    return here + [s for child in node.get("Plans", []) for s in _operations_scans(child)]
-
-
 def _plan(engine: Engine, statement: DriverStatement, mode: str) -> dict[str, Any]:
-    """The statement's plan as a prepared statement gets it, in plan_cache_mode ``mode``."""
-    names: list[str] = []
-
-    def positional(match: re.Match[str]) -> str:
-        if match.group(1) not in names:
-            names.append(match.group(1))
-        return f"${names.index(match.group(1)) + 1}"
-
-    prepared = re.sub(r"%\((\w+)\)s", positional, statement.sql)
     values = {**{k: f"'{v}'" for k, v in statement.defaults.items()}, **_VALUES}
-    with engine.connect() as conn:
-        try:
-            conn.exec_driver_sql(f"SET plan_cache_mode = {mode}")
-            conn.exec_driver_sql(f"PREPARE move AS {prepared}", ())
-            args = ", ".join(values[name] for name in names)
-            plan = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) EXECUTE move({args})")
-            top: dict[str, Any] = plan.scalar_one()[0]["Plan"]
-        finally:
-            conn.invalidate()  # its session's setting and prepared statement go with it
-    return top
+    return prepared_plan(engine, statement.sql, values, mode)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +100,7 @@ def new_table(databases: Databases) -> Any:
 def test_a_move_reads_its_row_by_primary_key_on_a_new_table(
     new_table: Engine, name: str, mode: str
 ) -> None:
-    scans = _operations_scans(_plan(new_table, _move_statement(SHAPES[name]), mode))
+    scans = operations_scans(_plan(new_table, _move_statement(SHAPES[name]), mode))
     assert scans, "the plan reads no operations row"
     assert set(scans) == {("Index Scan", "pk_operations")}, scans
 
@@ -135,7 +110,7 @@ def test_a_move_reads_its_row_by_primary_key_on_a_new_table(
 def test_the_other_updates_by_key_read_by_primary_key_on_a_new_table(
     new_table: Engine, name: str, mode: str
 ) -> None:
-    scans = _operations_scans(_plan(new_table, BY_KEY[name], mode))
+    scans = operations_scans(_plan(new_table, BY_KEY[name], mode))
     assert scans, "the plan reads no operations row"
     assert set(scans) == {("Index Scan", "pk_operations")}, scans
 

@@ -9,7 +9,6 @@ returns nor reads it. The relay runs the claim with the mark joined to it
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -19,6 +18,7 @@ from sqlalchemy import Connection, Engine, create_engine, text
 from outbox import migrate, sql
 from outbox.sql.relay import _CLAIM_AND_MARK_DUE
 from tests.conftest import Databases
+from tests.plans import operations_scans, prepared_plan
 
 #: What the mark adds to the claim's plan: the CTE read (for the ids and the answer), the
 #: update by the claimed rows' ctids or primary keys.
@@ -231,16 +231,7 @@ def test_unconfirmed_rows_get_their_previous_stamp_back(engine: Engine) -> None:
 
 
 def _generic_plan(engine: Engine) -> dict[str, Any]:
-    """The claim's plan as a prepared statement keeps it: generic (psycopg prepares a
-    statement run five times; PostgreSQL then plans it once for any values)."""
-    names: list[str] = []
-
-    def positional(match: re.Match[str]) -> str:
-        if match.group(1) not in names:
-            names.append(match.group(1))
-        return f"${names.index(match.group(1)) + 1}"
-
-    statement = re.sub(r"%\((\w+)\)s", positional, _CLAIM_AND_MARK_DUE.sql)
+    """The claim's plan as a prepared statement keeps it: generic."""
     values = {
         "limit": "1",
         "look": "2",
@@ -251,24 +242,7 @@ def _generic_plan(engine: Engine) -> dict[str, Any]:
         "without_flush": "true",
         "lock": "true",
     }
-    with engine.connect() as conn:
-        try:
-            conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
-            # Sent through psycopg with no values: its %% still stands for %.
-            conn.exec_driver_sql(f"PREPARE generic_claim AS {statement}", ())
-            args = ", ".join(values[name] for name in names)
-            plan = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) EXECUTE generic_claim({args})")
-            top: dict[str, Any] = plan.scalar_one()[0]["Plan"]
-        finally:
-            conn.invalidate()  # its session's setting and prepared statement go with it
-    return top
-
-
-def _operations_scans(node: dict[str, Any]) -> list[tuple[str, str]]:
-    here = []
-    if node.get("Relation Name") == "operations" and "Scan" in node["Node Type"]:
-        here.append((node["Node Type"], node.get("Index Name", "")))
-    return here + [s for child in node.get("Plans", []) for s in _operations_scans(child)]
+    return prepared_plan(engine, _CLAIM_AND_MARK_DUE.sql, values, "force_generic_plan")
 
 
 def test_the_generic_plan_made_on_a_new_table_never_reads_the_table(
@@ -289,7 +263,7 @@ def test_the_generic_plan_made_on_a_new_table_never_reads_the_table(
                 )
             ).scalar_one()
         assert never_analysed
-        scans = _operations_scans(_generic_plan(engine))
+        scans = operations_scans(_generic_plan(engine))
     finally:
         engine.dispose()
     assert ("Seq Scan", "") not in scans, scans
@@ -304,6 +278,6 @@ def test_the_generic_plan_made_beside_a_due_backlog_never_reads_the_table(
     _load(engine, "due", 20_000, "1 minute", None)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("ANALYZE outbox.operations"))
-    scans = _operations_scans(_generic_plan(engine))
+    scans = operations_scans(_generic_plan(engine))
     assert ("Seq Scan", "") not in scans, scans
     assert {("Tid Scan", ""), ("Index Scan", "pk_operations")} & set(scans), scans
