@@ -43,7 +43,7 @@ from rounds import Case, percentile, run_rounds
 from sqlalchemy import Engine, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
-from throwaway import throwaway_database
+from throwaway import server_settings, throwaway_database
 
 from outbox import aio, api, listener, transitions
 from outbox.approval import publish_policies_committed
@@ -389,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Medians over rounds; ratios are computed within each round, then their median. The "
         "settler (a process of its own) and PostgreSQL share this machine's cores."
     )
+    results.note(server_settings(args.url))
     print_table(results)
     write_json(args.json, [results], vars(args))
     return 0

@@ -59,7 +59,7 @@ from report import Results, print_table, say, write_json
 from rounds import Case, percentile, run_rounds
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
-from throwaway import throwaway_database
+from throwaway import server_settings, throwaway_database
 
 from outbox import api, tokens
 from outbox.approval import publish_policies_committed
@@ -538,6 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Medians over rounds; ratios are computed within each round, then their median. "
         "PostgreSQL, the API's processes and the clients share this machine's cores."
     )
+    results.note(server_settings(args.url))
     print_table(results)
     write_json(args.json, [results], vars(args))
     return 0

@@ -32,7 +32,7 @@ from report import Results, print_table, write_json
 from rounds import Case, run_rounds
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
-from throwaway import throwaway_database
+from throwaway import server_settings, throwaway_database
 
 from outbox import api
 from outbox.contracts import ContractTable
@@ -171,6 +171,7 @@ def main() -> int:
         "targets; medians over rounds, ratios within each round. The service runs in this "
         "process and shares its cores."
     )
+    results.note(server_settings(args.url))
     print_table(results)
     write_json(args.json, [results], vars(args))
     return 0

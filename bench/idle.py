@@ -33,7 +33,7 @@ from arguments import add_common_arguments
 from cpu import CpuMeter
 from report import Results, print_table, say, write_json
 from sqlalchemy import text
-from throwaway import rabbitmq_available, throwaway_database, throwaway_vhost
+from throwaway import rabbitmq_available, server_settings, throwaway_database, throwaway_vhost
 
 from outbox.db import normalize_url
 from outbox.dev.stack import Services
@@ -161,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Each component with its children; postgres: the server processes of the stack's "
         "database connections; the machine's other load is not counted."
     )
+    results.note(server_settings(args.url))
     print_table(results)
     write_json(args.json, [results], vars(args))
     return 0

@@ -67,7 +67,7 @@ from rounds import Case, run_rounds
 from services import ServiceProcess
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
-from throwaway import rabbitmq_available, throwaway_database, throwaway_vhost
+from throwaway import rabbitmq_available, server_settings, throwaway_database, throwaway_vhost
 
 from outbox import api, sql, transitions
 from outbox.budgets import Budget, publish_budgets_committed
@@ -851,6 +851,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Medians over rounds; ratios are computed within each round, then their median. "
         "Every client and server shares this machine's cores."
     )
+    results.note(server_settings(args.url))
     print_table(results)
     write_json(args.json, [results], vars(args))
     return 0

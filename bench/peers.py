@@ -76,6 +76,7 @@ from rounds import run_rounds
 from services import ServiceProcess
 from throwaway import (
     rabbitmq_available,
+    server_settings,
     sigterm_as_interrupt,
     throwaway_database,
     throwaway_vhost,
@@ -443,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _ratios(results, systems)
     _targets(results, systems, args.loads)
     _notes(results, systems, args.rate)
+    results.note(server_settings(args.url))
     print_table(results)
     print_table(cpu)
     write_json(args.json, [results, cpu], vars(args))

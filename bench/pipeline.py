@@ -64,6 +64,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 from throwaway import (
     rabbitmq_available,
+    server_settings,
     sigterm_as_interrupt,
     throwaway_database,
     throwaway_vhost,
@@ -629,6 +630,7 @@ def _run(
         "reaching the service, and to the `confirmed` event's clock_timestamp(): one host, "
         "one clock."
     )
+    results.note(server_settings(args.url))
     print_table(results)
     print_table(cpu)
     write_json(args.json, [results, cpu], vars(args))

@@ -112,6 +112,7 @@ from scale_data import size_label
 from scale_explain import print_plans
 from scale_sizes import measure_sizes
 from scale_soak_run import run_soak
+from throwaway import server_settings
 
 
 def parse_sizes(value: str) -> list[int]:
@@ -201,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "median of its calls); ratios are taken within each round, then their median."
         )
         print_plans(plans)
+        results.note(server_settings(args.url))
         print_table(results)
         tables.append(results)
     if args.soak_minutes > 0:

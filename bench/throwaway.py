@@ -69,6 +69,28 @@ def throwaway_database(url: str, *, migrated: bool = True) -> Iterator[str]:
         admin.dispose()
 
 
+#: The server settings that move every figure (durability, statistics, memory), as
+#: ``server_settings`` names them.
+SERVER_SETTINGS = ("autovacuum", "fsync", "synchronous_commit", "wal_sync_method", "shared_buffers")
+
+
+def server_settings(url: str) -> str:
+    """One line naming the PostgreSQL server of ``url`` and the settings in
+    :data:`SERVER_SETTINGS`, for the note under a benchmark's table (``autovacuum off``
+    means no bench database gets statistics, however long the run: docs/performance.md)."""
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            version = conn.execute(text("SHOW server_version")).scalar_one()
+            values = [
+                f"{name} {conn.execute(text(f'SHOW {name}')).scalar_one()}"
+                for name in SERVER_SETTINGS
+            ]
+    finally:
+        engine.dispose()
+    return f"server: PostgreSQL {version.split()[0]}, {', '.join(values)}"
+
+
 def port_open(host: str, port: int) -> bool:
     """Whether something accepts TCP connections on ``host:port``."""
     try:

@@ -43,6 +43,10 @@ def test_pipeline_smoke(admin_url: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     for row in ("throughput", "commit -> arrival p50", "commit -> confirmed p99", "workers"):
         assert row in result.stdout, result.stdout
+    # The server and the settings that move every figure, under the table.
+    assert re.search(r"server: PostgreSQL \S+, autovacuum (on|off), fsync", result.stdout), (
+        result.stdout
+    )
 
 
 @pytest.mark.timeout(110)
