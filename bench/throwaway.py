@@ -81,14 +81,15 @@ def server_settings(url: str) -> str:
     engine = create_engine(url, poolclass=NullPool)
     try:
         with engine.connect() as conn:
-            version = conn.execute(text("SHOW server_version")).scalar_one()
-            values = [
-                f"{name} {conn.execute(text(f'SHOW {name}')).scalar_one()}"
-                for name in SERVER_SETTINGS
-            ]
+            result = conn.execute(
+                text("SELECT name, current_setting(name) FROM unnest(CAST(:names AS text[])) name"),
+                {"names": ["server_version", *SERVER_SETTINGS]},
+            )
+            values: dict[str, str] = dict(result.tuples().all())
     finally:
         engine.dispose()
-    return f"server: PostgreSQL {version.split()[0]}, {', '.join(values)}"
+    version = values["server_version"].split()[0]
+    return f"server: PostgreSQL {version}, {', '.join(f'{k} {values[k]}' for k in SERVER_SETTINGS)}"
 
 
 def port_open(host: str, port: int) -> bool:

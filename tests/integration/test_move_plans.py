@@ -9,9 +9,9 @@ instead (``ix_operations_sent_since`` for an outcome, ``ix_operations_planned_du
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
-from uuid import UUID
 
 import pytest
 from sqlalchemy import Engine, create_engine, text
@@ -23,6 +23,7 @@ from outbox.sql.moves import MoveShape, _move_statement, move
 from outbox.sql.reconcile import _SCHEDULE_CHECK_AT_HORIZON, _SCHEDULE_CHECK_IN
 from outbox.states import Actor, State
 from tests.conftest import Databases
+from tests.factories import make_operation
 from tests.plans import operations_scans, prepared_plan
 
 #: The moves a dispatch worker makes, and the reconciler's from `unknown`.
@@ -82,17 +83,21 @@ def _plan(engine: Engine, statement: DriverStatement, mode: str) -> dict[str, An
 
 
 @pytest.fixture(scope="module")
-def new_table(databases: Databases) -> Any:
+def new_table(databases: Databases) -> Iterator[Engine]:
     """An engine on a new migrated database whose operations table was never analysed."""
     engine = create_engine(databases.create())
-    migrate.upgrade(engine)
-    with engine.connect() as conn:
-        never_analysed = conn.execute(
-            text("SELECT reltuples = -1 FROM pg_class WHERE oid = 'outbox.operations'::regclass")
-        ).scalar_one()
-    assert never_analysed
-    yield engine
-    engine.dispose()
+    try:
+        migrate.upgrade(engine)
+        with engine.connect() as conn:
+            never_analysed = conn.execute(
+                text(
+                    "SELECT reltuples = -1 FROM pg_class WHERE oid = 'outbox.operations'::regclass"
+                )
+            ).scalar_one()
+        assert never_analysed
+        yield engine
+    finally:
+        engine.dispose()
 
 
 @pytest.mark.parametrize("mode", ["force_custom_plan", "force_generic_plan"])
@@ -118,22 +123,12 @@ def test_the_other_updates_by_key_read_by_primary_key_on_a_new_table(
 def test_the_move_still_compares_the_state_exactly(engine: Engine) -> None:
     """COLLATE "C" changes no answer: a move from the wrong state misses, from the right
     one moves (the state's text compared byte for byte either way)."""
-    with engine.begin() as conn:
-        op_id = conn.execute(
-            text(
-                "INSERT INTO outbox.operations (intent_key, tool, target, payload, "
-                "payload_hash, intent_hash) SELECT 'k-collate', 'deploy.create_release', "
-                "'project-a', p, encode(sha256(convert_to(p::text, 'UTF8')), 'hex'), "
-                "outbox.intent_hash('deploy.create_release', 'project-a', "
-                "encode(sha256(convert_to(p::text, 'UTF8')), 'hex')) "
-                "FROM (SELECT jsonb_build_object('n', 1) AS p) AS v RETURNING id"
-            )
-        ).scalar_one()
-    params = {"operation_id": op_id, "attempt": 0, "reason": "test"}
+    op = make_operation(engine)
+    params = {"operation_id": op.id, "attempt": 0, "reason": "test"}
     with engine.begin() as conn:
         wrong = MoveShape(State.SENT, State.UNKNOWN, Actor.DISPATCHER, fenced=True)
         assert move(conn, wrong, {**params, "check_in": timedelta(0)}) is None
         moved = move(conn, SHAPES["sent"], params)
     assert moved is not None
-    assert moved.id == UUID(str(op_id))
+    assert moved.id == op.id
     assert moved.state is State.SENT
