@@ -45,6 +45,7 @@ from outbox.sql import guards as guard_sql
 from outbox.sql import intents
 from outbox.sql import moves as sql
 from outbox.sql import sagas as saga_sql
+from outbox.sql.moves import SendTerms
 from outbox.states import (
     COLUMNS_FOR,
     Actor,
@@ -57,8 +58,10 @@ from outbox.states import (
 __all__ = [
     "AdmittedMove",
     "LateEvidence",
+    "LockedSend",
     "Move",
     "Moved",
+    "SendTerms",
     "apply",
     "apply_admitted_and_commit",
     "apply_and_commit",
@@ -73,6 +76,7 @@ __all__ = [
     "hold_and_commit",
     "hold_for_saga",
     "keep_late_evidence_and_commit",
+    "lock_and_mark_sent_and_commit",
     "mark_sent",
     "mark_unknown",
     "note",
@@ -514,6 +518,56 @@ def apply_guarded_and_commit(
             return apply(conn, move)
     except StaleTransition as missed:
         return missed
+
+
+@dataclass(frozen=True, slots=True)
+class LockedSend:
+    """What :func:`lock_and_mark_sent_and_commit` did."""
+
+    #: The operation's advisory lock was taken: the connection holds it now.
+    taken: bool
+    #: The session's ``synchronous_commit`` as the statement committed (``on``).
+    synchronous_commit: str
+    #: The `sent` move, committed durably; ``None`` if nothing moved (the lock was busy,
+    #: or a check said no: read the row and decide).
+    moved: Moved | None
+
+
+#: The `sent` move of a dispatcher's lock step: not fenced (its checks are in the statement).
+_SENT_AT_LOCK = sql.MoveShape(
+    from_state=State.PLANNED,
+    to_state=State.SENT,
+    actor=Actor.DISPATCHER,
+    fenced=False,
+    at_lock=True,
+)
+
+
+def lock_and_mark_sent_and_commit(
+    conn: Connection, operation_id: UUID, *, lock_key: int, unlock_first: bool, terms: SendTerms
+) -> LockedSend:
+    """Take ``operation_id``'s advisory lock and, once it is held, move the operation
+    ``planned -> sent`` if every check ``terms`` holds passes, in one statement committed
+    durably by itself (the dispatcher's lock step and `sent` move as one round trip).
+
+    ``conn`` must be in AUTOCOMMIT mode, and no webhook may subscribe to the `sent` move
+    (its delivery rows would need the move's transaction): :exc:`ValueError` otherwise.
+    ``unlock_first``: release the session's advisory locks before taking this one (the
+    previous operation's). The row is tested at its newest committed version; a row another
+    transaction holds raises ``lock_not_available`` at once, nothing written (the lock may
+    be held by then: the caller's connection is marked for the pool's reset).
+    """
+    check_allowed(State.PLANNED, State.SENT, Actor.DISPATCHER)
+    if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+        raise ValueError("the `sent` move at the lock commits by itself: AUTOCOMMIT only")
+    if webhooks.subscribed_events(State.PLANNED, State.SENT, Actor.DISPATCHER):
+        raise ValueError("a webhook subscribes to the `sent` move: it needs a transaction")
+    params = {"operation_id": operation_id, "key": lock_key, "unlock_first": unlock_first}
+    locked = sql.move_at_lock(conn, _SENT_AT_LOCK, params, terms)
+    moved = None
+    if locked.moved is not None:
+        moved = Moved(locked.moved, State.PLANNED, Actor.DISPATCHER)
+    return LockedSend(locked.taken, locked.synchronous_commit, moved)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,8 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import (
+    BigInteger,
+    Boolean,
     ColumnElement,
     Integer,
     Text,
@@ -32,20 +34,25 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    literal_column,
+    not_,
     null,
     or_,
     select,
+    text,
     true,
     update,
 )
-from sqlalchemy.dialects.postgresql import INTERVAL, JSONB, TIMESTAMP
+from sqlalchemy.dialects.postgresql import ARRAY, INTERVAL, JSONB, TIMESTAMP
 from sqlalchemy.dialects.postgresql import UUID as PG_UUID
+from sqlalchemy.sql.expression import Grouping
 
 from outbox.driver import DriverStatement
 from outbox.models import Executor, Operation
 from outbox.schema import events, operations, waiters
 from outbox.sql import guards
 from outbox.sql.columns import HELD_UNTIL, OPERATION_COLUMNS
+from outbox.sql.locks import mark_session_locks
 from outbox.sql.notify import SETTLED_CHANNEL
 from outbox.states import SETTLED_STATES, TERMINAL_STATES, Actor, State
 
@@ -81,6 +88,11 @@ class MoveShape:
     #: The `sent` move of a tool with guards: the guards' admission (``outbox.guard_admit``,
     #: its ``g_*`` parameters) in the same statement, the move only if it admits.
     guarded: bool = False
+    #: The `sent` move made by a dispatcher's lock step (:func:`move_at_lock`): the
+    #: operation's advisory lock taken first in the same statement, and every check a
+    #: dispatcher makes before a send that the database can hold in the compare-and-set
+    #: (:class:`SendTerms`). Its event's reason is written from the new attempt number.
+    at_lock: bool = False
 
 
 def _interval(name: str) -> ColumnElement[Any]:
@@ -159,6 +171,98 @@ def _changes(shape: MoveShape) -> dict[str, Any]:  # noqa: PLR0912 -- one rule p
     return values
 
 
+#: The start of the event reason a `sent` move at the lock writes (the attempt number follows),
+#: as the dispatcher's own `sent` move words it.
+_DISPATCHING = literal("dispatching attempt ", Text)
+
+
+@dataclass(frozen=True, slots=True)
+class SendTerms:
+    """The tools a dispatcher may send at its lock step, and each one's limits: the
+    checks before a send that the `sent` compare-and-set holds (:attr:`MoveShape.at_lock`).
+
+    Parallel tuples, one entry per tool: its name, its ``max_attempts`` and whether it
+    requires an approval. A row whose tool is not here is not moved (the dispatcher then
+    reads it and decides in Python, as for a tool with guards).
+    """
+
+    tools: tuple[str, ...]
+    max_attempts: tuple[int, ...]
+    approval_required: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        if not len(self.tools) == len(self.max_attempts) == len(self.approval_required):
+            raise ValueError("SendTerms: one max_attempts and one approval_required per tool")
+
+    def params(self) -> dict[str, Any]:
+        """The statement's ``send_*`` parameters."""
+        return {
+            "send_tools": list(self.tools),
+            "send_max_attempts": list(self.max_attempts),
+            "send_approval": list(self.approval_required),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class LockedMove:
+    """What a `sent` move at the lock did (:func:`move_at_lock`)."""
+
+    #: The operation's advisory lock was taken (and is held by the session now).
+    taken: bool
+    #: The session's ``synchronous_commit`` when the statement committed (always ``on``).
+    synchronous_commit: str
+    #: The operation as moved to `sent`, or ``None``: not moved (lock busy, or a check the
+    #: statement holds said no: the caller reads the row and decides).
+    moved: Operation | None
+
+
+# The lock step's own statement (``outbox.sql.locks``' lock-and-read, without the read).
+_DISPATCH_LOCK = text(
+    """
+    SELECT pg_try_advisory_lock(:key) AS taken,
+           set_config('synchronous_commit', 'on', false) AS synchronous_commit
+    -- An aggregate consumes its input before the lock is taken: the session's previous
+    -- locks (the previous operation's) are released first when asked.
+    FROM (SELECT count(*) FROM (SELECT pg_advisory_unlock_all() WHERE :unlock_first) AS u)
+      AS unlocked
+    """
+).bindparams(bindparam("key", type_=BigInteger), bindparam("unlock_first", type_=Boolean))
+
+
+def _dispatch_lock() -> Any:
+    """The CTE taking the operation's session advisory lock (``key``), the session's previous
+    locks released first when ``unlock_first``, and ``synchronous_commit`` set on for the
+    session: the statement's own commit is durable (the setting is read at commit), as
+    every later one on the connection."""
+    columns = _DISPATCH_LOCK.columns(
+        literal_column("taken", Boolean), literal_column("synchronous_commit", Text)
+    )
+    return columns.cte("lk").prefix_with("MATERIALIZED")
+
+
+def _send_terms() -> list[ColumnElement[bool]]:
+    """The checks a dispatcher makes before a send, as conditions on the row (the ones it
+    makes in Python, ``outbox.workers.dispatch._ready_to_send``, in the same order): its
+    tool among :class:`SendTerms`' tools, under that tool's ``max_attempts`` (attempts since
+    the budget's base), not awaiting an approval it lacks (first attempt only), and due. The
+    replay deadline is the `sent` move's own condition."""
+    o = operations.c
+    tools = bindparam("send_tools", type_=ARRAY(Text))
+    at = func.array_position(tools, o.tool)
+    # Parenthesised: PostgreSQL reads a subscript after ``%(x)s::INTEGER[]`` as more array
+    # dimensions of the cast.
+    max_attempts = Grouping(bindparam("send_max_attempts", type_=ARRAY(Integer)))[at]
+    approval = Grouping(bindparam("send_approval", type_=ARRAY(Boolean)))[at]
+    return [
+        at.is_not(None),
+        o.attempts - o.attempt_budget_base < max_attempts,
+        not_(
+            approval & (o.attempts == 0) & o.approved_payload_hash.is_distinct_from(o.payload_hash)
+        ),
+        o.available_at <= func.clock_timestamp(),
+    ]
+
+
 @functools.cache
 def _move_statement(shape: MoveShape) -> DriverStatement:
     """The one-statement compare-and-set of ``shape``, built once per shape and reused."""
@@ -177,6 +281,14 @@ def _move_statement(shape: MoveShape) -> DriverStatement:
     if shape.fenced:
         conditions.append(o.attempts == bindparam("attempt", type_=Integer))
     admission = None
+    lock = _dispatch_lock() if shape.at_lock else None
+    if lock is not None:
+        # First, the lock (a one-time filter, run before the row is read): the row is read
+        # and moved only by the lock's holder. A row a transaction committed after this
+        # statement's snapshot (the lock's previous holder's last move) is read again at
+        # its newest version, the conditions tested on it (READ COMMITTED's recheck).
+        conditions.insert(0, select(lock.c.taken).scalar_subquery())
+        conditions.extend(_send_terms())
     if shape.guarded:
         # First, a condition on no column (a one-time filter, run before the row is read):
         # the function takes the cap's lock and reads on snapshots of its own, after it.
@@ -221,12 +333,20 @@ def _move_statement(shape: MoveShape) -> DriverStatement:
             literal(shape.to_state.value),
             moved.c.attempts,
             literal(shape.actor.value),
-            bindparam("reason", type_=Text),
+            _DISPATCHING.concat(cast(moved.c.attempts, Text))
+            if shape.at_lock
+            else bindparam("reason", type_=Text),
             bindparam("detail", type_=JSONB) if shape.detail else null(),
         ),
     )
     columns: list[Any] = [moved]
     names = list(OPERATION_COLUMNS)
+    if lock is not None:
+        # The lock's row whether or not the move happened: whether it was taken.
+        statement = select(lock.c.taken, lock.c.synchronous_commit, moved)
+        statement = statement.select_from(lock.outerjoin(moved, true()))
+        names = ["taken", "synchronous_commit", *names]
+        return DriverStatement.of(statement.add_cte(logged.cte("logged")), names)
     if admission is not None:
         # The admission's row whether or not the move happened: why it was refused.
         statement = select(*[admission.c[name] for name in guards.ADMITTED_COLUMNS], moved)
@@ -252,6 +372,21 @@ def move(executor: Executor, shape: MoveShape, params: Mapping[str, Any]) -> Ope
     commits): the operation as moved, or ``None`` if the compare-and-set missed."""
     row = _move_statement(shape).fetch_one(executor, params)
     return Operation.from_row(row) if row is not None else None
+
+
+def move_at_lock(
+    executor: Executor, shape: MoveShape, params: Mapping[str, Any], terms: SendTerms
+) -> LockedMove:
+    """Run the `sent` move at the lock (:attr:`MoveShape.at_lock`), with ``params`` (also
+    ``key``: the lock; ``unlock_first``: release the session's locks first) and ``terms``, in
+    one statement on an autocommit connection: when it returns, the lock is held if taken,
+    and a move it made is committed durably. The connection is marked first for the pool's
+    reset (the lock outlives any error after it was granted)."""
+    mark_session_locks(executor)
+    row = _move_statement(shape).fetch_one(executor, {**params, **terms.params()})
+    assert row is not None  # noqa: S101 -- the lock's row, always
+    moved = Operation.from_row(row) if row["id"] is not None else None
+    return LockedMove(bool(row["taken"]), str(row["synchronous_commit"]), moved)
 
 
 def move_admitted(

@@ -11,6 +11,14 @@
 3. The send deadline (from the start of the `sent` commit), then the tool call under one
    total deadline, no retries inside; the call carries the deadline, checked again by the
    transport (or a Python tool) right before its first byte.
+   For a tool without guards, steps 1 and 2 are one statement
+   (:func:`outbox.transitions.lock_and_mark_sent_and_commit`): the lock first, then the
+   compare-and-set with every check the database can hold (the tool registered here, its
+   ``max_attempts``, its approval, due, the replay deadline); the one it cannot, the payload
+   against its hashes (canonical JSON, in Python), comes right after that commit and before
+   any byte leaves: a row that fails it goes back to `planned` as never sent, then to a
+   person. Any other case (a check said no, the row held by another transaction) reads the
+   row with the lock kept and decides here, as for a tool with guards.
 4. The outcome, classified and committed fenced by the attempt number; a write that misses
    (the sweep moved on) is kept as a "late outcome" event, and confirms the operation if it
    still waits at that attempt for a verdict.
@@ -20,8 +28,8 @@ A message is only a doorbell: every branch here is safe for a lost, duplicated o
 reordered message, and for a ``kill -9`` at any line.
 
 Round trips are the dispatcher's cost, so the lock connection is in autocommit mode: the
-lock with the read (the row read after the lock was granted, in the same statement), each
-move (one statement: the compare-and-set, its event and any NOTIFY) and the unlock are one
+lock with the `sent` move or with the read (the row read after the lock was granted, in the
+same statement), each move (one statement: the compare-and-set, its event and any NOTIFY) and the unlock are one
 round trip each, every move committed durably by its own statement.
 A move that also writes webhook deliveries runs in an explicit transaction instead, so the
 deliveries commit with it or not at all.
@@ -39,7 +47,7 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, guard_state, sql, tracing, transitions
+from outbox import faults, guard_state, sql, tracing, transitions, webhooks
 from outbox.backoff import exponential_s, jittered
 from outbox.canonical import canonical_json, intent_hash, payload_hash
 from outbox.contracts import ToolContract
@@ -59,8 +67,8 @@ from outbox.tools.results import (
     NotSent,
     Rejected,
 )
-from outbox.transitions import Move, Moved
-from outbox.workers.locking import DispatchLocks
+from outbox.transitions import Move, Moved, SendTerms
+from outbox.workers.locking import DispatchLocks, Found, SentAtLock
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +121,11 @@ class DispatchConfig:
     #: Time an attempt needs beyond its tool's send deadline and timeout (the commits
     #: around the call), when a message checks it still has room for one (``finish_by``).
     attempt_margin_s: float = 2.0
+    #: Move the operation to `sent` in the statement that takes its lock (one round trip
+    #: fewer), for the tools whose every check before a send the database can hold: the ones
+    #: without guards (their admission is a statement of its own), and only while no webhook
+    #: subscribes to the `sent` move. Every other case reads the row and decides in Python.
+    send_at_lock: bool = True
 
 
 def dispatch(
@@ -135,9 +148,10 @@ def dispatch(
     """
     op_id = UUID(str(operation_id))
     config = config or DispatchConfig()
+    terms = _send_terms(registry, config, finish_by) if config.send_at_lock else None
     with (
         contextlib.nullcontext(locks) if locks is not None else DispatchLocks(engine) as held,
-        held.lock(op_id) as locked,
+        held.lock(op_id, send=terms) as locked,
     ):
         if locked is None:
             return DispatchReport(op_id, Outcome.LOCK_BUSY)
@@ -148,11 +162,39 @@ def dispatch(
         )
 
 
+def _send_terms(
+    registry: ToolRegistry, config: DispatchConfig, finish_by: float | None
+) -> SendTerms | None:
+    """The tools this worker may move to `sent` at the lock (:attr:`DispatchConfig.send_at_lock`),
+    with their limits; ``None`` if none may. A tool whose whole attempt would not end by
+    ``finish_by`` is left out: its operation is read and deferred as before."""
+    if webhooks.subscribed_events(State.PLANNED, State.SENT, Actor.DISPATCHER):
+        return None
+    now = time.monotonic()
+    names: list[str] = []
+    max_attempts: list[int] = []
+    approval: list[bool] = []
+    for name in registry.names():
+        tool = registry.get(name)
+        if tool is None or tool.contract.guarded:
+            continue
+        contract = tool.contract
+        needed = contract.send_deadline_s + contract.timeout_s + config.attempt_margin_s
+        if finish_by is not None and now + needed > finish_by:
+            continue
+        names.append(name)
+        max_attempts.append(contract.max_attempts)
+        approval.append(contract.approval_required)
+    if not names:
+        return None
+    return SendTerms(tuple(names), tuple(max_attempts), tuple(approval))
+
+
 def _attempt(
     engine: Engine,
     conn: Connection,
     op_id: UUID,
-    found: DispatchView | None,
+    found: Found,
     *,
     registry: ToolRegistry,
     config: DispatchConfig,
@@ -178,7 +220,7 @@ CALL_SPAN = "outbox.tool.call"
 def _attempt_in_span(
     engine: Engine,
     conn: Connection,
-    found: DispatchView,
+    found: DispatchView | SentAtLock,
     span: tracing.Span | None,
     *,
     registry: ToolRegistry,
@@ -186,15 +228,18 @@ def _attempt_in_span(
     finish_by: float | None,
 ) -> DispatchReport:
     op_id = found.operation.id
-    ready = _ready_to_send(conn, found.operation, found.due, found.replay_expired, registry)
-    if isinstance(ready, DispatchReport):
-        return ready
-    op, tool = ready
     observed = guard_state.Observed()
-    committed = _commit_sent(conn, op, tool.contract, config, finish_by, observed=observed)
+    if isinstance(found, SentAtLock):
+        committed = _sent_at_lock(conn, found, registry)
+    else:
+        ready = _ready_to_send(conn, found.operation, found.due, found.replay_expired, registry)
+        if isinstance(ready, DispatchReport):
+            return ready
+        op, tool = ready
+        committed = _commit_sent(conn, op, tool, config, finish_by, observed=observed)
     if isinstance(committed, DispatchReport):
         return committed
-    sent, send_by = committed
+    sent, tool, send_by = committed
     tracing.state_event(span, sent)
     if time.monotonic() > send_by:
         return _not_sent(conn, sent, tool.contract)
@@ -353,14 +398,14 @@ def _tampered(op: Operation) -> str | None:
 def _commit_sent(
     conn: Connection,
     op: Operation,
-    contract: ToolContract,
+    tool: Tool,
     config: DispatchConfig,
     finish_by: float | None,
     *,
     observed: guard_state.Observed,
-) -> tuple[Operation, float] | DispatchReport:
+) -> tuple[Operation, Tool, float] | DispatchReport:
     """Compare-and-set `planned -> sent`, durably committed before anything is sent: the
-    operation as sent and the monotonic instant its first byte must leave by.
+    operation as sent, its tool, and the monotonic instant its first byte must leave by.
 
     The deadline runs from the start of the statement that committed, which writes
     ``sent_at`` as its own start (``statement_timestamp()``): measured from there, the last
@@ -369,6 +414,7 @@ def _commit_sent(
     for another transaction's row lock (a relay's claim not yet committed) happens between
     tries, outside the attempt, so it neither eats the deadline nor counts as an attempt.
     """
+    contract = tool.contract
     wait_until = time.monotonic() + config.row_lock_wait_s
     while True:
         started = time.monotonic()
@@ -394,14 +440,38 @@ def _commit_sent(
     if not isinstance(moved, Moved):
         return DispatchReport(op.id, Outcome.NOT_PLANNED, op.attempts, str(moved))
     sent = moved.operation
+    _committed_sent(sent)
+    return sent, tool, started + contract.send_deadline_s
+
+
+def _committed_sent(sent: Operation) -> None:
     faults.point("after_sent_commit")
     log.info(
         "attempt %d of %s committed as sent",
         sent.attempts,
-        op.id,
-        extra={"action": Action.DISPATCH_SENT, "operation_id": str(op.id), "tool": op.tool},
+        sent.id,
+        extra={"action": Action.DISPATCH_SENT, "operation_id": str(sent.id), "tool": sent.tool},
     )
-    return sent, started + contract.send_deadline_s
+
+
+def _sent_at_lock(
+    conn: Connection, found: SentAtLock, registry: ToolRegistry
+) -> tuple[Operation, Tool, float] | DispatchReport:
+    """An operation the lock step moved to `sent` (its checks held by that statement): the
+    one check the database cannot make, the payload against its hashes, made now, before any
+    byte leaves. A row that fails it was never sent: back to `planned` with that evidence,
+    then to a person, as the check before the commit sends it."""
+    sent = found.operation
+    tool = registry.get(sent.tool)
+    if tool is None or tool.contract.guarded:  # the registry changed since the terms were made
+        return _unsent(conn, sent, f"not sent: tool {sent.tool!r} changed on this worker")
+    _committed_sent(sent)
+    if (tampered := _tampered(sent)) is not None:
+        back = _unsent(conn, sent, f"not sent: {tampered}")
+        if back.outcome is not Outcome.NOT_SENT:
+            return back
+        return _to_human(conn, sent, tampered)  # from `planned`, at the same attempt
+    return sent, tool, found.started + tool.contract.send_deadline_s
 
 
 def _mark_sent(
@@ -548,6 +618,11 @@ def _not_sent(
     reason = reason or (
         f"not sent: more than send_deadline_s ({contract.send_deadline_s:g}s) since sent"
     )
+    return _unsent(conn, sent, reason)
+
+
+def _unsent(conn: Connection, sent: Operation, reason: str) -> DispatchReport:
+    """``sent -> planned``: this attempt provably never left (the reason says why)."""
     back = transitions.replan(
         sent.id,
         from_state=State.SENT,

@@ -10,6 +10,7 @@ drops its connection, and PostgreSQL frees the lock with it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,9 +19,11 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import faults, sql
+from outbox import faults, sql, transitions
 from outbox.locks import operation_lock_key
+from outbox.models import Operation
 from outbox.sql.locks import DispatchView
+from outbox.transitions import SendTerms
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,21 @@ class Handed:
     #: When it was handed (``time.monotonic()``).
     at: float
 
+
+@dataclass(frozen=True, slots=True)
+class SentAtLock:
+    """An operation the lock step itself moved to `sent` (:meth:`DispatchLocks.lock` with
+    ``send``), committed durably in the statement that took the lock."""
+
+    #: The operation as moved (``attempts`` already counts this attempt).
+    operation: Operation
+    #: When that statement started (``time.monotonic()``): the send deadline runs from it.
+    started: float
+
+
+#: What a lock step found: the row read after the lock, the row it moved to `sent`, or
+#: ``None`` (no such operation).
+Found = DispatchView | SentAtLock | None
 
 #: Takes the lock on a fresh connection: (taken, the session's ``synchronous_commit`` if read).
 _Take = Callable[[Connection], tuple[bool, str | None]]
@@ -94,7 +112,9 @@ class DispatchLocks:
         self.close()
 
     @contextmanager
-    def lock(self, operation_id: UUID) -> Iterator[tuple[Connection, DispatchView | None] | None]:
+    def lock(
+        self, operation_id: UUID, *, send: SendTerms | None = None
+    ) -> Iterator[tuple[Connection, Found] | None]:
         """``(connection, found)`` holding ``operation_id``'s lock, ``found`` being ``None``
         if the operation does not exist; ``None`` if another holder has the lock.
 
@@ -103,15 +123,31 @@ class DispatchLocks:
         the connection broken or inside a transaction, gets its lock released and its
         connection returned at once; the next lock takes a fresh one.
 
+        ``send``: the statement that takes the lock also moves the operation to `sent` if
+        every check these terms hold passes, committed durably
+        (:func:`outbox.transitions.lock_and_mark_sent_and_commit`): ``found`` is then a
+        :class:`SentAtLock`. When it did not move (a check said no, or another transaction
+        holds the row) the row is read as without ``send``, the lock kept, and the caller
+        decides.
+
         A connection the direct take handed over for ``operation_id`` holds its lock and the
         row read after it already: it replaces this object's connection, no round trip.
         """
         key = operation_lock_key(operation_id)
-        read: list[DispatchView | None] = []
+        read: list[Found] = []
         unlock_first = self._conn is not None
 
         def take(conn: Connection) -> tuple[bool, str | None]:
-            locked = sql.locks.try_lock_and_read(conn, key, operation_id, unlock_first=unlock_first)
+            unlock = unlock_first
+            if send is not None:
+                sent = _lock_and_send(conn, operation_id, key, unlock_first, send)
+                if sent is not None:
+                    taken, moved = sent
+                    if not taken or moved is not None:
+                        read[:] = [moved]
+                        return taken, "on"
+                    unlock = False  # held, nothing moved: read the row, the lock kept
+            locked = sql.locks.try_lock_and_read(conn, key, operation_id, unlock_first=unlock)
             read[:] = [locked.found]
             return locked.taken, locked.synchronous_commit
 
@@ -152,6 +188,27 @@ class DispatchLocks:
         if conn is not None:
             release(conn)
             conn.close()
+
+
+def _lock_and_send(
+    conn: Connection, operation_id: UUID, key: int, unlock_first: bool, terms: SendTerms
+) -> tuple[bool, SentAtLock | None] | None:
+    """The lock and the `sent` move in one statement: (taken, what it moved), or ``None``
+    when the row was held by another transaction (nothing moved; the lock, granted before
+    the row was asked for, is held)."""
+    started = time.monotonic()
+    try:
+        locked = transitions.lock_and_mark_sent_and_commit(
+            conn, operation_id, lock_key=key, unlock_first=unlock_first, terms=terms
+        )
+    except DBAPIError as exc:
+        if not sql.locks.is_row_lock_busy(exc):
+            raise
+        conn.rollback()  # SQLAlchemy's own marker: the statement failed by itself
+        return None
+    if locked.moved is None:
+        return locked.taken, None
+    return True, SentAtLock(locked.moved.operation, started)
 
 
 def _locked_connection(engine: Engine, take: _Take, *, autocommit: bool) -> tuple[Connection, bool]:
