@@ -29,8 +29,8 @@ reordered message, and for a ``kill -9`` at any line.
 
 Round trips are the dispatcher's cost, so the lock connection is in autocommit mode: the
 lock with the `sent` move or with the read (the row read after the lock was granted, in the
-same statement), each move (one statement: the compare-and-set, its event and any NOTIFY) and the unlock are one
-round trip each, every move committed durably by its own statement.
+same statement), each move (one statement: the compare-and-set, its event and any NOTIFY)
+and the unlock are one round trip each, every move committed durably by its own statement.
 A move that also writes webhook deliveries runs in an explicit transaction instead, so the
 deliveries commit with it or not at all.
 """
