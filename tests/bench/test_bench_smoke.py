@@ -1,5 +1,6 @@
 """The benchmarks still run: ``bench/pipeline.py``, ``bench/limits.py``, ``bench/aio.py`` and
-``bench/api.py``, ``bench/guards.py`` and ``bench/claim_backlog.py`` with ``--smoke``.
+``bench/api.py``, ``bench/guards.py``, ``bench/dispatch_step.py`` and
+``bench/claim_backlog.py`` with ``--smoke``.
 
 Each is a real run of a few seconds against the test server (a throw-away ``bench_*``
 database, dropped at the end; RabbitMQ on a throw-away vhost when one is up, else the
@@ -122,6 +123,19 @@ def test_guards_smoke(admin_url: str) -> None:
         r"target guards declared >= 0\.9x none \(reference service\): .* (met|NOT met)",
         result.stdout,
     ), result.stdout
+
+
+@pytest.mark.timeout(110)
+def test_dispatch_step_smoke(admin_url: str) -> None:
+    result = _smoke("dispatch_step.py", admin_url)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    for row in (
+        "python.plain, one statement",
+        "http.plain, two statements: CPU",
+        "one statement / two, reference service",
+        "server: PostgreSQL",
+    ):
+        assert row in result.stdout, result.stdout
 
 
 @pytest.mark.timeout(110)

@@ -48,6 +48,10 @@ SHAPES = {
     "looked up": MoveShape(
         State.UNKNOWN, State.CONFIRMED, Actor.RECONCILER, fenced=True, remote_ref=True
     ),
+    # The lock step's own `sent` move (change 45): the row's checks in its conditions.
+    "sent at the lock": MoveShape(
+        State.PLANNED, State.SENT, Actor.DISPATCHER, fenced=False, at_lock=True
+    ),
 }
 
 #: The other statements that change one row by key, on the state it must be in.
@@ -74,6 +78,11 @@ _VALUES = {
     "horizon": "60",
     "add": "1",
     "error": "NULL",
+    "key": "1",
+    "unlock_first": "false",
+    "send_tools": "'{deploy.create_release}'",
+    "send_max_attempts": "'{3}'",
+    "send_approval": "'{f}'",
 }
 
 
