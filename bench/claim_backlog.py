@@ -134,6 +134,10 @@ def explain_claim(engine: Engine) -> tuple[int, float, list[str]]:
                 "fresh": 30,
                 "without_flush": False,
                 "lock": False,
+                "send": False,
+                "send_tools": [],
+                "send_max_attempts": [],
+                "send_approval": [],
             },
         ).scalar_one()
         tx.rollback()

@@ -44,6 +44,7 @@ from outbox.models import Executor, Operation
 from outbox.sql import guards as guard_sql
 from outbox.sql import intents
 from outbox.sql import moves as sql
+from outbox.sql import relay as relay_sql
 from outbox.sql import sagas as saga_sql
 from outbox.sql.moves import SendTerms
 from outbox.states import (
@@ -83,6 +84,7 @@ __all__ = [
     "reject",
     "release_for_saga",
     "replan",
+    "take_and_mark_sent",
 ]
 
 
@@ -568,6 +570,28 @@ def lock_and_mark_sent_and_commit(
     if locked.moved is not None:
         moved = Moved(locked.moved, State.PLANNED, Actor.DISPATCHER)
     return LockedSend(locked.taken, locked.synchronous_commit, moved)
+
+
+def take_and_mark_sent(
+    conn: Connection, *, republish_after_s: float, terms: SendTerms
+) -> relay_sql.DueTake:
+    """A worker's direct take of one due operation (:func:`outbox.sql.relay.take_due`, with
+    its lock) that also moves it ``planned -> sent`` once the lock is held, if every check
+    ``terms`` holds passes: one statement, committed durably by itself (``DueTake.sent``).
+
+    ``conn`` must be in AUTOCOMMIT mode and no webhook may subscribe to the `sent` move:
+    :exc:`ValueError` otherwise, as :func:`lock_and_mark_sent_and_commit`. A take whose row
+    carried a lock key that is not its own reports it moved but not locked: the caller must
+    send it back (nothing was sent) without the lock it thought it took.
+    """
+    check_allowed(State.PLANNED, State.SENT, Actor.DISPATCHER)
+    if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+        raise ValueError("the `sent` move at the take commits by itself: AUTOCOMMIT only")
+    if webhooks.subscribed_events(State.PLANNED, State.SENT, Actor.DISPATCHER):
+        raise ValueError("a webhook subscribes to the `sent` move: it needs a transaction")
+    return relay_sql.take_due(
+        conn, limit=1, republish_after_s=republish_after_s, lock=True, send=terms
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from outbox.locks import operation_lock_key
 from outbox.models import Executor, Operation
 from outbox.sql.columns import OPERATION_COLUMNS
 from outbox.sql.locks import DispatchView, mark_session_locks, unlock_all, unmark_session_locks
+from outbox.sql.moves import SendTerms
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +82,11 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
         SELECT CASE WHEN :without_flush
                     THEN set_config('synchronous_commit', 'off', true) END AS set
     ), candidates AS (
-        SELECT row_ctid, id, tool, target, traceparent, tracestate, published_at, 0 AS half,
-               available_at AS turn
+        SELECT row_ctid, id, tool, target, traceparent, tracestate, published_at, lock_key,
+               0 AS half, available_at AS turn
         FROM (
             SELECT ctid AS row_ctid, id, tool, target, traceparent, tracestate, published_at,
-                   available_at
+                   lock_key, available_at
             FROM outbox.operations
             WHERE state = 'planned' AND published_at IS NULL
               AND available_at <= statement_timestamp() - make_interval(secs => GREATEST(
@@ -101,10 +102,11 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
             FOR UPDATE SKIP LOCKED
         ) AS never_published
         UNION ALL
-        SELECT row_ctid, id, tool, target, traceparent, tracestate, published_at, 1 AS half,
-               published_at AS turn
+        SELECT row_ctid, id, tool, target, traceparent, tracestate, published_at, lock_key,
+               1 AS half, published_at AS turn
         FROM (
-            SELECT ctid AS row_ctid, id, tool, target, traceparent, tracestate, published_at
+            SELECT ctid AS row_ctid, id, tool, target, traceparent, tracestate, published_at,
+                   lock_key
             FROM outbox.operations
             WHERE state = 'planned' AND published_at IS NOT NULL
               AND published_at <= statement_timestamp() - make_interval(secs => :republish_after)
@@ -116,16 +118,43 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
         LIMIT :look
     ), claimed AS (
         SELECT * FROM candidates ORDER BY half, turn LIMIT :limit
-    ), marked AS (
-        UPDATE outbox.operations AS o SET published_at = clock_timestamp()
-        FROM claimed AS cl
-        WHERE o.ctid = cl.row_ctid AND o.id = ANY(ARRAY(SELECT id FROM claimed))
-        RETURNING o.id, o.lock_key
     ), lk AS MATERIALIZED (
         -- :lock (one row claimed): its advisory lock, by the key enqueue stored (NULL on a row
         -- enqueued before migration 0027: not locked here).
-        SELECT m.id, m.lock_key, pg_try_advisory_lock(m.lock_key) AS taken
-        FROM marked AS m WHERE :lock AND m.lock_key IS NOT NULL
+        SELECT c.id, c.lock_key, pg_try_advisory_lock(c.lock_key) AS taken
+        FROM claimed AS c WHERE :lock AND c.lock_key IS NOT NULL
+    ), moved AS (
+        -- :send (a take that locks): the `sent` move once the lock is held, if every check a
+        -- dispatcher makes before a send that the database can hold passes (the terms of
+        -- outbox.sql.moves' move at the lock). The claim holds the row's newest version.
+        UPDATE outbox.operations AS o
+        SET state = 'sent', attempts = o.attempts + 1, updated_at = statement_timestamp(),
+            sent_at = statement_timestamp(),
+            first_sent_at = coalesce(o.first_sent_at, statement_timestamp())
+        FROM claimed AS cl JOIN lk ON lk.id = cl.id
+        WHERE :send AND lk.taken AND o.ctid = cl.row_ctid AND o.id = cl.id
+          AND o.state = 'planned'
+          AND array_position(CAST(:send_tools AS text[]), o.tool) IS NOT NULL
+          AND o.attempts - o.attempt_budget_base < (CAST(:send_max_attempts AS integer[]))[
+                array_position(CAST(:send_tools AS text[]), o.tool)]
+          AND NOT ((CAST(:send_approval AS boolean[]))[
+                     array_position(CAST(:send_tools AS text[]), o.tool)]
+                   AND o.attempts = 0
+                   AND o.approved_payload_hash IS DISTINCT FROM o.payload_hash)
+          AND o.available_at <= clock_timestamp()
+          AND (o.replay_deadline IS NULL OR statement_timestamp() < o.replay_deadline)
+        RETURNING o.*
+    ), logged AS (
+        INSERT INTO outbox.events (operation_id, from_state, to_state, attempt, actor, reason)
+        SELECT id, 'planned', 'sent', attempts, 'dispatcher', 'dispatching attempt ' || attempts
+        FROM moved
+    ), marked AS (
+        -- A row just moved to `sent` is not stamped (one statement updates a row once).
+        UPDATE outbox.operations AS o SET published_at = clock_timestamp()
+        FROM claimed AS cl
+        WHERE o.ctid = cl.row_ctid AND o.id = ANY(ARRAY(SELECT id FROM claimed))
+          AND NOT EXISTS (SELECT FROM moved WHERE moved.id = o.id)
+        RETURNING o.id
     )
     -- After the claim's columns, the row's as OPERATION_COLUMNS names them, written out as in
     -- the dispatcher's own locked read (tests/unit/test_sql_in_one_place.py checks both).
@@ -143,16 +172,24 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
            op.agent, op.traceparent, op.tracestate, op.lock_key,
            op.available_at <= clock_timestamp() AS due,
            op.replay_deadline IS NOT NULL AND op.replay_deadline <= clock_timestamp()
-             AS replay_expired
+             AS replay_expired,
+           sent.id IS NOT NULL AS sent_here
     -- cfg is read for every row claimed: a statement that writes nothing flushes nothing.
-    FROM claimed AS c JOIN marked AS m ON m.id = c.id CROSS JOIN cfg
+    FROM claimed AS c LEFT JOIN marked AS m ON m.id = c.id CROSS JOIN cfg
     LEFT JOIN lk ON lk.id = c.id
-    -- The row as the lock's previous holder left it: read by a function fed with the lock's
-    -- result, so its query runs after the lock was granted, with a snapshot of its own (as
-    -- outbox.sql.locks' locked read). OFFSET 0 keeps the subquery whole, so its filter gates
-    -- the call: a row not locked here (the relay's, every one) costs no call.
-    LEFT JOIN LATERAL (SELECT * FROM outbox.operation_if_locked(c.id, lk.taken)
-                       WHERE lk.taken OFFSET 0) AS op ON true
+    LEFT JOIN moved AS sent ON sent.id = c.id
+    -- The row as the move left it, or as the lock's previous holder left it: read by a
+    -- function fed with the lock's result, so its query runs after the lock was granted, with
+    -- a snapshot of its own (as outbox.sql.locks' locked read). OFFSET 0 keeps the subquery
+    -- whole, so its filter gates the call: a row not locked here (the relay's, every one)
+    -- costs no call.
+    LEFT JOIN LATERAL (SELECT * FROM moved WHERE moved.id = c.id
+                       UNION ALL
+                       SELECT * FROM outbox.operation_if_locked(c.id, lk.taken)
+                       WHERE lk.taken AND sent.id IS NULL OFFSET 0) AS op ON true
+    -- A claimed row neither stamped nor moved was changed after this statement's snapshot:
+    -- left out, unless its lock was taken (then the caller must know it holds it).
+    WHERE m.id IS NOT NULL OR sent.id IS NOT NULL OR lk.taken
     ORDER BY c.half, c.turn
     """
     ),
@@ -169,6 +206,7 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
         *OPERATION_COLUMNS,
         "due",
         "replay_expired",
+        "sent_here",
     ],
 )
 
@@ -228,6 +266,9 @@ class DueTake:
     locked: bool = False
     #: The row read after the lock was granted (None: not locked, or gone meanwhile).
     found: DispatchView | None = None
+    #: ``send`` only: the take itself moved that row to `sent`, committed durably (``found``
+    #: is the row as moved). With ``locked`` false the row's stored lock key was not its own.
+    sent: bool = False
 
 
 def take_due(
@@ -237,6 +278,7 @@ def take_due(
     republish_after_s: float,
     flush: bool = True,
     lock: bool = False,
+    send: SendTerms | None = None,
 ) -> DueTake:
     """:func:`claim_and_mark_due` for a worker taking directly (autocommit): up to ``limit``
     rows, and whether another one was due (looked at in the same statement, not claimed).
@@ -251,17 +293,26 @@ def take_due(
     key is checked against the id (:func:`outbox.locks.operation_lock_key`) before the lock
     is trusted: a wrong one is released at once and the take reports the row not locked, as
     it does a row that has no key (enqueued before 0027) or whose lock another holder has.
+
+    ``send`` (with ``lock``; the state move is :func:`outbox.transitions.take_and_mark_sent`'s
+    to ask): once the lock is held, the row is moved `planned -> sent` in the same statement
+    if every check ``send`` holds passes (as :func:`outbox.sql.moves.move_at_lock`), its
+    event written, and the statement's commit waits for the disk (``flush`` is ignored). A
+    row a check refused is taken, locked and read as without ``send``.
     """
     if lock and limit != 1:
         raise ValueError(f"a take that locks claims one row, not {limit}")
+    if send is not None and not lock:
+        raise ValueError("a take that sends must lock")
     return _claim_and_mark(
         executor,
         limit=limit,
         look=limit + 1,
         republish_after_s=republish_after_s,
         hold_back_s=0.0,
-        without_flush=not flush,
+        without_flush=not flush and send is None,
         lock=lock,
+        send=send,
     )
 
 
@@ -276,6 +327,7 @@ def _claim_and_mark(
     lock: bool,
     defer_s: float = 0.0,
     fresh_s: float = 0.0,
+    send: SendTerms | None = None,
 ) -> DueTake:
     if lock:
         mark_session_locks(executor)  # before the lock is asked: the pool's reset releases it
@@ -290,6 +342,8 @@ def _claim_and_mark(
             "fresh": fresh_s,
             "without_flush": without_flush,
             "lock": lock,
+            "send": send is not None,
+            **(send or _NO_TERMS).params(),
         },
     )
     claimed = [
@@ -310,14 +364,20 @@ def _claim_and_mark(
         unmark_session_locks(executor)  # no lock was granted: nothing to release
         return DueTake(claimed, more)
     [row] = rows
+    sent = bool(row["sent_here"])
+    found = None
+    if row["id"] is not None:
+        operation = Operation.from_row(row)
+        found = DispatchView(operation, bool(row["due"]), bool(row["replay_expired"]))
     if row["locked_key"] != operation_lock_key(row["claimed_id"]):
         # Not the key every other holder of this operation's lock computes: worth nothing.
         unlock_all(executor)
-        return DueTake(claimed, more)
-    if row["id"] is None:
-        return DueTake(claimed, more, locked=True)
-    found = DispatchView(Operation.from_row(row), bool(row["due"]), bool(row["replay_expired"]))
-    return DueTake(claimed, more, locked=True, found=found)
+        return DueTake(claimed, more, found=found if sent else None, sent=sent)
+    return DueTake(claimed, more, locked=True, found=found, sent=sent)
+
+
+#: No tool may be sent by a take (a relay's claim, a take that does not send).
+_NO_TERMS = SendTerms((), (), ())
 
 
 _UNMARK_PUBLISHED = text(

@@ -10,12 +10,13 @@ whether more is due) and delivers the dispatch message the relay would
 have published for it, built by the same code (``publish.send_dispatch``) but never stored.
 
 Nothing else changes. The dispatch task takes the operation's lock and makes its
-compare-and-set as for any message; a stamped row whose worker died before dispatching it is
-claimed again ``OUTBOX_REPUBLISH_AFTER`` later, by a worker or a relay, exactly like a row
-whose message was lost (the database broker never redelivers either). Such a worker keeps an
-idle flag in ``outbox.relays`` (``taker:`` rows), so that enqueue rings its bell while it
-waits, and a relay that sees a live one stands by (:class:`outbox.relay.Relay`): it claims
-only rows left untaken for a while.
+compare-and-set as for any message (or adopts the lock the take handed it, the row already moved to
+``sent`` for a tool without guards: :mod:`outbox.workers.handoff`); a stamped row whose
+worker died before dispatching it is claimed again ``OUTBOX_REPUBLISH_AFTER`` later, by a
+worker or a relay, exactly like a row whose message was lost (the database broker never
+redelivers either). Such a worker keeps an idle flag in ``outbox.relays`` (``taker:``
+rows), so that enqueue rings its bell while it waits, and a relay that sees a live one
+stands by (:class:`outbox.relay.Relay`): it claims only rows left untaken for a while.
 
 ``OUTBOX_BROKER_DIRECT_TAKE=false`` turns it off (every operation through the relay's
 message, as before).
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -37,14 +39,16 @@ from celery.concurrency import solo, thread
 from celery.signals import worker_init, worker_shutdown
 from sqlalchemy import Connection, Engine, make_url
 
-from outbox import faults, sql, tracing
+from outbox import faults, sql, tracing, transitions
 from outbox.config import Settings, get_settings
 from outbox.db import database_url
 from outbox.relay import OutboundMessage
-from outbox.workers import dbbroker, handoff, listening, runtime
+from outbox.tools import REGISTRY
+from outbox.tools.registry import ToolRegistry
+from outbox.workers import dbbroker, dispatch, handoff, listening, runtime
 from outbox.workers.app import broker_url, uses_database_broker
 from outbox.workers.dbbroker import DirectTake
-from outbox.workers.locking import discard
+from outbox.workers.locking import Found, SentAtLock, discard
 from outbox.workers.publish import same_database, send_dispatch
 
 log = logging.getLogger(__name__)
@@ -88,6 +92,11 @@ class DirectDispatch:
     name: str = field(default_factory=taker_name)
     #: The engine whose connections are handed to this process's tasks (theirs).
     engine: Callable[[], Engine] = field(default=runtime.engine, repr=False)
+    #: The tools this process's tasks send (for the take that moves to `sent` itself).
+    registry: ToolRegistry = field(default=REGISTRY, repr=False)
+    #: A take that locks also moves the operation to `sent` when every check the database
+    #: can hold passes (as ``DispatchConfig.send_at_lock`` for a task's own lock step).
+    send_at_take: bool = True
 
     def take(
         self, conn: Connection, channel: Capturing, *, batch: bool, keeping_up: bool
@@ -131,26 +140,47 @@ class DirectDispatch:
 
     def _take_and_lock(self, handoffs: handoff.Handoffs) -> sql.relay.DueTake:
         """One due operation claimed, locked and read in one statement on a connection of
-        the workers' engine, that connection handed over if the lock was taken."""
+        the workers' engine, that connection handed over if the lock was taken.
+
+        For a tool this worker may send without guards (:func:`dispatch.send_terms`), the
+        same statement moves it to `sent` once the lock is held, committed durably: the task
+        that adopts the connection goes straight to the call. The send deadline runs from
+        that statement's start."""
         conn = self.engine().connect()
+        terms = dispatch.send_terms(self.registry) if self.send_at_take else None
         try:
             conn.execution_options(isolation_level="AUTOCOMMIT")
             if not conn.info.get(_DURABLE_INFO):
                 # The attempt's commits on it must wait for the disk, whatever the server's
-                # or role's default; the take's own does not (flush=False).
+                # or role's default; a take's own does not when it moves nothing (flush=False).
                 sql.locks.set_synchronous_commit(conn)
                 conn.info[_DURABLE_INFO] = True
-            taken = sql.relay.take_due(
-                conn, limit=1, republish_after_s=self.republish_after_s, flush=False, lock=True
-            )
+            started = time.monotonic()
+            if terms is not None:
+                taken = transitions.take_and_mark_sent(
+                    conn, republish_after_s=self.republish_after_s, terms=terms
+                )
+            else:
+                taken = sql.relay.take_due(
+                    conn, limit=1, republish_after_s=self.republish_after_s, flush=False, lock=True
+                )
             conn.commit()  # SQLAlchemy's own marker (autocommit: nothing is sent)
             if taken.locked:
                 faults.point("lock_granted")
+            if taken.sent and not taken.locked and taken.found is not None:
+                # Moved under a lock key that is not the operation's: no other dispatcher
+                # would see it held. Nothing was sent; a person looks at the row.
+                dispatch.escalate_never_sent(
+                    conn, taken.found.operation, "the row's stored lock key is not its own"
+                )
         except BaseException:
             discard(conn)  # the lock may have been granted before the failure
             raise
         if taken.locked:
-            handoffs.give(taken.claimed[0].id, conn, taken.found)
+            found: Found = taken.found
+            if taken.sent and taken.found is not None:
+                found = SentAtLock(taken.found.operation, started)
+            handoffs.give(taken.claimed[0].id, conn, found)
         else:
             conn.close()  # no lock held: back to the pool as it came
         return taken

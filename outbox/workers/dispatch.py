@@ -148,7 +148,7 @@ def dispatch(
     """
     op_id = UUID(str(operation_id))
     config = config or DispatchConfig()
-    terms = _send_terms(registry, config, finish_by) if config.send_at_lock else None
+    terms = send_terms(registry, config, finish_by) if config.send_at_lock else None
     with (
         contextlib.nullcontext(locks) if locks is not None else DispatchLocks(engine) as held,
         held.lock(op_id, send=terms) as locked,
@@ -162,12 +162,15 @@ def dispatch(
         )
 
 
-def _send_terms(
-    registry: ToolRegistry, config: DispatchConfig, finish_by: float | None
+def send_terms(
+    registry: ToolRegistry = REGISTRY,
+    config: DispatchConfig | None = None,
+    finish_by: float | None = None,
 ) -> SendTerms | None:
-    """The tools this worker may move to `sent` at the lock (:attr:`DispatchConfig.send_at_lock`),
-    with their limits; ``None`` if none may. A tool whose whole attempt would not end by
-    ``finish_by`` is left out: its operation is read and deferred as before."""
+    """The tools this worker may move to `sent` at the lock (:attr:`DispatchConfig.send_at_lock`)
+    or at a direct take, with their limits; ``None`` if none may. A tool whose whole attempt
+    would not end by ``finish_by`` is left out: its operation is read and deferred as before."""
+    config = config or DispatchConfig()
     if webhooks.subscribed_events(State.PLANNED, State.SENT, Actor.DISPATCHER):
         return None
     now = time.monotonic()
@@ -467,11 +470,24 @@ def _sent_at_lock(
         return _unsent(conn, sent, f"not sent: tool {sent.tool!r} changed on this worker")
     _committed_sent(sent)
     if (tampered := _tampered(sent)) is not None:
-        back = _unsent(conn, sent, f"not sent: {tampered}")
-        if back.outcome is not Outcome.NOT_SENT:
-            return back
-        return _to_human(conn, sent, tampered)  # from `planned`, at the same attempt
+        return escalate_never_sent(conn, sent, tampered)
     return sent, tool, found.started + tool.contract.send_deadline_s
+
+
+def escalate_never_sent(conn: Connection, sent: Operation, reason: str) -> DispatchReport:
+    """An attempt committed `sent` that must not be made (``reason``): back to `planned`
+    with "not sent" as its evidence (no byte left), then to a person, each a compare-and-set
+    at its attempt (a row another component moved meanwhile is left where it is)."""
+    back = return_unsent(conn, sent, f"not sent: {reason}")
+    if back.outcome is not Outcome.NOT_SENT:
+        return back
+    return _to_human(conn, sent, reason)  # from `planned`, at the same attempt
+
+
+def return_unsent(conn: Connection, sent: Operation, reason: str) -> DispatchReport:
+    """``sent -> planned``: this attempt provably never left (``reason`` says why); due at
+    once. A compare-and-set at its attempt, committed by itself."""
+    return _unsent(conn, sent, reason)
 
 
 def _mark_sent(

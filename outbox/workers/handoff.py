@@ -6,20 +6,25 @@ lock and reads the row after it (``sql.relay.take_due(lock=True)``). The connect
 held, waits here under the operation's id until the task for its message, run by a thread of
 the same process, adopts it (:class:`outbox.workers.locking.DispatchLocks`): the attempt then
 starts at its ``sent`` compare-and-set, one round trip (and a pool checkout) sooner than a
-task that takes the lock itself.
+task that takes the lock itself. For a tool without guards the take has made that move too
+(``transitions.take_and_mark_sent``, change 46): the row is ``sent``, committed durably, and
+the task goes straight to the payload's check and the call.
 
 The lock is the dispatcher's lock, taken earlier and in another thread; nothing else
 changes. The attempt's compare-and-set still decides, the sweep still sees the operation
 locked (it is, by this process), and a process that dies drops its connections: PostgreSQL
 frees the locks with them, and the stamped row is claimed again ``OUTBOX_REPUBLISH_AFTER``
-later, as a row whose message was lost.
+later, as a row whose message was lost; a row the take moved to ``sent`` is, like any
+``sent`` row whose dispatcher died, the sweep's and then the reconciler's (a lookup, a
+replay inside the dedup window, or a person).
 
 A connection no task adopts (the task never ran, or ran for another message) is released:
 by the task at its end for its own operations, by :meth:`Handoffs.reap` once it waited
-:data:`MAX_WAIT_S`, and by :meth:`Handoffs.close` when the worker stops. A task that comes
-later finds nothing here and takes the lock itself, as before. Only pools that run tasks in
-the worker's own process (threads, solo) hand connections: a prefork child could never
-adopt one.
+:data:`MAX_WAIT_S`, and by :meth:`Handoffs.close` when the worker stops; a row its take moved
+to ``sent`` goes back to ``planned`` first, under the lock still held (no task ran: nothing
+was sent). A task that comes later finds nothing here and takes the lock itself, as before.
+Only pools that run tasks in the worker's own process (threads, solo) hand connections: a
+prefork child could never adopt one.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ from uuid import UUID
 
 from sqlalchemy import Connection
 
-from outbox.sql.locks import DispatchView
-from outbox.workers.locking import Handed, discard
+from outbox.logs import Action, describe_error
+from outbox.workers import dispatch
+from outbox.workers.locking import Found, Handed, SentAtLock, discard
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +66,7 @@ class Handoffs:
         with self._mutex:
             return len(self._waiting) < self.max_waiting
 
-    def give(self, operation_id: UUID, conn: Connection, found: DispatchView | None) -> None:
+    def give(self, operation_id: UUID, conn: Connection, found: Found) -> None:
         """Keep ``conn`` (holding ``operation_id``'s lock) for the task that will adopt it."""
         with self._mutex:
             stale = self._waiting.pop(operation_id, None)
@@ -108,6 +114,22 @@ class Handoffs:
 
 
 def _release(handed: Handed) -> None:
+    """Release a handed connection no task adopted. A row its take moved to `sent` goes back
+    to `planned` first, under the lock still held: no task ran, so nothing was sent (if that
+    fails, the row stays `sent` for the sweep and the reconciler, as after a crash)."""
+    if isinstance(handed.found, SentAtLock) and not handed.conn.invalidated:
+        sent = handed.found.operation
+        try:
+            dispatch.return_unsent(
+                handed.conn, sent, "not sent: no task took the operation its take handed over"
+            )
+        except Exception as exc:  # noqa: BLE001 -- the lock goes with the connection anyway
+            log.warning(
+                "a handed operation %s stays sent for the reconciler: %s",
+                sent.id,
+                describe_error(exc),
+                extra={"action": Action.DISPATCH_ERROR, "operation_id": str(sent.id)},
+            )
     discard(handed.conn)
 
 

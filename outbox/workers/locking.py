@@ -27,18 +27,6 @@ from outbox.transitions import SendTerms
 
 
 @dataclass(frozen=True, slots=True)
-class Handed:
-    """A connection holding one operation's lock, and the operation as read after it was
-    granted: what a worker's direct take hands to its task (:mod:`outbox.workers.handoff`)."""
-
-    conn: Connection
-    #: The row read after the lock was granted (None: no such operation).
-    found: DispatchView | None
-    #: When it was handed (``time.monotonic()``).
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
 class SentAtLock:
     """An operation the lock step itself moved to `sent` (:meth:`DispatchLocks.lock` with
     ``send``), committed durably in the statement that took the lock."""
@@ -52,6 +40,20 @@ class SentAtLock:
 #: What a lock step found: the row read after the lock, the row it moved to `sent`, or
 #: ``None`` (no such operation).
 Found = DispatchView | SentAtLock | None
+
+
+@dataclass(frozen=True, slots=True)
+class Handed:
+    """A connection holding one operation's lock, and the operation as read after it was
+    granted: what a worker's direct take hands to its task (:mod:`outbox.workers.handoff`)."""
+
+    conn: Connection
+    #: The row read after the lock was granted (None: no such operation), or moved to `sent`
+    #: by the take itself.
+    found: Found
+    #: When it was handed (``time.monotonic()``).
+    at: float
+
 
 #: Takes the lock on a fresh connection: (taken, the session's ``synchronous_commit`` if read).
 _Take = Callable[[Connection], tuple[bool, str | None]]

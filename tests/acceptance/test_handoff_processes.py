@@ -7,11 +7,15 @@ is free, ``outbox.workers.listening``); a prefork worker's child cannot, and tak
 itself.
 Seen from outside: the worker stops right after the lock (``OUTBOX_FAULTS=after_lock=hang``),
 and PostgreSQL says which statement the lock holder's session ran last. Then the worker is
-SIGKILLed there, and a fresh one confirms the operation once.
+SIGKILLed there, and a fresh stack confirms the operation once. A take that handed its lock
+also moved the row to ``sent`` (change 46): the killed worker leaves a ``sent`` row, which
+the sweep hands to the reconciler (a lookup finds nothing, the in-flight horizon passes, it
+is sent again); a prefork child's own lock step was the move, so the same holds there.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from uuid import UUID
 
 import pytest
@@ -20,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from outbox import api, sql
 from outbox.dev.service import DeployService
+from outbox.dev.tool_config import http_tool_toml
 from outbox.locks import operation_lock_key
 from tests.processes import Services, wait_until
 from tests.tool_configs import TOOL
@@ -83,6 +88,7 @@ def test_the_attempt_holds_the_lock_its_take_took_unless_its_task_runs_elsewhere
     service: DeployService,
     pool: str,
     handed: bool,
+    tmp_path: Path,
 ) -> None:
     armed = {**stack_env, "OUTBOX_FAULTS": "after_lock=hang@1"}
     worker = services.start("worker-armed", "worker", "-c", "1", "-P", pool, env=armed)
@@ -107,9 +113,19 @@ def test_the_attempt_holds_the_lock_its_take_took_unless_its_task_runs_elsewhere
     # default, its `SET synchronous_commit`) was the prefork worker's last statement.
     assert " ".join(query.split()).startswith(TAKE_STATEMENT) is handed, query[:200]
     worker.kill()
-    # Nothing was written after the lock: the stamped row is taken again once
-    # OUTBOX_REPUBLISH_AFTER passed, and dispatched once.
-    services.start("worker", "worker", "-c", "1", "-P", pool, env=stack_env)
+    # Killed after the `sent` commit and before the call: a `sent` row with no dispatcher.
+    assert _state(engine, op_id) == "sent"
+    # The sweep finds its lock free (OUTBOX_SENT_TIMEOUT), the reconciler looks it up (not
+    # there) and, once the in-flight horizon passed (the attempt's send deadline and
+    # timeout, 7 s, and the margin), replays it: one effect.
+    recovering = {
+        **stack_env,
+        "OUTBOX_CONFIG": _short_horizon_config(tmp_path, service.url),
+        "OUTBOX_SENT_TIMEOUT": "6",  # above the tool's 5 s timeout, as required
+        "OUTBOX_SWEEP_INTERVAL": "1",
+    }
+    services.start("worker", "worker", "-c", "1", "-P", pool, env=recovering)
+    services.start("beat", "beat", env=recovering)
     wait_until(
         lambda: _state(engine, op_id) == "confirmed",
         timeout=120.0,
@@ -117,3 +133,14 @@ def test_the_attempt_holds_the_lock_its_take_took_unless_its_task_runs_elsewhere
         what="the operation confirmed by a fresh worker",
     )
     assert service.effects_by_key() == {str(op_id): 1}
+
+
+def _short_horizon_config(tmp_path: Path, service_url: str) -> str:
+    """The stack's tool with the shortest in-flight horizon its contract allows (send
+    deadline 2 s + timeout 5 s + 5 s margin), so the reconciler decides in seconds."""
+    path = tmp_path / "recovering.toml"
+    path.write_text(
+        http_tool_toml(service_url, timeout_s=5.0, send_deadline_s=2.0, inflight_horizon_s=12),
+        encoding="utf-8",
+    )
+    return str(path)

@@ -14,16 +14,19 @@ from celery import Celery
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import api, sql
+from outbox import api, sql, transitions
 from outbox.contracts import ContractTable
+from outbox.driver import DriverStatement
 from outbox.locks import SESSION_LOCKS_INFO, operation_lock_key
 from outbox.sql.relay import _CLAIM_AND_MARK_DUE, DueTake
+from outbox.states import Actor, State
 from outbox.tools import Applied, ToolCall, ToolRegistry, tool
+from outbox.transitions import SendTerms
 from outbox.workers import dbbroker, handoff
 from outbox.workers.direct import DirectDispatch, dispatch_queue
 from outbox.workers.dispatch import Outcome, dispatch
 from outbox.workers.handoff import Handoffs
-from outbox.workers.locking import DispatchLocks
+from outbox.workers.locking import DispatchLocks, Handed, SentAtLock
 from tests.integration.test_direct_take import _app
 
 REPUBLISH_AFTER_S = 30.0
@@ -179,6 +182,10 @@ def test_the_relay_s_claim_never_reads_through_the_lock(engine: Engine) -> None:
                 "fresh": 30,
                 "without_flush": False,
                 "lock": False,
+                "send": False,
+                "send_tools": [],
+                "send_max_attempts": [],
+                "send_approval": [],
             },
         ).scalar_one()
         tx.rollback()
@@ -340,3 +347,216 @@ def test_a_worker_hands_its_lock_over_only_while_it_keeps_up(
     finally:
         dbbroker.take_directly(None)
         handoff.start(None)
+
+
+# --- the take that sends (change 46) ------------------------------------------------------
+
+TERMS = SendTerms(("deploy.create",), (3,), (False,))
+
+
+def _take_and_send(conn: Connection, terms: SendTerms = TERMS) -> DueTake:
+    taken = transitions.take_and_mark_sent(conn, republish_after_s=REPUBLISH_AFTER_S, terms=terms)
+    conn.commit()  # SQLAlchemy's own marker (autocommit: nothing is sent)
+    return taken
+
+
+def _trail(engine: Engine, op_id: UUID) -> list[tuple[str, str, str]]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT from_state, to_state, reason FROM outbox.events "
+                "WHERE operation_id = :id ORDER BY id"
+            ),
+            {"id": op_id},
+        ).all()
+    return [(row.from_state, row.to_state, row.reason) for row in rows]
+
+
+def test_a_take_that_sends_claims_locks_and_moves_to_sent_in_one_statement(
+    engine: Engine, taker: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the lock is held the row goes `planned -> sent` with its event, in the take's
+    own statement, and that statement's commit waits for the disk."""
+    seen: list[bool] = []
+    run = DriverStatement.fetch_all
+
+    def spy(self: DriverStatement, executor: Any, params: Any) -> Any:
+        if self is _CLAIM_AND_MARK_DUE:
+            seen.append(params["without_flush"])
+        return run(self, executor, params)
+
+    monkeypatch.setattr(DriverStatement, "fetch_all", spy)
+    [op_id] = _enqueue(engine, 1)
+    taken = _take_and_send(taker)
+    assert seen == [False]
+    assert (taken.locked, taken.sent) == (True, True)
+    assert taken.found is not None
+    sent = taken.found.operation
+    assert (sent.id, sent.state.value, sent.attempts) == (op_id, "sent", 1)
+    assert sent.sent_at is not None
+    assert sent.published_at is None  # moved, not stamped: one statement updates a row once
+    assert _holder(engine, op_id) == _pid(taker)
+    assert _trail(engine, op_id)[-1] == ("planned", "sent", "dispatching attempt 1")
+
+
+@pytest.mark.parametrize(
+    ("change", "terms"),
+    [
+        ("", SendTerms(("deploy.other",), (3,), (False,))),  # not a tool this worker sends
+        ("", SendTerms(("deploy.create",), (3,), (True,))),  # an approval it lacks
+        ("replay_deadline = now() - interval '1 s'", TERMS),
+    ],
+    ids=["tool", "approval", "replay deadline"],
+)
+def test_a_take_whose_check_refuses_claims_locks_and_reads_as_before(
+    engine: Engine, taker: Connection, change: str, terms: SendTerms
+) -> None:
+    [op_id] = _enqueue(engine, 1)
+    if change:
+        with engine.begin() as conn:
+            conn.execute(text(f"UPDATE outbox.operations SET {change}"))
+    taken = _take_and_send(taker, terms)
+    assert (taken.locked, taken.sent) == (True, False)
+    assert taken.found is not None
+    assert taken.found.operation.state.value == "planned"
+    assert taken.found.operation.published_at is not None  # stamped, as a take does
+    assert _holder(engine, op_id) == _pid(taker)
+    assert [t[1] for t in _trail(engine, op_id)] == ["planned"]
+
+
+def test_a_take_counts_max_attempts_from_the_budget_base(engine: Engine, taker: Connection) -> None:
+    [op_id] = _enqueue(engine, 1)
+    one = SendTerms(("deploy.create",), (1,), (False,))
+    first = _take_and_send(taker, one)
+    assert first.sent
+    back = transitions.replan(
+        op_id,
+        from_state=State.SENT,
+        actor=Actor.DISPATCHER,
+        attempt=1,
+        reason="not delivered",
+        last_error="not delivered",
+    )
+    assert isinstance(transitions.apply_and_commit(taker, back), transitions.Moved)
+    sql.locks.unlock_all(taker)
+    taker.commit()
+    again = _take_and_send(taker, one)  # 1 of 1 used: taken and read, not sent
+    assert (again.locked, again.sent) == (True, False)
+
+
+def test_a_take_that_finds_the_lock_held_moves_nothing(engine: Engine, taker: Connection) -> None:
+    [op_id] = _enqueue(engine, 1)
+    with engine.connect() as other:
+        assert sql.locks.try_lock(other, operation_lock_key(op_id))
+        taken = _take_and_send(taker)
+        sql.locks.unlock_all(other)
+        other.commit()
+    assert (taken.locked, taken.sent) == (False, False)
+    assert [t[1] for t in _trail(engine, op_id)] == ["planned"]
+
+
+def _source(engine: Engine, registry: ToolRegistry) -> DirectDispatch:
+    return DirectDispatch(
+        Celery(set_as_current=False),
+        "q",
+        REPUBLISH_AFTER_S,
+        engine=lambda: engine,
+        registry=registry,
+    )
+
+
+@pytest.fixture
+def registry() -> tuple[ToolRegistry, list[str]]:
+    """deploy.create, a Python tool that applies every call and remembers it."""
+    tools = ToolRegistry(ContractTable())
+    calls: list[str] = []
+
+    def create(call: ToolCall) -> Applied:
+        calls.append(call.operation_id)
+        return Applied(f"ref-{call.operation_id}")
+
+    tool("deploy.create", timeout=2, send_deadline=2, inflight_horizon=60, registry=tools)(create)
+    return tools, calls
+
+
+def test_a_task_adopting_a_take_that_sent_goes_straight_to_the_call(
+    engine: Engine, registry: tuple[ToolRegistry, list[str]]
+) -> None:
+    tools, calls = registry
+    handoffs = Handoffs()
+    [op_id] = _enqueue(engine, 1)
+    taken = _source(engine, tools)._take_and_lock(handoffs)
+    assert (taken.locked, taken.sent) == (True, True)
+    adopted: list[Handed | None] = []
+
+    def adopt(one: UUID) -> Handed | None:
+        adopted.append(handoffs.adopt(one))
+        return adopted[-1]
+
+    with DispatchLocks(engine, adopt=adopt) as locks:
+        report = dispatch(op_id, engine=engine, registry=tools, locks=locks)
+    [handed] = adopted
+    assert handed is not None
+    assert isinstance(handed.found, SentAtLock)
+    assert report.outcome is Outcome.CONFIRMED
+    assert report.attempt == 1
+    assert calls == [str(op_id)]
+    assert [t[:2] for t in _trail(engine, op_id)][-2:] == [
+        ("planned", "sent"),
+        ("sent", "confirmed"),
+    ]
+    assert _holder(engine, op_id) is None
+
+
+def test_a_sent_hand_off_no_task_adopts_goes_back_to_planned_as_never_sent(
+    engine: Engine, registry: tuple[ToolRegistry, list[str]]
+) -> None:
+    """Released by the task that ran for other operations, the reaper, or close: each
+    under the lock still held, so nothing can have been sent; due again at once."""
+    tools, calls = registry
+    handoffs = Handoffs(max_wait_s=0.2)
+    source = _source(engine, tools)
+    ids = []
+    for _ in range(3):
+        [op_id] = _enqueue(engine, 1)
+        assert source._take_and_lock(handoffs).sent
+        ids.append(op_id)
+    handoffs.release([ids[0]])
+    time.sleep(0.3)
+    assert handoffs.reap() == 2
+    for op_id in ids:
+        assert _holder(engine, op_id) is None
+        assert _trail(engine, op_id)[-1] == (
+            "sent",
+            "planned",
+            "not sent: no task took the operation its take handed over",
+        )
+    with engine.connect() as conn:
+        states = conn.execute(
+            text("SELECT DISTINCT state, available_at <= now() FROM outbox.operations")
+        ).all()
+    assert [tuple(row) for row in states] == [("planned", True)]
+    assert calls == []
+
+
+def test_a_take_that_sent_under_a_wrong_lock_key_sends_it_to_a_person_unsent(
+    engine: Engine, registry: tuple[ToolRegistry, list[str]]
+) -> None:
+    """The stored key cannot be checked in SQL: a row moved under a key that is not its own
+    is held by a lock no other dispatcher takes. Back to `planned` as never sent, then to a
+    person; no lock kept, nothing handed."""
+    tools, calls = registry
+    [op_id] = _enqueue(engine, 1)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox.operations SET lock_key = 42"))
+    handoffs = Handoffs()
+    taken = _source(engine, tools)._take_and_lock(handoffs)
+    assert (taken.locked, taken.sent) == (False, True)
+    assert len(handoffs) == 0
+    assert [t[:2] for t in _trail(engine, op_id)][-3:] == [
+        ("planned", "sent"),
+        ("sent", "planned"),
+        ("planned", "needs_human"),
+    ]
+    assert "lock key is not its own" in _trail(engine, op_id)[-1][2]
+    assert calls == []

@@ -102,6 +102,10 @@ def _plan(engine: Engine, *, analyze: bool) -> dict[str, Any]:
                 "fresh": 30,
                 "without_flush": False,
                 "lock": False,
+                "send": False,
+                "send_tools": [],
+                "send_max_attempts": [],
+                "send_approval": [],
             },
         ).scalar_one()
         tx.rollback()
@@ -241,6 +245,10 @@ def _generic_plan(engine: Engine) -> dict[str, Any]:
         "fresh": "30",
         "without_flush": "true",
         "lock": "true",
+        "send": "true",
+        "send_tools": "'{deploy.create_release}'",
+        "send_max_attempts": "'{3}'",
+        "send_approval": "'{f}'",
     }
     return prepared_plan(engine, _CLAIM_AND_MARK_DUE.sql, values, "force_generic_plan")
 
