@@ -559,17 +559,24 @@ def lock_and_mark_sent_and_commit(
     transaction holds raises ``lock_not_available`` at once, nothing written (the lock may
     be held by then: the caller's connection is marked for the pool's reset).
     """
-    check_allowed(State.PLANNED, State.SENT, Actor.DISPATCHER)
-    if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
-        raise ValueError("the `sent` move at the lock commits by itself: AUTOCOMMIT only")
-    if webhooks.subscribed_events(State.PLANNED, State.SENT, Actor.DISPATCHER):
-        raise ValueError("a webhook subscribes to the `sent` move: it needs a transaction")
+    _check_sent_by_itself(conn)
     params = {"operation_id": operation_id, "key": lock_key, "unlock_first": unlock_first}
     locked = sql.move_at_lock(conn, _SENT_AT_LOCK, params, terms)
     moved = None
     if locked.moved is not None:
         moved = Moved(locked.moved, State.PLANNED, Actor.DISPATCHER)
     return LockedSend(locked.taken, locked.synchronous_commit, moved)
+
+
+def _check_sent_by_itself(conn: Connection) -> None:
+    """A `sent` move made inside a lock step or a take commits by itself: the dispatcher may
+    make it, on an AUTOCOMMIT connection, and no webhook subscribes to it (its delivery rows
+    would need the move's transaction); :exc:`ValueError` otherwise."""
+    check_allowed(State.PLANNED, State.SENT, Actor.DISPATCHER)
+    if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+        raise ValueError("a `sent` move at the lock commits by itself: AUTOCOMMIT only")
+    if webhooks.subscribed_events(State.PLANNED, State.SENT, Actor.DISPATCHER):
+        raise ValueError("a webhook subscribes to the `sent` move: it needs a transaction")
 
 
 def take_and_mark_sent(
@@ -584,11 +591,7 @@ def take_and_mark_sent(
     carried a lock key that is not its own reports it moved but not locked: the caller must
     send it back (nothing was sent) without the lock it thought it took.
     """
-    check_allowed(State.PLANNED, State.SENT, Actor.DISPATCHER)
-    if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
-        raise ValueError("the `sent` move at the take commits by itself: AUTOCOMMIT only")
-    if webhooks.subscribed_events(State.PLANNED, State.SENT, Actor.DISPATCHER):
-        raise ValueError("a webhook subscribes to the `sent` move: it needs a transaction")
+    _check_sent_by_itself(conn)
     return relay_sql.take_due(
         conn, limit=1, republish_after_s=republish_after_s, lock=True, send=terms
     )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -218,3 +220,30 @@ def apply_move(
         **columns,
     )
     return transitions.apply(executor, move).operation
+
+
+@contextmanager
+def cancelled_meanwhile(
+    engine: Engine, operation_id: UUID, *, after_s: float = 0.5
+) -> Iterator[None]:
+    """Inside the block, another thread cancels the ``planned`` operation (the agent's move,
+    committed) ``after_s`` seconds in: for a statement that runs longer than that."""
+
+    def cancel_later() -> None:
+        time.sleep(after_s)
+        with Session(engine) as session, session.begin():
+            apply_move(
+                session,
+                operation_id,
+                from_state=State.PLANNED,
+                to_state=State.CANCELLED,
+                actor=Actor.AGENT,
+                reason="cancelled while the statement ran",
+            )
+
+    mover = threading.Thread(target=cancel_later)
+    mover.start()
+    try:
+        yield
+    finally:
+        mover.join()

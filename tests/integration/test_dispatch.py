@@ -33,7 +33,15 @@ from outbox.tools import (
 )
 from outbox.workers.dispatch import DispatchConfig, Outcome, dispatch
 from outbox.workers.locking import DispatchLocks
-from tests.factories import age, apply_move, events_of, make_operation, reload, tamper
+from tests.factories import (
+    age,
+    apply_move,
+    cancelled_meanwhile,
+    events_of,
+    make_operation,
+    reload,
+    tamper,
+)
 from tests.tool_configs import http_registry
 
 TOOL = "deploy.create_release"
@@ -652,35 +660,17 @@ def test_the_read_with_the_lock_sees_what_was_committed_while_the_statement_ran(
 
     def state_read_while_cancelled(join: str) -> str:
         op = make_operation(engine)
-
-        def cancel_half_a_second_later() -> None:
-            time.sleep(0.5)
-            with Session(engine) as session, session.begin():
-                apply_move(
-                    session,
-                    op.id,
-                    from_state=State.PLANNED,
-                    to_state=State.CANCELLED,
-                    actor=Actor.AGENT,
-                    reason="cancelled while the statement ran",
-                )
-
-        mover = threading.Thread(target=cancel_half_a_second_later)
-        mover.start()
-        try:
-            with engine.connect() as conn:
-                # The CTE stands for the lock: it runs first, and takes a second.
-                return str(
-                    conn.execute(
-                        text(
-                            "WITH lk AS MATERIALIZED (SELECT true AS taken FROM pg_sleep(1)) "
-                            f"SELECT op.state FROM lk {join}"
-                        ),
-                        {"id": op.id},
-                    ).scalar_one()
-                )
-        finally:
-            mover.join()
+        with cancelled_meanwhile(engine, op.id), engine.connect() as conn:
+            # The CTE stands for the lock: it runs first, and takes a second.
+            return str(
+                conn.execute(
+                    text(
+                        "WITH lk AS MATERIALIZED (SELECT true AS taken FROM pg_sleep(1)) "
+                        f"SELECT op.state FROM lk {join}"
+                    ),
+                    {"id": op.id},
+                ).scalar_one()
+            )
 
     plain = state_read_while_cancelled("LEFT JOIN outbox.operations op ON op.id = :id")
     assert plain == State.PLANNED  # the statement's snapshot: from before the move

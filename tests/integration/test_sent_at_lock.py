@@ -9,7 +9,6 @@ database cannot make (the payload against its hashes) comes after that commit.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +17,6 @@ from uuid import UUID
 import pytest
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import Session
 
 from outbox import sql, transitions
 from outbox.contracts import ContractTable
@@ -29,7 +27,14 @@ from outbox.tools import Applied, ToolCall, ToolRegistry, tool
 from outbox.transitions import LockedSend, SendTerms
 from outbox.workers.dispatch import DispatchConfig, Outcome, dispatch
 from outbox.workers.locking import DispatchLocks, SentAtLock
-from tests.factories import age, apply_move, events_of, make_operation, reload, tamper
+from tests.factories import (
+    age,
+    cancelled_meanwhile,
+    events_of,
+    make_operation,
+    reload,
+    tamper,
+)
 
 TOOL = "deploy.create_release"
 TERMS = SendTerms((TOOL,), (3,), (False,))
@@ -256,34 +261,16 @@ def test_a_move_committed_after_the_statement_began_is_tested_at_its_newest_vers
     the conditions again), so a row cancelled meanwhile is not sent. The CTE stands for the
     lock, and takes a second."""
     op = make_operation(engine)
-
-    def cancel_half_a_second_later() -> None:
-        time.sleep(0.5)
-        with Session(engine) as session, session.begin():
-            apply_move(
-                session,
-                op.id,
-                from_state=State.PLANNED,
-                to_state=State.CANCELLED,
-                actor=Actor.AGENT,
-                reason="cancelled while the statement ran",
-            )
-
-    mover = threading.Thread(target=cancel_half_a_second_later)
-    mover.start()
-    try:
-        with engine.begin() as conn:
-            moved = conn.execute(
-                text(
-                    "WITH lk AS MATERIALIZED (SELECT true AS taken FROM pg_sleep(1)) "
-                    "UPDATE outbox.operations SET updated_at = statement_timestamp() "
-                    "WHERE (SELECT taken FROM lk) AND id = :id AND state = 'planned' "
-                    "RETURNING id"
-                ),
-                {"id": op.id},
-            ).all()
-    finally:
-        mover.join()
+    with cancelled_meanwhile(engine, op.id), engine.begin() as conn:
+        moved = conn.execute(
+            text(
+                "WITH lk AS MATERIALIZED (SELECT true AS taken FROM pg_sleep(1)) "
+                "UPDATE outbox.operations SET updated_at = statement_timestamp() "
+                "WHERE (SELECT taken FROM lk) AND id = :id AND state = 'planned' "
+                "RETURNING id"
+            ),
+            {"id": op.id},
+        ).all()
     assert moved == []
     assert reload(engine, op.id).state is State.CANCELLED
 
