@@ -23,7 +23,7 @@ from outbox.contracts import ContractTable
 from outbox.guards import Rate
 from outbox.locks import operation_lock_key
 from outbox.states import Actor, State
-from outbox.tools import Applied, ToolCall, ToolRegistry, tool
+from outbox.tools import ToolRegistry, tool
 from outbox.transitions import LockedSend, SendTerms
 from outbox.workers.dispatch import DispatchConfig, Outcome, dispatch
 from outbox.workers.locking import DispatchLocks, SentAtLock
@@ -35,6 +35,7 @@ from tests.factories import (
     reload,
     tamper,
 )
+from tests.integration.test_dispatch import Remote
 
 TOOL = "deploy.create_release"
 TERMS = SendTerms((TOOL,), (3,), (False,))
@@ -276,17 +277,6 @@ def test_a_move_committed_after_the_statement_began_is_tested_at_its_newest_vers
 
 
 # --- the dispatcher ---------------------------------------------------------------------------
-
-
-class Remote:
-    """A Python tool's remote: counts its calls, applies every one."""
-
-    def __init__(self) -> None:
-        self.calls: list[ToolCall] = []
-
-    def __call__(self, call: ToolCall) -> Applied:
-        self.calls.append(call)
-        return Applied(f"ref-{call.operation_id}")
 
 
 @pytest.fixture
