@@ -245,7 +245,9 @@ def _send_terms() -> list[ColumnElement[bool]]:
     makes in Python, ``outbox.workers.dispatch._ready_to_send``, in the same order): its
     tool among :class:`SendTerms`' tools, under that tool's ``max_attempts`` (attempts since
     the budget's base), not awaiting an approval it lacks (first attempt only), and due. The
-    replay deadline is the `sent` move's own condition."""
+    replay deadline is the `sent` move's own condition. A worker's direct take writes the
+    same conditions in SQL (``outbox.sql.relay``'s ``moved`` step): change both together
+    (tests/integration/test_sent_at_lock.py and test_handoff.py refuse each in each)."""
     o = operations.c
     tools = bindparam("send_tools", type_=ARRAY(Text))
     at = func.array_position(tools, o.tool)

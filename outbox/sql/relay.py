@@ -126,7 +126,8 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
     ), moved AS (
         -- :send (a take that locks): the `sent` move once the lock is held, if every check a
         -- dispatcher makes before a send that the database can hold passes (the terms of
-        -- outbox.sql.moves' move at the lock). The claim holds the row's newest version.
+        -- outbox.sql.moves' move at the lock: change both together). The claim holds the
+        -- row's newest version.
         UPDATE outbox.operations AS o
         SET state = 'sent', attempts = o.attempts + 1, updated_at = statement_timestamp(),
             sent_at = statement_timestamp(),

@@ -467,7 +467,7 @@ def _sent_at_lock(
     sent = found.operation
     tool = registry.get(sent.tool)
     if tool is None or tool.contract.guarded:  # the registry changed since the terms were made
-        return _unsent(conn, sent, f"not sent: tool {sent.tool!r} changed on this worker")
+        return return_unsent(conn, sent, f"not sent: tool {sent.tool!r} changed on this worker")
     _committed_sent(sent)
     if (tampered := _tampered(sent)) is not None:
         return escalate_never_sent(conn, sent, tampered)
@@ -482,12 +482,6 @@ def escalate_never_sent(conn: Connection, sent: Operation, reason: str) -> Dispa
     if back.outcome is not Outcome.NOT_SENT:
         return back
     return _to_human(conn, sent, reason)  # from `planned`, at the same attempt
-
-
-def return_unsent(conn: Connection, sent: Operation, reason: str) -> DispatchReport:
-    """``sent -> planned``: this attempt provably never left (``reason`` says why); due at
-    once. A compare-and-set at its attempt, committed by itself."""
-    return _unsent(conn, sent, reason)
 
 
 def _mark_sent(
@@ -634,11 +628,12 @@ def _not_sent(
     reason = reason or (
         f"not sent: more than send_deadline_s ({contract.send_deadline_s:g}s) since sent"
     )
-    return _unsent(conn, sent, reason)
+    return return_unsent(conn, sent, reason)
 
 
-def _unsent(conn: Connection, sent: Operation, reason: str) -> DispatchReport:
-    """``sent -> planned``: this attempt provably never left (the reason says why)."""
+def return_unsent(conn: Connection, sent: Operation, reason: str) -> DispatchReport:
+    """``sent -> planned``: this attempt provably never left (``reason`` says why); due at
+    once. A compare-and-set at its attempt, committed by itself."""
     back = transitions.replan(
         sent.id,
         from_state=State.SENT,
