@@ -102,7 +102,8 @@ class RelayConfig:
     #: then stops the bell (enqueue's NOTIFY costs every agent's commit a cluster-wide lock)
     #: and claims back to back until a batch comes back empty.
     busy_after_batches: int = 4
-    #: While a worker takes due operations directly (database broker, :mod:`outbox.workers.direct`),
+    #: While a worker takes due operations directly (database broker, :mod:`outbox.workers.direct`;
+    #: a RabbitMQ worker whose flag is down, carrying a backlog, :mod:`outbox.workers.listening`),
     #: the relay stands by: it claims a row never published only once it has been due this
     #: long (nobody took it: a worker that does not take directly waits for its message).
     standby_hold_back_s: float = 10.0
@@ -260,7 +261,7 @@ class Relay:
             # RabbitMQ workers wait for work and take fresh rows themselves
             # (outbox.workers.listening): enqueue rings them, not the relay. It claims what
             # they left once every defer_to_takers_s, and looks again at once when a
-            # worker's last slot fills (its ring).
+            # worker's flag goes down (its ring): then it stands by.
             bell.announce(idle=False)
             bell.hear_planned(False)
             if bell.rung_within(self.config.defer_to_takers_s):

@@ -436,9 +436,10 @@ def any_due_unpublished(executor: Executor) -> bool:
 #: itself, on the database broker in the outbox's own database (:mod:`outbox.workers.direct`).
 #: Its idle flag rings the bell as a relay's does; a relay stands by while one lives.
 TAKER_PREFIX = "taker:"
-#: The name prefix of a RabbitMQ worker's row that takes due operations itself while it waits
-#: for work (:mod:`outbox.workers.listening`): a relay defers to it only while its flag is up
-#: (a busy one takes nothing; the relay and the broker carry the backlog).
+#: The name prefix of a RabbitMQ worker's row that takes due operations itself
+#: (:mod:`outbox.workers.listening`): while its flag is up (it waits for work) a relay leaves
+#: fresh rows to it for a moment; while it is down (the worker carries a backlog, taking as its
+#: slots free) a relay stands by, as for a database broker's taker.
 LISTENING_TAKER_PREFIX = "listening-taker:"
 
 
@@ -446,7 +447,8 @@ LISTENING_TAKER_PREFIX = "listening-taker:"
 class Takers:
     """The workers that take due operations directly, as a relay sees them."""
 
-    #: A database broker's taker heartbeat lately: the relay stands by.
+    #: A database broker's taker, or a RabbitMQ worker whose flag is down (it carries a
+    #: backlog, or takes as its slots free), heartbeat lately: the relay stands by.
     live: bool
     #: A RabbitMQ worker's flag is up (it waits for work, heartbeat lately): the relay leaves
     #: fresh rows to it.
@@ -457,7 +459,8 @@ class Takers:
 # (a killed worker's ends with its socket: no need to wait for the heartbeat to age).
 _TAKERS = text(
     """
-    SELECT coalesce(bool_or(name LIKE 'taker:%'), false),
+    SELECT coalesce(bool_or(name LIKE 'taker:%' OR (name LIKE 'listening-taker:%' AND NOT idle)),
+                    false),
            coalesce(bool_or(name LIKE 'listening-taker:%' AND idle), false)
     FROM outbox.relays
     WHERE heartbeat_at > clock_timestamp() - make_interval(secs => :fresh)

@@ -261,6 +261,7 @@ def _take_directly(sender: Any = None, **_: object) -> None:
                 app,
                 dispatch_queue(app),
                 settings.republish_after,
+                ops_per_message=settings.ops_per_message,
                 name=taker_name(sql.relay.LISTENING_TAKER_PREFIX),
             )
         )

@@ -38,6 +38,7 @@ from outbox.workers.listening import (
     Capture,
     ListeningTaker,
     Loop,
+    NoBroker,
     task_sent_forwarder,
 )
 from outbox.workers.publish import CeleryPublisher
@@ -45,6 +46,8 @@ from tests.processes import wait_until
 
 REPUBLISH_AFTER_S = 30.0
 DEFER_S = 0.2
+#: Operations one message of a take through a backlog names, in these tests.
+OPS_PER_MESSAGE = 4
 
 
 def _app(broker_url: str) -> Celery:
@@ -97,6 +100,7 @@ def taker(app: Celery, own_engine: Engine, engine: Engine) -> Iterator[Taker]:
         app,
         dispatch_queue(app),
         REPUBLISH_AFTER_S,
+        ops_per_message=OPS_PER_MESSAGE,
         name=taker_name(sql.relay.LISTENING_TAKER_PREFIX),
     )
     taker = ListeningTaker(source, deliver=delivered.append, has_free_slot=slots, engine=own_engine)
@@ -135,6 +139,14 @@ def _operation_id(message: Message) -> str:
     args, kwargs, _ = loads(message.body, message.content_type, message.content_encoding)
     assert args == []
     return str(kwargs["operation_id"])
+
+
+def _operation_ids(message: Message) -> list[str]:
+    """The operations a message names (one, or a batch's)."""
+    _, kwargs, _ = loads(message.body, message.content_type, message.content_encoding)
+    if "operation_ids" in kwargs:
+        return [str(op_id) for op_id in kwargs["operation_ids"]]
+    return [str(kwargs["operation_id"])]
 
 
 def _relay_claim(engine: Engine, *, defer_s: float = DEFER_S) -> list[str]:
@@ -244,8 +256,10 @@ def test_a_busy_worker_takes_nothing_lowers_its_flag_and_rings_the_relay(
     taker: Taker, engine: Engine, database_url: str
 ) -> None:
     """Every slot taken: rung, the worker takes nothing, lowers its flag and rings the
-    relays' own channel; the relay then claims the row at once. A slot freed, its tick
-    raises the flag and takes what came meanwhile."""
+    relays' own channel; a relay then stands by (the worker will take as its slots free).
+    A slot freed, the worker's next look takes what waits, several operations in one
+    message; once a look finds nothing past the grace, the flag goes up again and the worker
+    takes what enqueue rings for, one at a time."""
     worker, delivered, slots = taker
     fd = worker.open()
     with psycopg.connect(libpq_url(database_url), autocommit=True) as relay_bell:
@@ -258,20 +272,22 @@ def test_a_busy_worker_takes_nothing_lowers_its_flag_and_rings_the_relay(
         assert _flags(engine) == {worker.direct.name: False}
         rang = list(relay_bell.notifies(timeout=2.0, stop_after=1))
         assert [n.channel for n in rang] == ["outbox_relay"], "the relay was not rung"
-    assert _relay_claim(engine) == [first]
-    # A slot frees while a due row waits: the relay's, until no row waits any more.
-    [second] = _enqueue(engine)
+    with engine.connect() as conn:
+        assert sql.relay.takers(conn, heartbeat_within_s=30).live, "a relay would claim"
+    # A slot frees while rows wait: the worker takes them, in one message.
+    second, third = _enqueue(engine, 2)
     slots.free = True
     worker.tick()
-    assert delivered == []
+    assert [_operation_ids(m) for m in delivered] == [[first, second, third]]
     assert _flags(engine) == {worker.direct.name: False}
-    assert _relay_claim(engine) == [second]
+    assert _relay_claim(engine) == []
+    time.sleep(BUSY_GRACE_S)
     worker.tick()
     assert _flags(engine) == {worker.direct.name: True}
-    [third] = _enqueue(engine)
+    [fourth] = _enqueue(engine)
     assert _readable(fd)
     worker.on_readable()
-    assert [_operation_id(m) for m in delivered] == [third]
+    assert [_operation_ids(m) for m in delivered[1:]] == [[fourth]]
 
 
 def test_a_worker_s_tick_takes_a_row_no_commit_rang_for(taker: Taker, engine: Engine) -> None:
@@ -344,6 +360,62 @@ def test_on_the_event_loop_a_lost_connection_is_opened_again(taker: Taker, engin
         hub.close()
 
 
+def test_on_the_event_loop_a_settled_task_wakes_a_busy_worker_to_take(
+    app: Celery, own_engine: Engine, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the flag is down, a taken message's ack (its task settled, on a pool thread)
+    wakes the loop, which takes what waits for the freed slot at once, not at the next look
+    (pushed out of the test's reach here)."""
+    monkeypatch.setattr(listening, "TICK_S", 60.0)
+    monkeypatch.setattr(listening, "BUSY_CHECK_S", 60.0)
+    delivered: list[Message] = []
+    slots = Slots()
+    slots.free = False
+    source = DirectDispatch(
+        app,
+        dispatch_queue(app),
+        REPUBLISH_AFTER_S,
+        ops_per_message=OPS_PER_MESSAGE,
+        name=taker_name(sql.relay.LISTENING_TAKER_PREFIX),
+    )
+
+    def settle() -> None:  # what the worker's own wiring calls (its loop is made below)
+        loop.settled()
+
+    channel = NoBroker(settle)
+    worker = ListeningTaker(
+        source,
+        deliver=delivered.append,
+        has_free_slot=slots,
+        engine=own_engine,
+        capture=Capture(channel=channel),
+    )
+    hub = Hub()
+    loop = Loop(worker, hub)
+    stop = threading.Event()
+    waiting = _enqueue(engine, 3)
+    loop.start()  # every slot busy: the flag goes down, nothing taken
+    thread = threading.Thread(target=_run_hub, args=(hub, stop), daemon=True)
+    thread.start()
+    try:
+        _wait(lambda: _flags(engine) == {source.name: False}, "the busy worker's flag down")
+        slots.free = True
+        time.sleep(0.3)
+        assert delivered == [], "taken with no word from a settled task"
+        pool_thread = threading.Thread(target=channel.basic_ack, args=(1,))
+        pool_thread.start()
+        pool_thread.join()
+        _wait(lambda: len(delivered) == 1, "the waiting operations taken for the freed slot")
+        assert _operation_ids(delivered[0]) == waiting
+    finally:
+        stop.set()
+        hub.call_soon(lambda: None)  # wake the loop
+        thread.join(timeout=5)
+        loop.stop()
+        hub.close()
+        worker.close()
+
+
 def _backend_pid(worker: ListeningTaker) -> int:
     """The server process of the taker's connection (read on the loop's thread: a pid)."""
     conn = worker._conn
@@ -412,12 +484,14 @@ def test_a_relay_beside_a_waiting_worker_hears_its_ring_not_enqueue_s(
 ) -> None:
     """A running relay that sees a RabbitMQ worker's flag up lowers its own flag and stops
     hearing enqueue's bell: a fresh row is left to the worker for the deferral, then claimed.
-    When the worker's flag goes down and it rings the relays' channel, the relay claims a
-    fresh row at once and hears enqueue's bell again."""
+    When the worker's flag goes down (it carries a backlog) and it rings the relays'
+    channel, the relay stands by at once: it claims a fresh row only once it has been due
+    the standby hold-back."""
     name = f"listening-taker:elsewhere:1:{uuid.uuid4().hex[:8]}"
     _flag(engine, name, idle=True)
     publisher = CeleryPublisher(app)
-    relay = Relay(engine, publisher, RelayConfig(poll_interval_s=0.2, defer_to_takers_s=1.0))
+    config = RelayConfig(poll_interval_s=0.2, defer_to_takers_s=1.0, standby_hold_back_s=2.0)
+    relay = Relay(engine, publisher, config)
     runner = threading.Thread(target=relay.run_forever, daemon=True)
     runner.start()
     try:
@@ -427,40 +501,52 @@ def test_a_relay_beside_a_waiting_worker_hears_its_ring_not_enqueue_s(
         time.sleep(0.5)
         assert _published(engine) == {left: False}, "claimed inside the deferral"
         _wait(lambda: _published(engine)[left], "the row claimed once the deferral passed")
-        # The worker's last slot fills: its flag goes down, it rings the relays.
+        # The worker goes busy: its flag goes down, it rings the relays.
         _flag(engine, name, idle=False)
         with engine.connect() as conn:
             conn.execution_options(isolation_level="AUTOCOMMIT")
             sql.relay.ring_relays(conn)
-        _wait(lambda: not relay.deferring, "the relay claiming at once again", timeout=2.0)
-        [fresh] = _enqueue(engine)
-        _wait(lambda: _published(engine)[fresh], "the fresh row claimed at once", timeout=0.5)
+        _wait(lambda: relay.standing_by and not relay.deferring, "the relay standing by", 2.0)
+        [held] = _enqueue(engine)
+        time.sleep(1.0)
+        assert not _published(engine)[held], "claimed inside the standby hold-back"
+        _wait(lambda: _published(engine)[held], "the row claimed after the hold-back", 5.0)
     finally:
         relay.stop()
         runner.join(10)
     assert not runner.is_alive()
 
 
-def test_through_a_backlog_a_worker_lowers_its_flag_and_takes_one_per_look(
+def test_through_a_backlog_a_worker_lowers_its_flag_and_takes_as_slots_free(
     taker: Taker, engine: Engine
 ) -> None:
     """Takes that keep leaving more due make a backlog: after a few the worker's flag goes
-    down and it takes nothing more (the relay claims at once, in batches, through the
-    broker); once no due row waits and a slot is free, its next look raises the flag."""
-    worker, delivered, _ = taker
-    ids = _enqueue(engine, BACKLOG_AFTER_TAKES + 3)
+    down (enqueue stops ringing, a relay stands by) and it takes on while a slot is free, up
+    to ops_per_message operations per message; with every slot busy it takes nothing. Once a
+    take finds nothing and none found any within the grace, the flag goes up again."""
+    worker, delivered, slots = taker
+    ids = _enqueue(engine, BACKLOG_AFTER_TAKES + OPS_PER_MESSAGE + 2)
     worker.open()
-    assert [_operation_id(m) for m in delivered] == ids[:BACKLOG_AFTER_TAKES]
+    assert [_operation_ids(m) for m in delivered] == [[i] for i in ids[:BACKLOG_AFTER_TAKES]]
     assert _flags(engine) == {worker.direct.name: False}
-    # Rung meanwhile, or a look while the backlog waits: nothing taken, the flag stays down.
+    # Every slot busy: rung or not, nothing is taken.
+    slots.free = False
     [late] = _enqueue(engine)
     worker.on_readable()
-    time.sleep(BUSY_GRACE_S)
     worker.tick()
     assert len(delivered) == BACKLOG_AFTER_TAKES
+    # A slot frees: the rest, in full messages, then the flag stays down for the grace.
+    slots.free = True
+    worker.tick()
+    rest = [*ids[BACKLOG_AFTER_TAKES:], late]
+    assert [_operation_ids(m) for m in delivered[BACKLOG_AFTER_TAKES:]] == [
+        rest[:OPS_PER_MESSAGE],
+        rest[OPS_PER_MESSAGE:],
+    ]
+    assert _relay_claim(engine) == []
+    worker.tick()
     assert _flags(engine) == {worker.direct.name: False}
-    # The relay carries the backlog; once none waits, the next look raises the flag.
-    assert sorted(_relay_claim(engine)) == sorted([*ids[BACKLOG_AFTER_TAKES:], late])
+    time.sleep(BUSY_GRACE_S)
     worker.tick()
     assert _flags(engine) == {worker.direct.name: True}
 
@@ -481,6 +567,18 @@ def test_a_stream_of_rings_lowers_the_flag_until_the_looks_find_nothing(
         worker.on_readable()
     assert len(delivered) == BUSY_AFTER_TAKES
     assert _flags(engine) == {worker.direct.name: False}
+
+
+@pytest.mark.parametrize(("idle", "live", "waiting"), [(True, False, True), (False, True, False)])
+def test_a_relay_defers_to_a_waiting_worker_and_stands_by_for_a_busy_one(
+    engine: Engine, idle: bool, live: bool, waiting: bool
+) -> None:
+    """A RabbitMQ worker's flag up: it waits for work (a relay leaves it fresh rows for a
+    moment). Down: it carries a backlog, taking as slots free (a relay stands by)."""
+    _flag(engine, f"listening-taker:elsewhere:1:{uuid.uuid4().hex[:8]}", idle=idle)
+    with engine.connect() as conn:
+        seen = sql.relay.takers(conn, heartbeat_within_s=30)
+    assert (seen.live, seen.waiting) == (live, waiting)
 
 
 def test_a_flag_whose_session_ended_counts_no_more(engine: Engine) -> None:
