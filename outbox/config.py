@@ -116,9 +116,9 @@ class Settings(BaseSettings):
         description=(
             "Workers take due operations from the outbox themselves, without the relay's "
             "message in between: on the database broker in the outbox's own database always "
-            "(the relay stands by), on RabbitMQ while a thread is free (the relay leaves a "
-            "fresh row to such a worker for 0.2 s); false: every operation goes through the "
-            "relay's message."
+            "(the relay stands by), on RabbitMQ too (a worker waiting for work is left a fresh "
+            "row for 0.2 s; one carrying a backlog, several per message, and the relay stands "
+            "by); false: every operation goes through the relay's message."
         ),
     )
     lookup_lease: Seconds = Field(
