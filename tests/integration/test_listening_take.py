@@ -92,17 +92,22 @@ def own_engine(database_url: str) -> Iterator[Engine]:
     engine.dispose()
 
 
-@pytest.fixture
-def taker(app: Celery, own_engine: Engine, engine: Engine) -> Iterator[Taker]:
-    delivered: list[Message] = []
-    slots = Slots()
-    source = DirectDispatch(
+def _source(app: Celery) -> DirectDispatch:
+    """A RabbitMQ worker's source of takes, as a starting worker makes it."""
+    return DirectDispatch(
         app,
         dispatch_queue(app),
         REPUBLISH_AFTER_S,
         ops_per_message=OPS_PER_MESSAGE,
         name=taker_name(sql.relay.LISTENING_TAKER_PREFIX),
     )
+
+
+@pytest.fixture
+def taker(app: Celery, own_engine: Engine, engine: Engine) -> Iterator[Taker]:
+    delivered: list[Message] = []
+    slots = Slots()
+    source = _source(app)
     taker = ListeningTaker(source, deliver=delivered.append, has_free_slot=slots, engine=own_engine)
     yield taker, delivered, slots
     taker.close()
@@ -371,13 +376,7 @@ def test_on_the_event_loop_a_settled_task_wakes_a_busy_worker_to_take(
     delivered: list[Message] = []
     slots = Slots()
     slots.free = False
-    source = DirectDispatch(
-        app,
-        dispatch_queue(app),
-        REPUBLISH_AFTER_S,
-        ops_per_message=OPS_PER_MESSAGE,
-        name=taker_name(sql.relay.LISTENING_TAKER_PREFIX),
-    )
+    source = _source(app)
 
     def settle() -> None:  # what the worker's own wiring calls (its loop is made below)
         loop.settled()
