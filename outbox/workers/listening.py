@@ -591,16 +591,21 @@ class TakeDirectly(bootsteps.StartStopStep):  # type: ignore[misc]
         if source is None or not _consumes(c, source.queue):
             return
         events = getattr(c, "event_dispatcher", None)
-        settled = _Settled()
         taker = ListeningTaker(
             source,
             deliver=c.create_task_handler(),
             has_free_slot=free_slot(c.pool),
             engine=_engine(),
-            capture=Capture(forward=task_sent_forwarder(events), channel=NoBroker(settled)),
+            capture=Capture(forward=task_sent_forwarder(events), channel=NoBroker(self._settled)),
         )
-        self.loop = settled.loop = Loop(taker, hub)
+        self.loop = Loop(taker, hub)
         self.loop.start()
+
+    def _settled(self) -> None:
+        """A taken message's ack or reject (a pool thread): the word to the running loop."""
+        loop = self.loop
+        if loop is not None:
+            loop.settled()
 
     def stop(self, c: Any) -> None:
         """Stop taking (the consumer stops, or restarts after a broker reconnect)."""
@@ -611,16 +616,6 @@ class TakeDirectly(bootsteps.StartStopStep):  # type: ignore[misc]
     def shutdown(self, c: Any) -> None:
         """Stop taking (the worker stops)."""
         self.stop(c)
-
-
-class _Settled:
-    """What a taken message's ack or reject calls: the word to its :class:`Loop`."""
-
-    loop: Loop | None = None
-
-    def __call__(self) -> None:
-        if self.loop is not None:
-            self.loop.settled()
 
 
 def _consumes(c: Any, queue: str) -> bool:

@@ -54,17 +54,22 @@ def _waiting(engine: Engine) -> bool:
         return sql.relay.takers(conn, heartbeat_within_s=30.0).waiting
 
 
-@pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
-def test_a_worker_killed_while_it_waits_for_work_is_not_waited_for(
-    engine: Engine, broker: str | None, stack_env: dict[str, str], services: Services
-) -> None:
-    worker = services.start("worker", "worker", "-c", "1", "-P", "threads", env=stack_env)
+def _wait_for_waiting_worker(engine: Engine) -> None:
+    """Until a starting worker waits for work, its flag up."""
     wait_until(
         lambda: _waiting(engine),
         timeout=120.0,  # the worker's start-up included
         interval=0.1,
         what="the worker waiting for work, its flag up",
     )
+
+
+@pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
+def test_a_worker_killed_while_it_waits_for_work_is_not_waited_for(
+    engine: Engine, broker: str | None, stack_env: dict[str, str], services: Services
+) -> None:
+    worker = services.start("worker", "worker", "-c", "1", "-P", "threads", env=stack_env)
+    _wait_for_waiting_worker(engine)
     worker.kill()
     wait_until(
         lambda: not _waiting(engine),
@@ -100,12 +105,7 @@ def test_a_worker_killed_while_it_carries_a_backlog_is_not_stood_by_for(
     sends each once."""
     armed = {**stack_env, "OUTBOX_FAULTS": "after_lock=hang@1"}
     worker = services.start("worker-armed", "worker", "-c", "1", "-P", "threads", env=armed)
-    wait_until(
-        lambda: _waiting(engine),
-        timeout=120.0,  # the worker's start-up included
-        interval=0.1,
-        what="the worker waiting for work, its flag up",
-    )
+    _wait_for_waiting_worker(engine)
     [hung] = _enqueue(engine, 1)
     wait_until(
         lambda: "fault point after_lock: hanging" in worker.output(),

@@ -335,10 +335,9 @@ def _run_hub(hub: Hub, stop: threading.Event) -> None:
         hub.run_once()
 
 
-def test_on_the_event_loop_a_lost_connection_is_opened_again(taker: Taker, engine: Engine) -> None:
-    """The database ends the taker's session (a restart): the loop drops the socket, opens
-    a new connection with backoff, raises the flag again and takes what is due."""
-    worker, delivered, _ = taker
+@contextlib.contextmanager
+def _running(worker: ListeningTaker) -> Iterator[Loop]:
+    """``worker`` on a kombu hub of its own, run by a thread as Celery's event loop is."""
     hub = Hub()
     loop = Loop(worker, hub)
     stop = threading.Event()
@@ -346,6 +345,20 @@ def test_on_the_event_loop_a_lost_connection_is_opened_again(taker: Taker, engin
     thread = threading.Thread(target=_run_hub, args=(hub, stop), daemon=True)
     thread.start()
     try:
+        yield loop
+    finally:
+        stop.set()
+        hub.call_soon(lambda: None)  # wake the loop
+        thread.join(timeout=5)
+        loop.stop()
+        hub.close()
+
+
+def test_on_the_event_loop_a_lost_connection_is_opened_again(taker: Taker, engine: Engine) -> None:
+    """The database ends the taker's session (a restart): the loop drops the socket, opens
+    a new connection with backoff, raises the flag again and takes what is due."""
+    worker, delivered, _ = taker
+    with _running(worker):
         first = _enqueue(engine)
         _wait(lambda: len(delivered) == 1, "the first operation taken on the loop")
         with engine.connect() as conn:
@@ -357,12 +370,6 @@ def test_on_the_event_loop_a_lost_connection_is_opened_again(taker: Taker, engin
         _wait(lambda: len(delivered) == 2, "the second operation taken after the reconnect")
         assert [_operation_id(m) for m in delivered] == first + second
         assert _flags(engine) == {worker.direct.name: True}
-    finally:
-        stop.set()
-        hub.call_soon(lambda: None)  # wake the loop
-        thread.join(timeout=5)
-        loop.stop()
-        hub.close()
 
 
 def test_on_the_event_loop_a_settled_task_wakes_a_busy_worker_to_take(
@@ -389,29 +396,19 @@ def test_on_the_event_loop_a_settled_task_wakes_a_busy_worker_to_take(
         engine=own_engine,
         capture=Capture(channel=channel),
     )
-    hub = Hub()
-    loop = Loop(worker, hub)
-    stop = threading.Event()
     waiting = _enqueue(engine, 3)
-    loop.start()  # every slot busy: the flag goes down, nothing taken
-    thread = threading.Thread(target=_run_hub, args=(hub, stop), daemon=True)
-    thread.start()
     try:
-        _wait(lambda: _flags(engine) == {source.name: False}, "the busy worker's flag down")
-        slots.free = True
-        time.sleep(0.3)
-        assert delivered == [], "taken with no word from a settled task"
-        pool_thread = threading.Thread(target=channel.basic_ack, args=(1,))
-        pool_thread.start()
-        pool_thread.join()
-        _wait(lambda: len(delivered) == 1, "the waiting operations taken for the freed slot")
-        assert _operation_ids(delivered[0]) == waiting
+        with _running(worker) as loop:  # every slot busy: the flag goes down, nothing taken
+            _wait(lambda: _flags(engine) == {source.name: False}, "the busy worker's flag down")
+            slots.free = True
+            time.sleep(0.3)
+            assert delivered == [], "taken with no word from a settled task"
+            pool_thread = threading.Thread(target=channel.basic_ack, args=(1,))
+            pool_thread.start()
+            pool_thread.join()
+            _wait(lambda: len(delivered) == 1, "the waiting operations taken for the freed slot")
+            assert _operation_ids(delivered[0]) == waiting
     finally:
-        stop.set()
-        hub.call_soon(lambda: None)  # wake the loop
-        thread.join(timeout=5)
-        loop.stop()
-        hub.close()
         worker.close()
 
 
