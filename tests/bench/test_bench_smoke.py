@@ -1,6 +1,6 @@
 """The benchmarks still run: ``bench/pipeline.py``, ``bench/limits.py``, ``bench/aio.py`` and
-``bench/api.py``, ``bench/guards.py``, ``bench/dispatch_step.py`` and
-``bench/claim_backlog.py`` with ``--smoke``.
+``bench/api.py``, ``bench/guards.py``, ``bench/dispatch_step.py``, ``bench/server_cost.py``
+and ``bench/claim_backlog.py`` with ``--smoke``.
 
 Each is a real run of a few seconds against the test server (a throw-away ``bench_*``
 database, dropped at the end; RabbitMQ on a throw-away vhost when one is up, else the
@@ -136,6 +136,20 @@ def test_dispatch_step_smoke(admin_url: str) -> None:
         "server: PostgreSQL",
     ):
         assert row in result.stdout, result.stdout
+
+
+@pytest.mark.timeout(110)
+def test_server_cost_smoke(admin_url: str) -> None:
+    """`bench/server_cost.py --smoke` reads the server's CPU per stage for each case: every
+    stage of every case used some (a reader that found no backend would say 0)."""
+    result = _smoke("server_cost.py", admin_url)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    for row in ("ours / naive celery", "no invariants CHECK / ours", "no events FK / ours"):
+        assert row in result.stdout, result.stdout
+    stages = re.findall(r"(\S.*?: (?:enqueue|take|attempt))\s*│ µs/op │\s*([\d,.]+)", result.stdout)
+    assert len(stages) == 11, result.stdout  # naive celery's two stages, ours' three x 3
+    for stage, value in stages:
+        assert float(value.replace(",", "")) > 0, f"{stage}: no server CPU read\n{result.stdout}"
 
 
 @pytest.mark.timeout(110)

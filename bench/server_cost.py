@@ -1,0 +1,291 @@
+"""PostgreSQL's CPU per operation: ours stage by stage, naive Celery's statements beside it, and
+what each schema part of our guarantees costs the server.
+
+Flat out on two cores, throughput is CPU per operation, and the flat runs of ``peers.py`` put
+the gap to naive Celery in PostgreSQL (1.5 ms of server CPU per operation against 0.5). This
+script measures that share alone: one thread, no broker, no remote, no other process, so the
+server's CPU is what the statements cost and nothing else. Each case runs on a throw-away
+database of its own, the cases side by side in every round (``rounds``):
+
+* ``naive celery``: the statements of ``peer_drivers/naive_celery.py`` (INSERT the intent and
+  COMMIT, as its agent; then, as its task, SELECT it and INSERT the result and COMMIT);
+* ``ours``: ``enqueue`` and COMMIT, one intent per transaction (as an agent); a worker's take
+  of ``OUTBOX_OPS_PER_MESSAGE`` due operations per statement (as a RabbitMQ worker carrying a
+  backlog); then each attempt as ``dispatch`` makes it (the lock and the `sent` move in one
+  statement, committed durably; the outcome in another) with a Python tool that answers at
+  once;
+* ``ours`` with one schema part taken away (a database changed after its migrations; nothing
+  in ``outbox`` changes): ``no invariants CHECK`` (``ck_operations_invariants``, the state
+  machine's fifteen rules in one PL/pgSQL call per written row) and ``no events FK`` (the audit
+  events' foreign key to their operation: a lookup per event).
+
+Reported per operation and per stage: the CPU the database's backends used (``/proc/PID/
+schedstat``, nanoseconds; the server must run on this machine), and the ratios: ours against
+naive Celery's statements, each variant against ours whole. The committed work is the same
+in every case (every COMMIT waits for the disk); the variants are measurements only, never
+a configuration: the guarantees they remove are not optional (docs/performance.md).
+
+Usage: python bench/server_cost.py [--url postgresql://...] [--rounds 3] [--ops 2000]
+[--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# The bench directory is not a package: `python bench/server_cost.py` puts it on sys.path.
+from arguments import add_common_arguments
+from peer_drivers.job import TABLES_DDL, payload_for, target_for
+from report import Results, print_table, write_json
+from rounds import Case, run_rounds
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.orm import Session
+from throwaway import server_settings, throwaway_database
+
+from outbox import api, sql
+from outbox.config import Settings
+from outbox.contracts import ContractTable
+from outbox.db import create_engine
+from outbox.tools import Applied, ToolCall, ToolRegistry, tool
+from outbox.workers.dispatch import DispatchConfig, Outcome, dispatch
+from outbox.workers.locking import DispatchLocks
+
+TOOL = "python.answers"
+
+#: Our cases: the schema change each makes after the migrations (none: ours whole).
+VARIANTS: Mapping[str, Sequence[str]] = {
+    "ours": (),
+    "ours, no invariants CHECK": (
+        "ALTER TABLE outbox.operations DROP CONSTRAINT ck_operations_invariants",
+    ),
+    "ours, no events FK": (
+        "ALTER TABLE outbox.events DROP CONSTRAINT fk_events_operation_id_operations",
+    ),
+}
+NAIVE = "naive celery"
+
+#: naive_celery.py's statements, as its agent and its task run them.
+INSERT_INTENT = text(
+    "INSERT INTO bench_intents (id, target, payload) VALUES (:id, :target, CAST(:payload AS jsonb))"
+)
+SELECT_INTENT = text("SELECT target, payload FROM bench_intents WHERE id = :id")
+INSERT_RESULT = text(
+    "INSERT INTO bench_results (id, status, remote_ref) VALUES (:id, :status, :ref)"
+)
+BACKENDS = text(
+    "SELECT pid FROM pg_stat_activity"
+    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+)
+
+
+class ServerNotLocal(SystemExit):
+    """The server's backends are not processes of this machine: their CPU cannot be read."""
+
+
+@dataclass
+class ServerClock:
+    """The CPU the backends of one database have used, read from this machine's ``/proc``.
+
+    Read it while every connection whose work counts is still open: a backend that exits
+    takes its CPU with it (each stage below keeps its connections until it is read)."""
+
+    admin: Connection
+
+    def seconds(self) -> float:
+        """The backends' CPU so far (this reader's own backend left out), in seconds."""
+        total_ns = 0
+        for pid in self.admin.execute(BACKENDS).scalars():
+            try:
+                fields = Path(f"/proc/{pid}/schedstat").read_text().split()
+            except OSError:
+                continue  # exited since the query: its work is not in the stages measured
+            total_ns += int(fields[0])
+        return total_ns / 1e9
+
+    def check_local(self) -> None:
+        """Exit with a clear message unless this server's backends are this machine's."""
+        pid = self.admin.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            comm = ""
+        if comm != "postgres":
+            raise ServerNotLocal(
+                "server_cost.py reads the server's CPU from /proc: --url must name a PostgreSQL "
+                f"server running on this machine (backend pid {pid} is not a local postgres)"
+            )
+
+
+@contextlib.contextmanager
+def _database(url: str, ddl: Sequence[str]) -> Iterator[tuple[Engine, ServerClock]]:
+    """A throw-away migrated database changed by ``ddl``, its engine (connections kept open
+    until the end: see :class:`ServerClock`) and its clock."""
+    with throwaway_database(url) as db_url:
+        # Overflow connections would close, and their backends' CPU with them.
+        engine = create_engine(db_url, pool_size=6, max_overflow=0)
+        try:
+            with engine.connect() as admin:
+                admin.execution_options(isolation_level="AUTOCOMMIT")
+                for statement in ddl:
+                    admin.execute(text(statement))
+                clock = ServerClock(admin)
+                clock.check_local()
+                yield engine, clock
+        finally:
+            engine.dispose()
+
+
+def _registry() -> ToolRegistry:
+    registry = ToolRegistry(ContractTable())
+
+    def answer(call: ToolCall) -> Applied:
+        return Applied(f"ref-{call.operation_id}")
+
+    tool(TOOL, registry=registry)(answer)
+    return registry
+
+
+#: Operations run through every stage first, unmeasured: each connection's statements
+#: prepared (psycopg prepares one on its fifth run) and the catalog caches filled.
+WARM_UP = 10
+
+Stages = Sequence[tuple[str, Callable[[], None]]]
+
+
+def _per_op(clock: ServerClock, stages: Callable[[int, int], Stages], ops: int) -> dict[str, float]:
+    """``stages(first, count)`` run for :data:`WARM_UP` operations, then for ``ops`` more,
+    each stage in turn: the server CPU each stage used per operation of the second run, µs."""
+    for _, run in stages(0, WARM_UP):
+        run()
+    spent: dict[str, float] = {}
+    for name, run in stages(WARM_UP, ops):
+        before = clock.seconds()
+        run()
+        spent[name] = (clock.seconds() - before) / ops * 1e6
+    return spent
+
+
+def _ours(url: str, ddl: Sequence[str], ops: int, ops_per_message: int) -> dict[str, float]:
+    registry = _registry()
+    config = DispatchConfig()
+    with _database(url, ddl) as (engine, clock), DispatchLocks(engine) as locks:
+
+        def stages(first: int, count: int) -> Stages:
+            taken: list[str] = []
+
+            def enqueue() -> None:
+                for i in range(first, first + count):
+                    with Session(engine) as session, session.begin():
+                        api.enqueue(
+                            session, tool=TOOL, target=target_for(i), payload=payload_for(i)
+                        )
+
+            def take() -> None:
+                with engine.connect() as conn:
+                    conn.execution_options(isolation_level="AUTOCOMMIT")
+                    while claimed := sql.relay.take_due(
+                        conn, limit=ops_per_message, republish_after_s=300.0
+                    ).claimed:
+                        taken.extend(str(c.id) for c in claimed)
+                if len(taken) != count:
+                    raise SystemExit(f"the take found {len(taken)} of {count} operations")
+
+            def attempt() -> None:
+                for op_id in taken:
+                    report = dispatch(
+                        op_id, engine=engine, registry=registry, config=config, locks=locks
+                    )
+                    if report.outcome is not Outcome.CONFIRMED:
+                        raise SystemExit(f"{op_id}: {report.outcome.value}, not confirmed")
+
+            return [("enqueue", enqueue), ("take", take), ("attempt", attempt)]
+
+        return _per_op(clock, stages, ops)
+
+
+def _naive(url: str, ops: int) -> dict[str, float]:
+    with _database(url, TABLES_DDL) as (engine, clock):
+
+        def stages(first: int, count: int) -> Stages:
+            ids = [(i, uuid.uuid4()) for i in range(first, first + count)]
+
+            def enqueue() -> None:
+                for i, intent_id in ids:
+                    with engine.begin() as conn:
+                        conn.execute(
+                            INSERT_INTENT,
+                            {
+                                "id": intent_id,
+                                "target": target_for(i),
+                                "payload": json.dumps(payload_for(i)),
+                            },
+                        )
+
+            def attempt() -> None:
+                for _, intent_id in ids:
+                    with engine.begin() as conn:
+                        conn.execute(SELECT_INTENT, {"id": intent_id}).one()
+                    with engine.begin() as conn:
+                        conn.execute(INSERT_RESULT, {"id": intent_id, "status": 201, "ref": "r"})
+
+            return [("enqueue", enqueue), ("attempt", attempt)]
+
+        return _per_op(clock, stages, ops)
+
+
+def _rows(case: str, spent: Mapping[str, float]) -> dict[str, tuple[float, str]]:
+    rows = {f"{case}: {stage}": (value, "µs/op") for stage, value in spent.items()}
+    rows[f"{case}: total"] = (sum(spent.values()), "µs/op")
+    return rows
+
+
+def _case(name: str, measure: Callable[[], dict[str, float]]) -> Case:
+    def run() -> dict[str, tuple[float, str]]:
+        started = time.perf_counter()
+        rows = _rows(name, measure())
+        rows[f"{name}: wall"] = (time.perf_counter() - started, "s")
+        return rows
+
+    return Case(name, run, "server CPU per operation")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_arguments(parser)
+    parser.add_argument("--ops", type=int, default=2000, help="operations per case and round")
+    args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.ops = 1, 60
+    ops_per_message = Settings().ops_per_message
+    cases = [_case(NAIVE, functools.partial(_naive, args.url, args.ops))] + [
+        _case(name, functools.partial(_ours, args.url, ddl, args.ops, ops_per_message))
+        for name, ddl in VARIANTS.items()
+    ]
+    results = Results("PostgreSQL's CPU per operation, by stage (the database's backends)")
+    run_rounds(args.rounds, cases, results)
+    results.ratio("ours / naive celery", "ours: total", f"{NAIVE}: total")
+    for name in VARIANTS:
+        if name != "ours":
+            results.ratio(f"{name.removeprefix('ours, ')} / ours", f"{name}: total", "ours: total")
+    results.note(
+        f"{args.ops} operations per case and round, one thread; ours takes "
+        f"{ops_per_message} per statement (OUTBOX_OPS_PER_MESSAGE); medians over rounds, "
+        "ratios within each round; CPU of the database's backends from /proc/PID/schedstat."
+    )
+    results.note(server_settings(args.url))
+    print_table(results)
+    write_json(args.json, [results], vars(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
