@@ -10,13 +10,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+#: Scripts with a ``__main__`` block that are tools, not benchmarks: ``ab.py`` runs another
+#: script on two versions of the repository (tests/bench/test_ab.py runs it).
+TOOLS = {"ab.py"}
+
+
 def _scripts() -> set[str]:
-    """The bench scripts meant to be run: those with a ``__main__`` block."""
+    """The bench scripts meant to be run: those with a ``__main__`` block, tools aside."""
     return {
         path.name
         for path in (ROOT / "bench").glob("*.py")
         if 'if __name__ == "__main__"' in path.read_text()
-    }
+    } - TOOLS
 
 
 def _recipe(target: str) -> set[str]:
