@@ -3,8 +3,10 @@ what each schema part of our guarantees costs the server.
 
 Flat out on two cores, throughput is CPU per operation, and the flat runs of ``peers.py`` put
 the gap to naive Celery in PostgreSQL (1.5 ms of server CPU per operation against 0.5). This
-script measures that share alone: one thread, no broker, no remote, no other process, so the
-server's CPU is what the statements cost and nothing else. Each case runs on a throw-away
+script measures that share alone: no broker, no remote, no other process, so the server's CPU
+is what the statements cost and nothing else; with one thread (``--threads 1``, the default)
+the statements' own cost, with eight what running them side by side adds (as flat out, where
+eight agents enqueue and a worker's eight threads dispatch). Each case runs on a throw-away
 database of its own, the cases side by side in every round (``rounds``):
 
 * ``naive celery``: the statements of ``peer_drivers/naive_celery.py`` (INSERT the intent and
@@ -26,7 +28,7 @@ in every case (every COMMIT waits for the disk); the variants are measurements o
 a configuration: the guarantees they remove are not optional (docs/performance.md).
 
 Usage: python bench/server_cost.py [--url postgresql://...] [--rounds 3] [--ops 2000]
-[--smoke]
+[--threads 1] [--smoke]
 """
 
 from __future__ import annotations
@@ -35,12 +37,15 @@ import argparse
 import contextlib
 import functools
 import json
+import queue
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 # The bench directory is not a package: `python bench/server_cost.py` puts it on sys.path.
 from arguments import add_common_arguments
@@ -60,6 +65,7 @@ from outbox.workers.dispatch import DispatchConfig, Outcome, dispatch
 from outbox.workers.locking import DispatchLocks
 
 TOOL = "python.answers"
+Item = TypeVar("Item")
 
 #: Our cases: the schema change each makes after the migrations (none: ours whole).
 VARIANTS: Mapping[str, Sequence[str]] = {
@@ -126,12 +132,13 @@ class ServerClock:
 
 
 @contextlib.contextmanager
-def _database(url: str, ddl: Sequence[str]) -> Iterator[tuple[Engine, ServerClock]]:
-    """A throw-away migrated database changed by ``ddl``, its engine (connections kept open
-    until the end: see :class:`ServerClock`) and its clock."""
+def _database(url: str, ddl: Sequence[str], threads: int) -> Iterator[tuple[Engine, ServerClock]]:
+    """A throw-away migrated database changed by ``ddl``, its engine (enough connections for
+    ``threads``, kept open until the end: see :class:`ServerClock`) and its clock."""
     with throwaway_database(url) as db_url:
-        # Overflow connections would close, and their backends' CPU with them.
-        engine = create_engine(db_url, pool_size=6, max_overflow=0)
+        # Overflow connections would close, and their backends' CPU with them: a pool large
+        # enough for every thread's two (a dispatcher's lock and its pool's) and the take's.
+        engine = create_engine(db_url, pool_size=2 * threads + 4, max_overflow=0)
         try:
             with engine.connect() as admin:
                 admin.execution_options(isolation_level="AUTOCOMMIT")
@@ -174,20 +181,49 @@ def _per_op(clock: ServerClock, stages: Callable[[int, int], Stages], ops: int) 
     return spent
 
 
-def _ours(url: str, ddl: Sequence[str], ops: int, ops_per_message: int) -> dict[str, float]:
+def _in_threads(threads: int, items: Sequence[Item], work: Callable[[int, Item], None]) -> None:
+    """``work(slot, item)`` for every item, on ``threads`` threads taking them in turn; the
+    first error any raised is raised here once all have stopped."""
+    todo: queue.SimpleQueue[Item] = queue.SimpleQueue()
+    for item in items:
+        todo.put(item)
+    errors: list[BaseException] = []
+
+    def run(slot: int) -> None:
+        try:
+            while not errors:
+                try:
+                    item = todo.get_nowait()
+                except queue.Empty:
+                    return
+                work(slot, item)
+        except BaseException as exc:  # noqa: BLE001 -- raised again below, in the caller
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run, args=(slot,)) for slot in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
+
+
+def _ours(
+    url: str, ddl: Sequence[str], ops: int, ops_per_message: int, threads: int
+) -> dict[str, float]:
     registry = _registry()
     config = DispatchConfig()
-    with _database(url, ddl) as (engine, clock), DispatchLocks(engine) as locks:
+    with _database(url, ddl, threads) as (engine, clock), contextlib.ExitStack() as stack:
+        # One per dispatching thread, as each of a worker's threads has its own.
+        locks = [stack.enter_context(DispatchLocks(engine)) for _ in range(threads)]
 
         def stages(first: int, count: int) -> Stages:
             taken: list[str] = []
 
-            def enqueue() -> None:
-                for i in range(first, first + count):
-                    with Session(engine) as session, session.begin():
-                        api.enqueue(
-                            session, tool=TOOL, target=target_for(i), payload=payload_for(i)
-                        )
+            def enqueue_one(_: int, i: int) -> None:
+                with Session(engine) as session, session.begin():
+                    api.enqueue(session, tool=TOOL, target=target_for(i), payload=payload_for(i))
 
             def take() -> None:
                 with engine.connect() as conn:
@@ -199,45 +235,48 @@ def _ours(url: str, ddl: Sequence[str], ops: int, ops_per_message: int) -> dict[
                 if len(taken) != count:
                     raise SystemExit(f"the take found {len(taken)} of {count} operations")
 
-            def attempt() -> None:
-                for op_id in taken:
-                    report = dispatch(
-                        op_id, engine=engine, registry=registry, config=config, locks=locks
-                    )
-                    if report.outcome is not Outcome.CONFIRMED:
-                        raise SystemExit(f"{op_id}: {report.outcome.value}, not confirmed")
+            def attempt_one(slot: int, op_id: str) -> None:
+                report = dispatch(
+                    op_id, engine=engine, registry=registry, config=config, locks=locks[slot]
+                )
+                if report.outcome is not Outcome.CONFIRMED:
+                    raise SystemExit(f"{op_id}: {report.outcome.value}, not confirmed")
 
-            return [("enqueue", enqueue), ("take", take), ("attempt", attempt)]
+            return [
+                ("enqueue", lambda: _in_threads(threads, range(first, first + count), enqueue_one)),
+                ("take", take),
+                ("attempt", lambda: _in_threads(threads, taken, attempt_one)),
+            ]
 
         return _per_op(clock, stages, ops)
 
 
-def _naive(url: str, ops: int) -> dict[str, float]:
-    with _database(url, TABLES_DDL) as (engine, clock):
+def _naive(url: str, ops: int, threads: int) -> dict[str, float]:
+    with _database(url, TABLES_DDL, threads) as (engine, clock):
 
         def stages(first: int, count: int) -> Stages:
             ids = [(i, uuid.uuid4()) for i in range(first, first + count)]
 
-            def enqueue() -> None:
-                for i, intent_id in ids:
-                    with engine.begin() as conn:
-                        conn.execute(
-                            INSERT_INTENT,
-                            {
-                                "id": intent_id,
-                                "target": target_for(i),
-                                "payload": json.dumps(payload_for(i)),
-                            },
-                        )
+            def enqueue_one(_: int, intent: tuple[int, uuid.UUID]) -> None:
+                i, intent_id = intent
+                payload = json.dumps(payload_for(i))
+                with engine.begin() as conn:
+                    conn.execute(
+                        INSERT_INTENT,
+                        {"id": intent_id, "target": target_for(i), "payload": payload},
+                    )
 
-            def attempt() -> None:
-                for _, intent_id in ids:
-                    with engine.begin() as conn:
-                        conn.execute(SELECT_INTENT, {"id": intent_id}).one()
-                    with engine.begin() as conn:
-                        conn.execute(INSERT_RESULT, {"id": intent_id, "status": 201, "ref": "r"})
+            def attempt_one(_: int, intent: tuple[int, uuid.UUID]) -> None:
+                intent_id = intent[1]
+                with engine.begin() as conn:
+                    conn.execute(SELECT_INTENT, {"id": intent_id}).one()
+                with engine.begin() as conn:
+                    conn.execute(INSERT_RESULT, {"id": intent_id, "status": 201, "ref": "r"})
 
-            return [("enqueue", enqueue), ("attempt", attempt)]
+            return [
+                ("enqueue", lambda: _in_threads(threads, ids, enqueue_one)),
+                ("attempt", lambda: _in_threads(threads, ids, attempt_one)),
+            ]
 
         return _per_op(clock, stages, ops)
 
@@ -262,12 +301,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser)
     parser.add_argument("--ops", type=int, default=2000, help="operations per case and round")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="agents enqueuing and threads dispatching at once (default 1: the statements' "
+        "own cost; 8: what contention adds, as flat out)",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.ops = 1, 60
     ops_per_message = Settings().ops_per_message
-    cases = [_case(NAIVE, functools.partial(_naive, args.url, args.ops))] + [
-        _case(name, functools.partial(_ours, args.url, ddl, args.ops, ops_per_message))
+    cases = [_case(NAIVE, functools.partial(_naive, args.url, args.ops, args.threads))] + [
+        _case(
+            name, functools.partial(_ours, args.url, ddl, args.ops, ops_per_message, args.threads)
+        )
         for name, ddl in VARIANTS.items()
     ]
     results = Results("PostgreSQL's CPU per operation, by stage (the database's backends)")
@@ -277,7 +325,7 @@ def main() -> int:
         if name != "ours":
             results.ratio(f"{name.removeprefix('ours, ')} / ours", f"{name}: total", "ours: total")
     results.note(
-        f"{args.ops} operations per case and round, one thread; ours takes "
+        f"{args.ops} operations per case and round, {args.threads} thread(s); ours takes "
         f"{ops_per_message} per statement (OUTBOX_OPS_PER_MESSAGE); medians over rounds, "
         "ratios within each round; CPU of the database's backends from /proc/PID/schedstat."
     )
