@@ -22,7 +22,8 @@ Usage: python bench/ab.py A B [--pairs 3] [--json FILE] -- SCRIPT [SCRIPT'S ARGU
     python bench/ab.py HEAD . --pairs 4 -- server_cost.py --rounds 1 --ops 1000
 
 Exit status: 0 when every run succeeded; 1 when one failed (its output is shown); 2 for a
-bad command line (an unknown revision, no such script).
+bad command line (an unknown revision, no such script); 130 when interrupted (Ctrl-C or
+SIGTERM: the script is interrupted in turn and cleans up, and the worktrees are removed).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,10 +45,13 @@ from typing import Any
 
 from report import console, fmt, say
 from rich.table import Table
+from throwaway import sigterm_as_interrupt
 
 REPO = Path(__file__).resolve().parents[1]
 #: The version that is the working tree as it is.
 WORKING_TREE = "."
+#: How long an interrupted script may take to clean up before it is killed.
+INTERRUPT_GRACE_S = 60.0
 
 
 class UsageError(Exception):
@@ -176,9 +181,22 @@ def _run(version: Version, script: str, args: Sequence[str], scratch: Path, run:
     workdir.mkdir(exist_ok=True)
     argv = [sys.executable, str(_script(version, script)), *args, "--json", str(out)]
     # A script of this repository (checked above), this interpreter; the caller's arguments.
-    done = subprocess.run(argv, cwd=workdir, env=env, stdout=sys.stderr, check=False)  # noqa: S603
-    if done.returncode != 0:
-        raise RunFailed(f"{version.describe()}: bench/{script} exited {done.returncode}")
+    # In a session of its own: an interrupt reaches it once, from here (below), not also from
+    # the terminal, so its own clean-up (a throw-away database, its processes) is not cut short.
+    with subprocess.Popen(  # noqa: S603
+        argv, cwd=workdir, env=env, stdout=sys.stderr, start_new_session=True
+    ) as child:
+        try:
+            returncode = child.wait()
+        except KeyboardInterrupt:
+            child.send_signal(signal.SIGINT)
+            try:
+                child.wait(timeout=INTERRUPT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            raise
+    if returncode != 0:
+        raise RunFailed(f"{version.describe()}: bench/{script} exited {returncode}")
     if not out.is_file():
         raise RunFailed(f"{version.describe()}: bench/{script} wrote no --json file")
     return json.loads(out.read_text(encoding="utf-8"))["tables"]
@@ -269,8 +287,16 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = _parse(raw)
+    # Ctrl-C or a signal from outside ends the run cleanly, even when started in the
+    # background by a shell (which ignores SIGINT there): the script is interrupted in turn
+    # and cleans up, then the worktrees are removed. A handler, not an ignored signal, is
+    # what the script's own interpreter starts with.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with tempfile.TemporaryDirectory(prefix="outbox-ab-") as scratch_dir:
+        with (
+            sigterm_as_interrupt(),
+            tempfile.TemporaryDirectory(prefix="outbox-ab-") as scratch_dir,
+        ):
             scratch = Path(scratch_dir)
             with _versions([args.a, args.b], scratch) as versions:
                 for version in versions:
@@ -287,6 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunFailed as exc:
         print(f"ab.py: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # or SIGTERM; the worktrees are gone already (``_versions``)
+        print("ab.py: interrupted", file=sys.stderr)
+        return 130
     a, b = sides
     table, summary = _ratio_table(a, b, args.pairs)
     out = console()

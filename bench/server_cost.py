@@ -54,7 +54,7 @@ from report import Results, print_table, write_json
 from rounds import Case, run_rounds
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.orm import Session
-from throwaway import server_settings, throwaway_database
+from throwaway import server_settings, sigterm_as_interrupt, throwaway_database
 
 from outbox import api, sql
 from outbox.config import Settings
@@ -203,8 +203,14 @@ def _in_threads(threads: int, items: Sequence[Item], work: Callable[[int, Item],
     workers = [threading.Thread(target=run, args=(slot,)) for slot in range(threads)]
     for worker in workers:
         worker.start()
-    for worker in workers:
-        worker.join()
+    try:
+        for worker in workers:
+            worker.join()
+    except BaseException as exc:  # an interrupt: the threads stop after their current item
+        errors.append(exc)
+        for worker in workers:
+            worker.join()
+        raise
     if errors:
         raise errors[0]
 
@@ -319,7 +325,8 @@ def main() -> int:
         for name, ddl in VARIANTS.items()
     ]
     results = Results("PostgreSQL's CPU per operation, by stage (the database's backends)")
-    run_rounds(args.rounds, cases, results)
+    with sigterm_as_interrupt():  # a killed run drops its databases too
+        run_rounds(args.rounds, cases, results)
     results.ratio("ours / naive celery", "ours: total", f"{NAIVE}: total")
     for name in VARIANTS:
         if name != "ours":

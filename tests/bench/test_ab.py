@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,4 +93,33 @@ def test_a_failing_run_stops_with_its_exit_status(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stderr
     assert "bench/dispatch_step.py exited 2" in result.stderr  # argparse's usage error
     assert "invalid int value: 'many'" in result.stderr  # the script's own message, shown
+    assert "outbox-ab-" not in _worktrees()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_run_removes_its_worktree(
+    admin_url: str, tmp_path: Path, signum: signal.Signals
+) -> None:
+    env = {name: value for name, value in os.environ.items() if not name.startswith("OUTBOX_")}
+    argv = [
+        sys.executable, str(REPO / "bench" / "ab.py"), "HEAD", ".", "--",
+        "server_cost.py", "--rounds", "5", "--ops", "5000", "--url", admin_url,
+    ]  # fmt: skip
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            argv, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while "round 1/5" not in log.read_text() and time.monotonic() < deadline:
+                assert process.poll() is None, log.read_text()
+                time.sleep(0.2)
+            assert "outbox-ab-" in _worktrees()  # A's worktree, while its run goes on
+            process.send_signal(signum)
+            assert process.wait(timeout=30) == 130, log.read_text()[-4000:]
+        finally:
+            process.kill()
+    assert log.read_text().rstrip().endswith("ab.py: interrupted")
     assert "outbox-ab-" not in _worktrees()
