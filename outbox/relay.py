@@ -27,7 +27,7 @@ from uuid import UUID
 
 import psycopg
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from outbox import faults, sql, tracing
 from outbox.backoff import Backoff
@@ -461,11 +461,16 @@ class _Bell:
         if conn is None:
             return
         try:
+            if conn.invalidated:
+                # Dead inside a statement (the server restarted, the session was ended):
+                # nothing to unlisten, and SQLAlchemy refuses any statement on it until its
+                # transaction is rolled back (PendingRollbackError, not a DBAPIError).
+                return
             sql.notify.unlisten_planned(conn)
             # What arrived before the UNLISTEN would wait in psycopg for the pooled
             # connection's next notifies(): drained, as outbox.wait does.
             _drained(conn.connection.driver_connection, 0.0)
-        except (DBAPIError, psycopg.Error):
+        except (SQLAlchemyError, psycopg.Error):
             conn.invalidate()
         finally:
             conn.close()

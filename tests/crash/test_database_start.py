@@ -278,8 +278,8 @@ def test_a_restart_under_a_running_worker_is_one_line_per_error_without_sql(
             interval=0.5,
             what="an operation enqueued after the restart to be confirmed",
         )
-        assert relay.alive()
-        assert worker.alive()
+        assert relay.alive(), relay.output()[-6000:]
+        assert worker.alive(), worker.output()[-6000:]
         errors = _with(worker, Action.DISPATCH_ERROR)
         assert {r["operation_id"] for r in errors} == {str(one) for one in slow}
         # One line per error: as many as the messages that ended in an error.

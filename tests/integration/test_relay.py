@@ -422,6 +422,54 @@ def test_a_database_outage_is_survived(
         proxied.dispose()
 
 
+def test_a_relay_whose_connection_dies_inside_a_statement_goes_on(
+    engine: Engine, database_url: str
+) -> None:
+    """The relay's own connection (its bell: LISTEN and flag) killed while a statement on it
+    waits: the statement fails, the relay drops that connection and goes on with a new one.
+    (It died here: closing the dead connection raised SQLAlchemy's "rollback first" error,
+    which is no DBAPIError, out of the loop's error handler; seen in a database restart.)"""
+    app = _app(database_url, None)
+    _drain(app)
+    relay = Relay(
+        engine,
+        CeleryPublisher(app),
+        RelayConfig(poll_interval_s=0.1, heartbeat_s=0.2, min_backoff_s=0.1, max_backoff_s=0.2),
+    )
+    runner = threading.Thread(target=relay.run_forever)
+    try:
+        runner.start()
+        _wait_until_idle(engine)  # the flag is written on the bell's connection: its session
+        with engine.begin() as conn:
+            pid = conn.execute(
+                text("SELECT backend_pid FROM outbox.relays WHERE name = :name"),
+                {"name": relay.name},
+            ).scalar_one()
+        with engine.connect() as blocker, engine.connect() as admin:
+            admin.execution_options(isolation_level="AUTOCOMMIT")
+            # The next heartbeat on the bell waits for this lock: a statement in flight.
+            blocker.execute(text("LOCK TABLE outbox.relays IN ACCESS EXCLUSIVE MODE"))
+            waiting = text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :p")
+            deadline = time.monotonic() + 10
+            while not admin.execute(waiting, {"p": pid}).scalar():
+                assert time.monotonic() < deadline, "the relay's statement never waited"
+                time.sleep(0.05)
+            assert admin.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
+            blocker.rollback()
+        time.sleep(1.0)
+        assert runner.is_alive(), "the relay stopped when its connection died"
+        op = make_operation(engine)
+        deadline = time.monotonic() + 15
+        while reload(engine, op.id).published_at is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert reload(engine, op.id).published_at is not None
+        assert [m["operation_id"] for m in _drain(app)] == [str(op.id)]
+    finally:
+        relay.stop()
+        runner.join(30)
+        relay.publisher.close()
+
+
 def test_on_the_database_broker_a_batch_commits_in_the_claims_transaction(
     engine: Engine, database_url: str, make_relay: MakeRelay
 ) -> None:
