@@ -319,13 +319,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     a, b = sides
     table, summary = _ratio_table(a, b, args.pairs)
     out = console()
-    out.print(
-        f"[bold]A/B: bench/{args.script} {' '.join(args.args)}[/bold] — "
-        f"{a.version.describe()}, {b.version.describe()}; {args.pairs} pairs, alternated"
-    )
+    out.print(f"[bold]A/B: bench/{args.script} {' '.join(args.args)}[/bold]")
+    # One line each: a long command line above may wrap, these must stay whole.
+    for version in (a.version, b.version):
+        out.print(version.describe(), soft_wrap=True)
+    pairs = f"{args.pairs} pair" + ("s" if args.pairs != 1 else "")
+    out.print(f"{pairs}, alternated (A B, B A, ...)")
     out.print(table)
-    out.print(a.machine_line())
-    out.print(b.machine_line())
+    out.print(a.machine_line(), soft_wrap=True)
+    out.print(b.machine_line(), soft_wrap=True)
     out.print(
         "A and B: each side's median over pairs of the run's own median; B / A: per pair "
         "(the two runs of a pair ran one after the other), then the median."

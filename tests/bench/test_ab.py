@@ -23,9 +23,19 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _ab(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _env(tmp_path: Path) -> dict[str, str]:
+    """The tool's environment: its scratch directory (and so its worktrees) under ``tmp_path``,
+    so that what a test sees in ``git worktree list`` is its own (tests run side by side)."""
     env = {name: value for name, value in os.environ.items() if not name.startswith("OUTBOX_")}
     env["COLUMNS"] = "160"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(exist_ok=True)
+    env["TMPDIR"] = str(scratch)
+    return env
+
+
+def _ab(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = _env(cwd)
     return subprocess.run(
         [sys.executable, str(REPO / "bench" / "ab.py"), *args],
         env=env,
@@ -37,13 +47,16 @@ def _ab(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _worktrees() -> str:
-    return subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "list"],
+def _worktrees(tmp_path: Path) -> list[str]:
+    """This test's worktrees (those under its ``tmp_path``) that git still lists."""
+    listed = subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "list", "--porcelain"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
+    trees = [line.removeprefix("worktree ") for line in listed.splitlines()]
+    return [tree for tree in trees if tree.startswith(str(tmp_path))]
 
 
 @pytest.mark.timeout(170)
@@ -73,7 +86,7 @@ def test_two_versions_alternate_and_each_row_gets_its_ratio(admin_url: str, tmp_
     assert len(plain["a"]) == len(plain["b"]) == len(plain["b_over_a"]) == 2
     assert plain["b_over_a"][0] == pytest.approx(plain["b"][0] / plain["a"][0])
     assert all(value > 0 for value in plain["a"] + plain["b"])
-    assert "outbox-ab-" not in _worktrees()  # the worktree was removed
+    assert _worktrees(tmp_path) == []  # the worktree was removed
 
 
 @pytest.mark.timeout(30)
@@ -84,7 +97,7 @@ def test_an_unknown_revision_or_script_is_refused_before_anything_runs(tmp_path:
     result = _ab("HEAD", ".", "--", "no_such_script.py", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "has no bench/no_such_script.py" in result.stderr
-    assert "outbox-ab-" not in _worktrees()
+    assert _worktrees(tmp_path) == []
 
 
 @pytest.mark.timeout(60)
@@ -93,7 +106,7 @@ def test_a_failing_run_stops_with_its_exit_status(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stderr
     assert "bench/dispatch_step.py exited 2" in result.stderr  # argparse's usage error
     assert "invalid int value: 'many'" in result.stderr  # the script's own message, shown
-    assert "outbox-ab-" not in _worktrees()
+    assert _worktrees(tmp_path) == []
 
 
 @pytest.mark.timeout(90)
@@ -101,7 +114,7 @@ def test_a_failing_run_stops_with_its_exit_status(tmp_path: Path) -> None:
 def test_an_interrupted_run_removes_its_worktree(
     admin_url: str, tmp_path: Path, signum: signal.Signals
 ) -> None:
-    env = {name: value for name, value in os.environ.items() if not name.startswith("OUTBOX_")}
+    env = _env(tmp_path)
     argv = [
         sys.executable, str(REPO / "bench" / "ab.py"), "HEAD", ".", "--",
         "server_cost.py", "--rounds", "5", "--ops", "5000", "--url", admin_url,
@@ -116,10 +129,10 @@ def test_an_interrupted_run_removes_its_worktree(
             while "round 1/5" not in log.read_text() and time.monotonic() < deadline:
                 assert process.poll() is None, log.read_text()
                 time.sleep(0.2)
-            assert "outbox-ab-" in _worktrees()  # A's worktree, while its run goes on
+            assert len(_worktrees(tmp_path)) == 1  # A's worktree, while its run goes on
             process.send_signal(signum)
             assert process.wait(timeout=30) == 130, log.read_text()[-4000:]
         finally:
             process.kill()
     assert log.read_text().rstrip().endswith("ab.py: interrupted")
-    assert "outbox-ab-" not in _worktrees()
+    assert _worktrees(tmp_path) == []
