@@ -315,6 +315,9 @@ def main() -> int:
         "own cost; 8: what contention adds, as flat out)",
     )
     args = parser.parse_args()
+    for name in ("ops", "threads", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, not {getattr(args, name)}")
     if args.smoke:
         args.rounds, args.ops = 1, 60
     ops_per_message = Settings().ops_per_message
