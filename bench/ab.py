@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from report import console, fmt, say
+from machine import MachineState
+from report import MachineRecord, Results, console, fmt, median, say
 from rich.table import Table
 from throwaway import sigterm_as_interrupt
 
@@ -98,24 +99,20 @@ class Side:
             self.machine.extend(table.get("machine", []))
 
     def machine_line(self) -> str:
-        """The machine over this side's runs: steal (median, max), CPU pressure, probe."""
-        if not self.machine:
+        """The machine over this side's runs, as each script's own line under its table
+        (:meth:`report.Results.machine_summary`), named by the side."""
+        known = {f.name for f in dataclasses.fields(MachineState)}
+        summary = Results(self.version.label)
+        for record in self.machine:
+            values = {name: value for name, value in record.items() if name in known}
+            with contextlib.suppress(TypeError):  # an older version's record lacking a field
+                state = MachineState(**values)
+                summary.machine.append(MachineRecord(record["round"], record["case"], state))
+        line = summary.machine_summary()
+        if line is None:
             return f"{self.version.label}: the script recorded no machine state"
-        parts = []
-        for key, label, unit in (
-            ("steal_pct", "steal", " %"),
-            ("pressure_pct", "CPU pressure", " %"),
-            ("probe_ms", "CPU probe", " ms"),
-        ):
-            values = [
-                float(m[key]) for m in self.machine if math.isfinite(float(m.get(key, "nan")))
-            ]
-            if values:
-                parts.append(
-                    f"{label} median {statistics.median(values):.1f}{unit} (max {max(values):.1f})"
-                )
-        return f"{self.version.label} while measuring ({len(self.machine)} cases): " + ", ".join(
-            parts
+        return f"{self.version.label} while measuring" + line.removeprefix(
+            "machine while measuring"
         )
 
 
@@ -237,13 +234,13 @@ def _ratio_table(a: Side, b: Side, pairs: int) -> tuple[Table, list[dict[str, An
             if key[0]:
                 table.add_row(f"[bold]{key[0]}[/bold]", "", "", "", "", "")
             section = key[0]
-        median = statistics.median(finite) if finite else math.nan
+        ratio = median(ratios)
         table.add_row(
             f"  {key[1]}" if key[0] else key[1],
             unit,
-            fmt(_median(a_values), unit),
-            fmt(_median(b_values), unit),
-            fmt(median, "x"),
+            fmt(median(a_values), unit),
+            fmt(median(b_values), unit),
+            fmt(ratio, "x"),
             f"{fmt(min(finite), 'x')} - {fmt(max(finite), 'x')}" if finite else "-",
         )
         summary.append(
@@ -254,15 +251,10 @@ def _ratio_table(a: Side, b: Side, pairs: int) -> tuple[Table, list[dict[str, An
                 "a": a_values,
                 "b": b_values,
                 "b_over_a": ratios,
-                "median_b_over_a": median,
+                "median_b_over_a": ratio,
             }
         )
     return table, summary
-
-
-def _median(values: Sequence[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return statistics.median(finite) if finite else math.nan
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:

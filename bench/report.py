@@ -46,7 +46,7 @@ class Row:
 
     def median(self) -> float:
         """The median of :meth:`kept` (NaN if none is finite)."""
-        return _median(self.kept())
+        return median(self.kept())
 
     def marked_count(self) -> int:
         """How many values were measured above the steal limit."""
@@ -202,7 +202,8 @@ def _median_and_max(label: str, values: Sequence[float], digits: int, source: st
     )
 
 
-def _median(values: Sequence[float]) -> float:
+def median(values: Sequence[float]) -> float:
+    """The median of the finite ``values`` (NaN if none is)."""
     finite = [v for v in values if math.isfinite(v)]
     return statistics.median(finite) if finite else math.nan
 

@@ -51,9 +51,11 @@ def throwaway_database(url: str, *, migrated: bool = True) -> Iterator[str]:
     name = f"bench_{uuid.uuid4().hex[:12]}"
     admin = create_engine(url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
     try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
         try:
+            # Inside the clean-up: an interrupt while the server creates it (Ctrl-C at once,
+            # bench/ab.py passing one on) must not leave it behind.
+            with admin.connect() as conn:
+                conn.execute(text(f'CREATE DATABASE "{name}"'))
             db_url = database_url_for(url, name)
             if migrated:
                 engine = create_engine(db_url, poolclass=NullPool)

@@ -24,6 +24,7 @@ from outbox.workers.publish import CeleryPublisher
 from tests.celery_events import TaskEvents
 from tests.conftest import Databases
 from tests.factories import age, make_operation, reload
+from tests.processes import wait_until
 from tests.proxy import TcpProxy, database_proxy
 
 
@@ -459,10 +460,11 @@ def test_a_relay_whose_connection_dies_inside_a_statement_goes_on(
         time.sleep(1.0)
         assert runner.is_alive(), "the relay stopped when its connection died"
         op = make_operation(engine)
-        deadline = time.monotonic() + 15
-        while reload(engine, op.id).published_at is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert reload(engine, op.id).published_at is not None
+        wait_until(
+            lambda: reload(engine, op.id).published_at is not None,
+            timeout=15,
+            what="a new row published by the relay",
+        )
         assert [m["operation_id"] for m in _drain(app)] == [str(op.id)]
     finally:
         relay.stop()
