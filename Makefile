@@ -58,6 +58,7 @@ bench: $(INSTALLED)  ## The full benchmark suite (docs/performance.md): about an
 	$(BIN)/python bench/dispatch_step.py --threads 1
 	$(BIN)/python bench/dispatch_step.py --threads 8
 	$(BIN)/python bench/server_cost.py
+	$(BIN)/python bench/write_cost.py --rounds 5
 	$(BIN)/python bench/cli.py --importtime
 	$(BIN)/python bench/tracing_overhead.py
 	$(BIN)/python bench/idle.py
@@ -74,6 +75,7 @@ bench-quick: $(INSTALLED)  ## Every benchmark in its few-second smoke form: do t
 	$(BIN)/python bench/api.py --smoke
 	$(BIN)/python bench/dispatch_step.py --smoke
 	$(BIN)/python bench/server_cost.py --smoke
+	$(BIN)/python bench/write_cost.py --smoke
 	$(BIN)/python bench/guards.py --smoke
 	$(BIN)/python bench/cli.py --smoke
 	$(BIN)/python bench/tracing_overhead.py --smoke

@@ -1,6 +1,6 @@
 """The benchmarks still run: ``bench/pipeline.py``, ``bench/limits.py``, ``bench/aio.py`` and
-``bench/api.py``, ``bench/guards.py``, ``bench/dispatch_step.py``, ``bench/server_cost.py``
-and ``bench/claim_backlog.py`` with ``--smoke``.
+``bench/api.py``, ``bench/guards.py``, ``bench/dispatch_step.py``, ``bench/server_cost.py``,
+``bench/write_cost.py`` and ``bench/claim_backlog.py`` with ``--smoke``.
 
 Each is a real run of a few seconds against the test server (a throw-away ``bench_*``
 database, dropped at the end; RabbitMQ on a throw-away vhost when one is up, else the
@@ -150,6 +150,38 @@ def test_server_cost_smoke(admin_url: str) -> None:
     assert len(stages) == 11, result.stdout  # naive celery's two stages, ours' three x 3
     for stage, value in stages:
         assert float(value.replace(",", "")) > 0, f"{stage}: no server CPU read\n{result.stdout}"
+
+
+#: What bench/write_cost.py measures, each a row of its table.
+WRITE_CASES = (
+    "a plain row's UPDATE",
+    "the UPDATE alone",
+    "+ the row returned",
+    "+ its event",
+    "the dispatcher's move",
+    "no invariants CHECK",
+    "no partial indexes",
+    "two moves per commit",
+    "HOT move + a queue row",
+)
+
+
+@pytest.mark.timeout(110)
+def test_write_cost_smoke(admin_url: str) -> None:
+    """`bench/write_cost.py --smoke` moves every case's operations (it exits 1 on a write that
+    moved nothing) and reads its backend's CPU: a value above zero for every case, a ratio
+    to the dispatcher's move for every other."""
+    result = _smoke("write_cost.py", admin_url)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    values = dict(
+        re.findall(r"^│\s{3}(\S.*?)\s*│ µs/write │\s*([\d,.]+)", result.stdout, re.MULTILINE)
+    )
+    assert set(values) == set(WRITE_CASES), result.stdout
+    for case, value in values.items():
+        assert float(value.replace(",", "")) > 0, f"{case}: no server CPU read\n{result.stdout}"
+        if case != "the dispatcher's move":
+            assert f"{case} / the dispatcher's move" in result.stdout, result.stdout
+    assert "server: PostgreSQL" in result.stdout, result.stdout
 
 
 @pytest.mark.timeout(110)
