@@ -20,6 +20,24 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
+def scheduled_cpu_s(pid: int) -> float | None:
+    """CPU seconds process ``pid`` has run so far, to the nanosecond (``/proc/PID/schedstat``:
+    a short statement's cost is far below ``/proc/PID/stat``'s clock tick); None if it is gone
+    or not this machine's."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
+    except OSError:
+        return None
+
+
+def command_name(pid: int) -> str | None:
+    """Process ``pid``'s command name (``/proc/PID/comm``); None if there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
 def pids_named(*names: str) -> list[int]:
     """Pids of the processes whose command name (``/proc/PID/comm``) is one of ``names``."""
     found = []

@@ -44,11 +44,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 # The bench directory is not a package: `python bench/server_cost.py` puts it on sys.path.
 from arguments import add_common_arguments
+from cpu import command_name, scheduled_cpu_s
 from peer_drivers.job import TABLES_DDL, payload_for, target_for
 from report import Results, print_table, write_json
 from rounds import Case, run_rounds
@@ -108,23 +108,14 @@ class ServerClock:
 
     def seconds(self) -> float:
         """The backends' CPU so far (this reader's own backend left out), in seconds."""
-        total_ns = 0
-        for pid in self.admin.execute(BACKENDS).scalars():
-            try:
-                fields = Path(f"/proc/{pid}/schedstat").read_text().split()
-            except OSError:
-                continue  # exited since the query: its work is not in the stages measured
-            total_ns += int(fields[0])
-        return total_ns / 1e9
+        # A backend that exited since the query took its work with it: not in the stages.
+        spent = (scheduled_cpu_s(pid) for pid in self.admin.execute(BACKENDS).scalars())
+        return sum(seconds for seconds in spent if seconds is not None)
 
     def check_local(self) -> None:
         """Exit with a clear message unless this server's backends are this machine's."""
         pid = self.admin.execute(text("SELECT pg_backend_pid()")).scalar_one()
-        try:
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            comm = ""
-        if comm != "postgres":
+        if command_name(pid) != "postgres":
             raise ServerNotLocal(
                 "server_cost.py reads the server's CPU from /proc: --url must name a PostgreSQL "
                 f"server running on this machine (backend pid {pid} is not a local postgres)"

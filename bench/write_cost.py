@@ -42,12 +42,12 @@ import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import psycopg
 
 # The bench directory is not a package: `python bench/write_cost.py` puts it on sys.path.
 from arguments import add_common_arguments
+from cpu import command_name, scheduled_cpu_s
 from report import Results, print_table, write_json
 from rounds import Case, run_rounds
 from sqlalchemy import make_url
@@ -161,13 +161,13 @@ def _libpq(url: str) -> str:
 
 def _backend_cpu_s(conn: psycopg.Connection) -> float:
     pid = conn.info.backend_pid
-    try:
-        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
-    except OSError:
+    seconds = scheduled_cpu_s(pid)
+    if seconds is None or command_name(pid) != "postgres":
         raise SystemExit(
             "write_cost.py reads the server's CPU from /proc: --url must name a PostgreSQL "
-            f"server running on this machine (backend pid {pid} is not a local process)"
-        ) from None
+            f"server running on this machine (backend pid {pid} is not a local postgres)"
+        )
+    return seconds
 
 
 def _sent_operations(conn: psycopg.Connection, count: int, *, plain: bool) -> list[uuid.UUID]:
