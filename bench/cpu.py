@@ -40,14 +40,8 @@ def command_name(pid: int) -> str | None:
 
 def pids_named(*names: str) -> list[int]:
     """Pids of the processes whose command name (``/proc/PID/comm``) is one of ``names``."""
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if (entry / "comm").read_text().strip() in names:
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
+    pids = (int(entry.name) for entry in Path("/proc").glob("[0-9]*"))
+    return [pid for pid in pids if command_name(pid) in names]
 
 
 def machine_busy_s() -> tuple[float, float]:

@@ -50,8 +50,9 @@ from arguments import add_common_arguments
 from cpu import command_name, scheduled_cpu_s
 from report import Results, print_table, write_json
 from rounds import Case, run_rounds
-from sqlalchemy import make_url
 from throwaway import server_settings, sigterm_as_interrupt, throwaway_database
+
+from outbox.urls import libpq_url
 
 #: Operations moved first on every case's connection, unmeasured: the statement prepared
 #: (psycopg prepares one on its fifth run) and the catalog caches filled.
@@ -78,12 +79,12 @@ WITH_EVENT = (
 )
 #: As ``outbox.sql.moves`` builds a confirmed outcome: the move, its event, and a NOTIFY on the
 #: settled channel only while someone waits for the operation.
-DISPATCHER_MOVE = (
-    f"WITH moved AS ({_UPDATE} {_RETURNED}), logged AS ({_EVENT})"
+_SETTLED = (
     " SELECT moved.*, (SELECT pg_notify('outbox_settled', CAST(moved.id AS text)) FROM moved"
     " WHERE EXISTS (SELECT FROM outbox.waiters AS w WHERE w.operation_id = moved.id))"
     " AS notified FROM moved"
 )
+DISPATCHER_MOVE = f"WITH moved AS ({_UPDATE} {_RETURNED}), logged AS ({_EVENT}){_SETTLED}"
 #: A design sketch, not ours: the live queues' indexes on a narrow table of their own, so
 #: that the operation's row has no index on a column a move changes and its UPDATE can be
 #: heap-only (HOT: no index entry written); the queue row moves in the same statement.
@@ -99,10 +100,10 @@ _QUEUE_FILL = (
     "INSERT INTO outbox.bench_queue SELECT id, state, sent_at FROM outbox.operations"
     " WHERE state = 'sent' ON CONFLICT DO NOTHING",
 )
-QUEUE_MOVE = DISPATCHER_MOVE.replace(
-    "), logged AS (",
-    "), queued AS (UPDATE outbox.bench_queue SET state = 'resolved', at = statement_timestamp()"
-    " WHERE operation_id = %(id)s), logged AS (",
+QUEUE_MOVE = (
+    f"WITH moved AS ({_UPDATE} {_RETURNED}),"
+    " queued AS (UPDATE outbox.bench_queue SET state = 'resolved', at = statement_timestamp()"
+    f" WHERE operation_id = %(id)s), logged AS ({_EVENT}){_SETTLED}"
 )
 PLAIN_UPDATE = "UPDATE bench_plain SET state = 'confirmed', n = n + 1 WHERE id = %(id)s"
 
@@ -155,10 +156,6 @@ CASES = (
 REFERENCE = "the dispatcher's move"
 
 
-def _libpq(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
 def _backend_cpu_s(conn: psycopg.Connection) -> float:
     pid = conn.info.backend_pid
     seconds = scheduled_cpu_s(pid)
@@ -205,8 +202,9 @@ def _move_all(conn: psycopg.Connection, case: WriteCase, ids: Sequence[uuid.UUID
 
 def measure(url: str, case: WriteCase, ops: int) -> float:
     """The server CPU ``case``'s statement used per operation, µs (on a new database)."""
-    with throwaway_database(url) as db_url, psycopg.connect(_libpq(db_url)) as conn:
+    with throwaway_database(url) as db_url, psycopg.connect(libpq_url(db_url)) as conn:
         conn.autocommit = True
+        _backend_cpu_s(conn)  # a server elsewhere is refused before any setup
         conn.execute("SET synchronous_commit = on")
         if case.plain:
             conn.execute("CREATE TABLE bench_plain (id uuid PRIMARY KEY, state text, n int)")
@@ -250,7 +248,7 @@ def main() -> int:
         run_rounds(args.rounds, cases(args.url, args.ops), results)
     for case in CASES:
         if case.name != REFERENCE:
-            results.ratio(f"{case.name} / the dispatcher's move", case.name, REFERENCE)
+            results.ratio(f"{case.name} / {REFERENCE}", case.name, REFERENCE)
     results.note(
         f"{args.ops} writes per case and round, one connection, autocommit unless stated; "
         "medians over rounds, ratios within each round; CPU from /proc/PID/schedstat."
