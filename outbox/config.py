@@ -118,7 +118,9 @@ class Settings(BaseSettings):
             "message in between: on the database broker in the outbox's own database always "
             "(the relay stands by), on RabbitMQ too (a worker waiting for work is left a fresh "
             "row for 0.2 s; one carrying a backlog, several per message, and the relay stands "
-            "by); false: every operation goes through the relay's message."
+            "by); false: every operation goes through the relay's message (the worker says so "
+            "in outbox.relays, and a relay standing by for others publishes what they left "
+            "for 0.2 s)."
         ),
     )
     lookup_lease: Seconds = Field(

@@ -105,7 +105,8 @@ class RelayConfig:
     #: While a worker takes due operations directly (database broker, :mod:`outbox.workers.direct`;
     #: a RabbitMQ worker whose flag is down, carrying a backlog, :mod:`outbox.workers.listening`),
     #: the relay stands by: it claims a row never published only once it has been due this
-    #: long (nobody took it: a worker that does not take directly waits for its message).
+    #: long (nobody took it). While a worker that takes only messages lives
+    #: (:mod:`outbox.workers.message_only`), ``defer_to_takers_s`` instead: it would wait.
     standby_hold_back_s: float = 10.0
     #: While a RabbitMQ worker that takes due operations directly waits for work
     #: (:mod:`outbox.workers.listening`), a row never published is left to it this long after
@@ -148,6 +149,8 @@ class Relay:
         self.standing_by = False
         #: Whether a RabbitMQ worker waits for work, taking fresh rows itself.
         self.deferring = False
+        #: Whether a worker that takes only messages lives (then standing by is brief).
+        self.consumers = False
         self._takers_checked_at: float | None = None
 
     def run_once(self) -> RelayResult:
@@ -163,7 +166,7 @@ class Relay:
                 conn,
                 limit=self.config.batch_size,
                 republish_after_s=self.config.republish_after_s,
-                hold_back_s=self.config.standby_hold_back_s if self.standing_by else 0.0,
+                hold_back_s=self._hold_back_s(),
                 defer_to_takers_s=self.config.defer_to_takers_s,
                 takers_heartbeat_within_s=3 * self.config.heartbeat_s,
             )
@@ -179,6 +182,17 @@ class Relay:
             sql.relay.unmark_published(conn, [c for c in claimed if c.id not in confirmed])
         faults.point("relay_after_commit")
         return RelayResult(len(claimed), sum(1 for c in claimed if c.id in confirmed))
+
+    def _hold_back_s(self) -> float:
+        """How long a row never published is left to the workers that take directly: not at
+        all while none lives; ``standby_hold_back_s`` while one does, unless a worker that
+        takes only messages lives too (it would wait that long for every row the takers did
+        not reach): then ``defer_to_takers_s``."""
+        if not self.standing_by:
+            return 0.0
+        if self.consumers:
+            return self.config.defer_to_takers_s
+        return self.config.standby_hold_back_s
 
     def _publish(self, conn: Connection, messages: Sequence[OutboundMessage]) -> set[UUID]:
         """In the claim's transaction if the publisher can (one commit fewer, and a message
@@ -303,6 +317,16 @@ class Relay:
             else:
                 _log_mode("claiming at once: no worker takes directly", "claiming")
         self.standing_by = standing_by
+        if seen.consumers != self.consumers:
+            if seen.consumers:
+                _log_mode(
+                    "sees a worker that takes only messages: standing by, it leaves rows to "
+                    f"the others for {self.config.defer_to_takers_s:g}s only",
+                    "consumers",
+                )
+            else:
+                _log_mode("sees no worker that takes only messages", "no_consumers")
+            self.consumers = seen.consumers
 
     @staticmethod
     def _log(result: RelayResult) -> None:

@@ -3,7 +3,7 @@
 # ruff: noqa: E501
 
 #: The SHA-256 of outbox/config.py the copy was made from.
-CONFIG_SHA256 = "7c8a6e96ab8a881a96c73f1eea6ccd9e092752ec7bd7786dd8623dde81da18ed"
+CONFIG_SHA256 = "10d78b9033b34be5724d4907360eb86b7c26e09635e9dc2044d7d4bdfb8911e2"
 
 #: :func:`outbox.cli.output.environment_help` as it was then.
 TEXT = "\n\n".join(
@@ -19,7 +19,7 @@ TEXT = "\n\n".join(
         "`OUTBOX_SENT_MAX_AGE` (default: 3600): A `sent` row still locked by its dispatcher after this goes to a human.",
         "`OUTBOX_SWEEP_INTERVAL` (default: 15): Seconds between sweeps.",
         "`OUTBOX_BROKER_POLL_INTERVAL` (default: 5): On the database broker: seconds between a worker's polls of its empty queues; a publish wakes it at once (LISTEN/NOTIFY), the poll only covers a lost notification.",
-        "`OUTBOX_BROKER_DIRECT_TAKE` (default: true): Workers take due operations from the outbox themselves, without the relay's message in between: on the database broker in the outbox's own database always (the relay stands by), on RabbitMQ too (a worker waiting for work is left a fresh row for 0.2 s; one carrying a backlog, several per message, and the relay stands by); false: every operation goes through the relay's message.",
+        "`OUTBOX_BROKER_DIRECT_TAKE` (default: true): Workers take due operations from the outbox themselves, without the relay's message in between: on the database broker in the outbox's own database always (the relay stands by), on RabbitMQ too (a worker waiting for work is left a fresh row for 0.2 s; one carrying a backlog, several per message, and the relay stands by); false: every operation goes through the relay's message (the worker says so in outbox.relays, and a relay standing by for others publishes what they left for 0.2 s).",
         "`OUTBOX_LOOKUP_LEASE` (default: 60): An `unknown` row the sweep sent to a lookup is not routed again for this long; on the database broker (no redelivery) a lost lookup message delays that operation by up to this.",
         "`OUTBOX_REPUBLISH_AFTER` (default: 30): A published `planned` row is published again after this.",
         "`OUTBOX_OPS_PER_MESSAGE` (default: 8): Operations one dispatch message may name (each still gets its own lock and attempt); a batch is still spread over at least 16 messages when it can be.",

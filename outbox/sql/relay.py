@@ -441,6 +441,10 @@ TAKER_PREFIX = "taker:"
 #: fresh rows to it for a moment; while it is down (the worker carries a backlog, taking as its
 #: slots free) a relay stands by, as for a database broker's taker.
 LISTENING_TAKER_PREFIX = "listening-taker:"
+#: The name prefix of a worker's row that takes nothing directly, only the relay's messages
+#: (:mod:`outbox.workers.message_only`): while one lives, a relay standing by for the takers
+#: claims what they left untaken for a moment, not for ``standby_hold_back_s``.
+CONSUMER_PREFIX = "consumer:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,6 +457,9 @@ class Takers:
     #: A RabbitMQ worker's flag is up (it waits for work, heartbeat lately): the relay leaves
     #: fresh rows to it.
     waiting: bool
+    #: A worker that takes only messages lives (heartbeat lately): a relay standing by does
+    #: not make it wait long.
+    consumers: bool = False
 
 
 # A flag counts while its heartbeat is fresh and the session that wrote it is still there
@@ -461,7 +468,8 @@ _TAKERS = text(
     """
     SELECT coalesce(bool_or(name LIKE 'taker:%' OR (name LIKE 'listening-taker:%' AND NOT idle)),
                     false),
-           coalesce(bool_or(name LIKE 'listening-taker:%' AND idle), false)
+           coalesce(bool_or(name LIKE 'listening-taker:%' AND idle), false),
+           coalesce(bool_or(name LIKE 'consumer:%'), false)
     FROM outbox.relays
     WHERE heartbeat_at > clock_timestamp() - make_interval(secs => :fresh)
       AND (backend_pid IS NULL OR EXISTS (SELECT FROM pg_stat_get_activity(backend_pid)))
@@ -472,8 +480,8 @@ _TAKERS = text(
 def takers(executor: Executor, *, heartbeat_within_s: float) -> Takers:
     """Which workers take directly, one look: a flag counts while its heartbeat is within
     ``heartbeat_within_s`` and the database session that wrote it is still open."""
-    live, waiting = executor.execute(_TAKERS, {"fresh": heartbeat_within_s}).one()
-    return Takers(bool(live), bool(waiting))
+    live, waiting, consumers = executor.execute(_TAKERS, {"fresh": heartbeat_within_s}).one()
+    return Takers(bool(live), bool(waiting), bool(consumers))
 
 
 # A RabbitMQ worker whose last slot filled (its flag just went down) rings the relays: one that

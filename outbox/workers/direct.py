@@ -45,7 +45,7 @@ from outbox.db import database_url
 from outbox.relay import OutboundMessage
 from outbox.tools import REGISTRY
 from outbox.tools.registry import ToolRegistry
-from outbox.workers import dbbroker, dispatch, handoff, listening, runtime
+from outbox.workers import dbbroker, dispatch, handoff, listening, message_only, runtime
 from outbox.workers.app import broker_url, uses_database_broker
 from outbox.workers.dbbroker import DirectTake
 from outbox.workers.locking import Found, SentAtLock, discard
@@ -240,6 +240,7 @@ def _take_directly(sender: Any = None, **_: object) -> None:
     database_broker, other_broker = applies(settings), applies_listening(settings)
     dbbroker.take_directly(None)
     listening.take_directly(None)
+    message_only.announce_as(None)
     in_process = runs_tasks_in_process(sender.pool_cls)
     handoff.start(handoff.Handoffs() if in_process and (database_broker or other_broker) else None)
     if database_broker:
@@ -267,6 +268,13 @@ def _take_directly(sender: Any = None, **_: object) -> None:
         )
         # Run by the worker's consumer on its event loop (added before the consumer is built).
         app.steps["consumer"].add(listening.TakeDirectly)
+    else:
+        # It takes only the relay's messages: a relay standing by for takers must not make
+        # it wait (outbox.workers.message_only).
+        message_only.announce_as(
+            message_only.MessageOnly(dispatch_queue(app), taker_name(sql.relay.CONSUMER_PREFIX))
+        )
+        app.steps["consumer"].add(message_only.Announce)
 
 
 @worker_shutdown.connect  # type: ignore[untyped-decorator]

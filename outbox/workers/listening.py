@@ -28,7 +28,8 @@ whenever a slot is free, up to ``ops_per_message`` operations in one message, wo
 tasks settling (their ack reaches :class:`NoBroker`, which tells the loop) and looking every
 :data:`BUSY_CHECK_S` for slots that messages from the broker held; a relay that sees a flag
 down stands by as for a database broker's taker (it claims only rows left untaken
-``standby_hold_back_s``, 10 s: a worker that does not take directly still gets them). The flag
+``standby_hold_back_s``, 10 s; 0.2 s while a worker that takes only messages lives,
+:mod:`outbox.workers.message_only`). The flag
 goes up again once a take finds nothing and none found any for :data:`BUSY_GRACE_S`.
 
 Crash safety is the database broker's: a row stamped by a worker that died before its task ran
@@ -588,14 +589,14 @@ class TakeDirectly(bootsteps.StartStopStep):  # type: ignore[misc]
         """Start taking on ``hub`` (the consumer's loop just started)."""
         source = _source
         self.stop(c)
-        if source is None or not _consumes(c, source.queue):
+        if source is None or not consumes(c, source.queue):
             return
         events = getattr(c, "event_dispatcher", None)
         taker = ListeningTaker(
             source,
             deliver=c.create_task_handler(),
             has_free_slot=free_slot(c.pool),
-            engine=_engine(),
+            engine=flag_engine(),
             capture=Capture(forward=task_sent_forwarder(events), channel=NoBroker(self._settled)),
         )
         self.loop = Loop(taker, hub)
@@ -618,7 +619,7 @@ class TakeDirectly(bootsteps.StartStopStep):  # type: ignore[misc]
         self.stop(c)
 
 
-def _consumes(c: Any, queue: str) -> bool:
+def consumes(c: Any, queue: str) -> bool:
     """Whether consumer ``c`` consumes ``queue`` (a worker of other queues takes nothing)."""
     consumer = getattr(c, "task_consumer", None)
     return consumer is not None and any(q.name == queue for q in consumer.queues)
@@ -649,8 +650,9 @@ def task_sent_forwarder(events: Any) -> Callable[..., Any] | None:
 _engines: dict[str, Engine] = {}
 
 
-def _engine() -> Engine:
-    """The engine of the LISTEN connections: its own (no pool, nothing a fork could share)."""
+def flag_engine() -> Engine:
+    """The engine of a worker's LISTEN and flag connections: its own (no pool, nothing a fork
+    could share)."""
     from outbox.config import get_settings  # noqa: PLC0415 -- read when the worker starts
     from outbox.db import database_url  # noqa: PLC0415
 
