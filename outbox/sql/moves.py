@@ -45,7 +45,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, INTERVAL, JSONB, TIMESTAMP
 from sqlalchemy.dialects.postgresql import UUID as PG_UUID
-from sqlalchemy.sql.expression import Grouping
+from sqlalchemy.sql.expression import FromClause, Grouping
 
 from outbox.driver import DriverStatement
 from outbox.models import Executor, Operation
@@ -240,26 +240,33 @@ def _dispatch_lock() -> Any:
     return columns.cte("lk").prefix_with("MATERIALIZED")
 
 
-def _send_terms() -> list[ColumnElement[bool]]:
-    """The checks a dispatcher makes before a send, as conditions on the row (the ones it
-    makes in Python, ``outbox.workers.dispatch._ready_to_send``, in the same order): its
-    tool among :class:`SendTerms`' tools, under that tool's ``max_attempts`` (attempts since
-    the budget's base), not awaiting an approval it lacks (first attempt only), and due. The
-    replay deadline is the `sent` move's own condition. A worker's direct take writes the
-    same conditions in SQL (``outbox.sql.relay``'s ``moved`` step): change both together
-    (tests/integration/test_sent_at_lock.py and test_handoff.py refuse each in each)."""
-    o = operations.c
-    tools = bindparam("send_tools", type_=ARRAY(Text))
+def send_conditions(table: FromClause = operations) -> list[ColumnElement[bool]]:
+    """The checks a dispatcher makes before a send, as conditions on the row of ``table``
+    (the ones it makes in Python, ``outbox.workers.dispatch._ready_to_send``, in the same
+    order): its tool among :class:`SendTerms`' tools, under that tool's ``max_attempts``
+    (attempts since the budget's base), not awaiting an approval it lacks (first attempt
+    only), and due. The replay deadline is the `sent` move's own condition. A worker's direct
+    take makes the same `sent` move in its own statement (``outbox.sql.relay``'s ``moved``
+    step, written out: no SQL is built from strings), and these conditions rendered on
+    ``outbox.operations AS o`` must appear there word for word
+    (tests/unit/test_sql_in_one_place.py; tests/integration/test_sent_at_lock.py and
+    test_handoff.py refuse each in each)."""
+    o = table.c
+    # Each array an explicit CAST of an untyped parameter: the same SQL whether compiled for
+    # the driver (``%(x)s``) or for a text statement (``:x``, where a ``::`` cast right after
+    # the name would hide it from SQLAlchemy's parser).
+    tools = cast(bindparam("send_tools"), ARRAY(Text))
     at = func.array_position(tools, o.tool)
-    # Parenthesised: PostgreSQL reads a subscript after ``%(x)s::INTEGER[]`` as more array
-    # dimensions of the cast.
-    max_attempts = Grouping(bindparam("send_max_attempts", type_=ARRAY(Integer)))[at]
-    approval = Grouping(bindparam("send_approval", type_=ARRAY(Boolean)))[at]
+    # Parenthesised: PostgreSQL reads no subscript right after a CAST(...).
+    max_attempts = Grouping(cast(bindparam("send_max_attempts"), ARRAY(Integer)))[at]
+    approval = Grouping(cast(bindparam("send_approval"), ARRAY(Boolean)))[at]
     return [
         at.is_not(None),
         o.attempts - o.attempt_budget_base < max_attempts,
         not_(
-            approval & (o.attempts == 0) & o.approved_payload_hash.is_distinct_from(o.payload_hash)
+            approval
+            & (o.attempts == literal_column("0", Integer))
+            & o.approved_payload_hash.is_distinct_from(o.payload_hash)
         ),
         o.available_at <= func.clock_timestamp(),
     ]
@@ -290,7 +297,7 @@ def _move_statement(shape: MoveShape) -> DriverStatement:
         # statement's snapshot (the lock's previous holder's last move) is read again at
         # its newest version, the conditions tested on it (READ COMMITTED's recheck).
         conditions.insert(0, select(lock.c.taken).scalar_subquery())
-        conditions.extend(_send_terms())
+        conditions.extend(send_conditions())
     if shape.guarded:
         # First, a condition on no column (a one-time filter, run before the row is read):
         # the function takes the cap's lock and reads on snapshots of its own, after it.

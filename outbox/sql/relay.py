@@ -125,9 +125,9 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
         FROM claimed AS c WHERE :lock AND c.lock_key IS NOT NULL
     ), moved AS (
         -- :send (a take that locks): the `sent` move once the lock is held, if every check a
-        -- dispatcher makes before a send that the database can hold passes (the terms of
-        -- outbox.sql.moves' move at the lock: change both together). The claim holds the
-        -- row's newest version.
+        -- dispatcher makes before a send that the database can hold passes: the terms of
+        -- outbox.sql.moves' move at the lock (send_conditions), word for word as they render
+        -- (tests/unit/test_sql_in_one_place.py). The claim holds the row's newest version.
         UPDATE outbox.operations AS o
         SET state = 'sent', attempts = o.attempts + 1, updated_at = statement_timestamp(),
             sent_at = statement_timestamp(),
@@ -135,11 +135,11 @@ _CLAIM_AND_MARK_DUE = DriverStatement.of(
         FROM claimed AS cl JOIN lk ON lk.id = cl.id
         WHERE :send AND lk.taken AND o.ctid = cl.row_ctid AND o.id = cl.id
           AND o.state = 'planned'
-          AND array_position(CAST(:send_tools AS text[]), o.tool) IS NOT NULL
-          AND o.attempts - o.attempt_budget_base < (CAST(:send_max_attempts AS integer[]))[
-                array_position(CAST(:send_tools AS text[]), o.tool)]
-          AND NOT ((CAST(:send_approval AS boolean[]))[
-                     array_position(CAST(:send_tools AS text[]), o.tool)]
+          AND array_position(CAST(:send_tools AS TEXT[]), o.tool) IS NOT NULL
+          AND o.attempts - o.attempt_budget_base < (CAST(:send_max_attempts AS INTEGER[]))[
+                array_position(CAST(:send_tools AS TEXT[]), o.tool)]
+          AND NOT ((CAST(:send_approval AS BOOLEAN[]))[
+                     array_position(CAST(:send_tools AS TEXT[]), o.tool)]
                    AND o.attempts = 0
                    AND o.approved_payload_hash IS DISTINCT FROM o.payload_hash)
           AND o.available_at <= clock_timestamp()

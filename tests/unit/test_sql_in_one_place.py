@@ -15,8 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import TextClause, and_
+from sqlalchemy.dialects.postgresql.base import PGDialect
 
 from outbox import sql
+from outbox.schema import operations
 from outbox.sql.columns import OPERATION_COLUMNS
 from outbox.states import TERMINAL_STATES
 
@@ -252,6 +255,22 @@ def test_the_locked_read_selects_the_operation_columns_in_order() -> None:
     # The take that locks reads the row the same way (outbox.sql.relay).
     taken = "coalesce(lk.taken, false) AS taken, "
     assert f"{taken}{columns}, " in _flat(sql.relay._CLAIM_AND_MARK_DUE.sql)
+
+
+def _tight(statement: str) -> str:
+    """``statement`` flattened, without the spaces a line break leaves inside brackets."""
+    return re.sub(r"([(\[]) | (?=[)\]])", r"\1", _flat(statement))
+
+
+def test_the_take_that_sends_checks_the_dispatcher_s_send_terms_word_for_word() -> None:
+    """The take's `sent` move (outbox.sql.relay, written out) holds the conditions of the
+    dispatcher's move at the lock (outbox.sql.moves.send_conditions) exactly as SQLAlchemy
+    renders them on ``outbox.operations AS o``: one definition, the other checked against it."""
+    named = PGDialect(paramstyle="named")  # type: ignore[no-untyped-call]  # untyped upstream
+    rendered = and_(*sql.moves.send_conditions(operations.alias("o"))).compile(dialect=named)
+    take = sql.relay._CLAIM_AND_MARK_DUE.clause
+    assert isinstance(take, TextClause)
+    assert _tight(str(rendered)) in _tight(take.text)
 
 
 def test_the_broker_statement_names_the_broker_table() -> None:
