@@ -42,7 +42,7 @@ from outbox.workers.listening import (
     task_sent_forwarder,
 )
 from outbox.workers.publish import CeleryPublisher
-from tests.processes import wait_until
+from tests.processes import wait_for_session_end
 
 REPUBLISH_AFTER_S = 30.0
 DEFER_S = 0.2
@@ -596,14 +596,7 @@ def test_a_flag_whose_session_ended_counts_no_more(engine: Engine) -> None:
         worker_conn.invalidate()  # the socket closes, as a SIGKILLed process's does
         worker_conn.close()
 
-    def ended() -> bool:
-        with engine.connect() as conn:
-            found = conn.execute(
-                text("SELECT count(*) FROM pg_stat_get_activity(:pid)"), {"pid": backend}
-            ).scalar_one()
-        return bool(found == 0)
-
-    wait_until(ended, timeout=10.0, interval=0.05, what="the worker's session ended")
+    wait_for_session_end(engine, backend)
     with engine.connect() as conn:
         assert not sql.relay.takers(conn, heartbeat_within_s=30).waiting
     assert _relay_claim(engine, defer_s=30.0) == [op_id]

@@ -24,7 +24,7 @@ from outbox.workers.app import DISPATCH_TASK, task_queues
 from outbox.workers.direct import dispatch_queue, taker_name
 from outbox.workers.message_only import Announce, Announcer, MessageOnly
 from outbox.workers.publish import CeleryPublisher
-from tests.processes import wait_until
+from tests.processes import wait_for_session_end, wait_until
 
 
 @pytest.fixture
@@ -126,14 +126,7 @@ def test_a_row_whose_session_ended_counts_no_more(engine: Engine) -> None:
         worker_conn.invalidate()  # the socket closes, as a SIGKILLed process's does
         worker_conn.close()
 
-    def ended() -> bool:
-        with engine.connect() as conn:
-            found = conn.execute(
-                text("SELECT count(*) FROM pg_stat_get_activity(:pid)"), {"pid": backend}
-            ).scalar_one()
-        return bool(found == 0)
-
-    wait_until(ended, timeout=10.0, interval=0.05, what="the worker's session ended")
+    wait_for_session_end(engine, backend)
     assert not _consumers(engine)
 
 
