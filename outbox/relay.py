@@ -284,11 +284,13 @@ class Relay:
         if self.standing_by:
             # The workers take due rows themselves: the flag down (enqueue rings the
             # workers'), a poll now and then, and a ring for them if a row became due that
-            # no commit rang for (a backoff ended).
+            # no commit rang for (a backoff ended). A worker's ring on the relays' channel
+            # (one that takes only messages started or stopped, a flag went down) makes it
+            # look at the flags again at once, not a heartbeat interval later.
             bell.announce(idle=False)
             bell.ring_takers()
-            self._stop.wait(self.config.poll_interval_s)
-            bell.drain()
+            if bell.relays_rung_within(self.config.poll_interval_s):
+                self._takers_checked_at = None
             return True
         return False
 
@@ -457,9 +459,20 @@ class _Bell:
         poll only every few seconds; a backoff's end rings nothing)."""
         sql.relay.ring_if_due_unpublished(self._connection())
 
-    def drain(self) -> None:
-        """Forget the bells rung meanwhile (a relay standing by does not wait on them)."""
-        _drained(self._connection().connection.driver_connection, 0.0)
+    def relays_rung_within(self, timeout_s: float) -> bool:
+        """Wait ``timeout_s`` (stop ends it early), or less if a worker rings the relays'
+        channel: whether one did. Enqueue's bells rung meanwhile are forgotten (a relay
+        standing by does not wait on them)."""
+        listener = self._connection().connection.driver_connection
+        deadline = time.monotonic() + timeout_s
+        while not self._stop.is_set():
+            remaining = deadline - time.monotonic()
+            slice_s = max(min(remaining, _STOP_CHECK_S), 0.0)
+            if _relays_rang(listener, slice_s):
+                return True
+            if remaining <= 0:
+                break
+        return False
 
     def any_due_unpublished(self) -> bool:
         """Whether some due row was never published (checked after raising the flag)."""
@@ -498,6 +511,13 @@ class _Bell:
             conn.invalidate()
         finally:
             conn.close()
+
+
+def _relays_rang(listener: Any, timeout_s: float) -> bool:
+    """Whether a ring on the relays' channel came within ``timeout_s`` (it returns at the
+    first); the rings received until then, enqueue's included, are consumed."""
+    rings = listener.notifies(timeout=timeout_s)
+    return any(ring.channel == sql.notify.RELAY_CHANNEL for ring in rings)
 
 
 def _drained(listener: Any, timeout_s: float) -> bool:

@@ -173,6 +173,36 @@ def test_a_relay_sees_a_message_only_worker_come_and_go(
         runner.join(10)
 
 
+def test_a_relay_standing_by_sees_a_message_only_worker_come_and_go_at_once(
+    engine: Engine, own_engine: Engine, rabbitmq_app: Celery
+) -> None:
+    """Standing by, a relay looks at the flags only once a heartbeat interval (60 s here):
+    the worker's ring as it writes its row, and as it removes it, makes the relay look at
+    once. (Without the rings this waits out the heartbeat interval and fails.)"""
+    taker = taker_name(sql.relay.TAKER_PREFIX)
+    publisher = CeleryPublisher(rabbitmq_app, engine=engine)
+    relay = Relay(engine, publisher, RelayConfig(poll_interval_s=0.5, heartbeat_s=60.0))
+    runner = threading.Thread(target=relay.run_forever)
+    runner.start()
+    announcer = Announcer(own_engine, taker_name(sql.relay.CONSUMER_PREFIX))
+    try:
+        with engine.begin() as conn:  # a taker lives: the relay stands by
+            sql.relay.announce_relay(conn, taker, pid=1, host="h", idle=False)
+        wait_until(lambda: relay.standing_by, timeout=10.0, interval=0.05, what="standing by")
+        assert not relay.consumers
+        announcer.start()
+        wait_until(lambda: relay.consumers, timeout=5.0, interval=0.05, what="seen at once")
+        announcer.stop()
+        wait_until(lambda: not relay.consumers, timeout=5.0, interval=0.05, what="gone at once")
+        assert relay.standing_by
+    finally:
+        announcer.stop()
+        relay.stop()
+        runner.join(10)
+        with engine.begin() as conn:
+            sql.relay.forget_relay(conn, taker)
+
+
 @pytest.fixture
 def rabbitmq_app(rabbitmq_url: str) -> Celery:
     """A Celery app on RabbitMQ with a deployment's queues of its own."""
