@@ -284,12 +284,12 @@ class Relay:
         if self.standing_by:
             # The workers take due rows themselves: the flag down (enqueue rings the
             # workers'), a poll now and then, and a ring for them if a row became due that
-            # no commit rang for (a backoff ended). A worker's ring on the relays' channel
-            # (one that takes only messages started or stopped, a flag went down) makes it
-            # look at the flags again at once, not a heartbeat interval later.
+            # no commit rang for (a backoff ended). A worker that takes only messages rings
+            # as it starts and stops: then it looks at the flags again at once, not a
+            # heartbeat interval later (outbox.workers.message_only).
             bell.announce(idle=False)
             bell.ring_takers()
-            if bell.relays_rung_within(self.config.poll_interval_s):
+            if bell.consumer_rung_within(self.config.poll_interval_s):
                 self._takers_checked_at = None
             return True
         return False
@@ -459,16 +459,17 @@ class _Bell:
         poll only every few seconds; a backoff's end rings nothing)."""
         sql.relay.ring_if_due_unpublished(self._connection())
 
-    def relays_rung_within(self, timeout_s: float) -> bool:
-        """Wait ``timeout_s`` (stop ends it early), or less if a worker rings the relays'
-        channel: whether one did. Enqueue's bells rung meanwhile are forgotten (a relay
-        standing by does not wait on them)."""
+    def consumer_rung_within(self, timeout_s: float) -> bool:
+        """Wait ``timeout_s`` (stop ends it early), or less if a worker that takes only
+        messages rings the relays' channel: whether one did. Every other ring meanwhile
+        (enqueue's bell, a taker's flag going down) is forgotten: a relay standing by does
+        not wait on them."""
         listener = self._connection().connection.driver_connection
         deadline = time.monotonic() + timeout_s
         while not self._stop.is_set():
             remaining = deadline - time.monotonic()
             slice_s = max(min(remaining, _STOP_CHECK_S), 0.0)
-            if _relays_rang(listener, slice_s):
+            if _consumer_rang(listener, slice_s):
                 return True
             if remaining <= 0:
                 break
@@ -513,11 +514,14 @@ class _Bell:
             conn.close()
 
 
-def _relays_rang(listener: Any, timeout_s: float) -> bool:
-    """Whether a ring on the relays' channel came within ``timeout_s`` (it returns at the
-    first); the rings received until then, enqueue's included, are consumed."""
+def _consumer_rang(listener: Any, timeout_s: float) -> bool:
+    """Whether a message-only worker rang the relays' channel within ``timeout_s`` (it
+    returns at that ring); the rings received until then, of any kind, are consumed."""
     rings = listener.notifies(timeout=timeout_s)
-    return any(ring.channel == sql.notify.RELAY_CHANNEL for ring in rings)
+    return any(
+        ring.channel == sql.notify.RELAY_CHANNEL and ring.payload == sql.relay.CONSUMER_RING
+        for ring in rings
+    )
 
 
 def _drained(listener: Any, timeout_s: float) -> bool:

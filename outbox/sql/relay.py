@@ -485,13 +485,21 @@ def takers(executor: Executor, *, heartbeat_within_s: float) -> Takers:
 
 
 # A RabbitMQ worker whose last slot filled (its flag just went down) rings the relays: one that
-# left fresh rows to waiting workers looks again at once (outbox.workers.listening).
-_RING_RELAYS = text("SELECT pg_notify('outbox_relay', '')")
+# left fresh rows to waiting workers looks again at once (outbox.workers.listening). A worker
+# that takes only messages rings with CONSUMER_RING as its row comes and goes: a relay standing
+# by, which otherwise looks at the flags once a heartbeat interval, looks at once for that ring
+# alone (the takers' flags go up and down often through a flat run, and a relay that looked at
+# each of those rings claimed and published behind the takers' backs).
+_RING_RELAYS = text("SELECT pg_notify('outbox_relay', :why)")
+
+#: The payload of a message-only worker's ring on the relays' channel.
+CONSUMER_RING = "consumer"
 
 
-def ring_relays(executor: Executor) -> None:
-    """NOTIFY the relays' own channel (sent with the caller's commit: at once in autocommit)."""
-    executor.execute(_RING_RELAYS)
+def ring_relays(executor: Executor, *, why: str = "") -> None:
+    """NOTIFY the relays' own channel with payload ``why`` (sent with the caller's commit: at
+    once in autocommit)."""
+    executor.execute(_RING_RELAYS, {"why": why})
 
 
 # Rings enqueue's bell (the channel's name written out: see outbox.sql.notify) when some due

@@ -12,8 +12,9 @@ Such a worker now keeps a row of its own in ``outbox.relays`` (``consumer:`` nam
 idle: enqueue's bell is not for it), written when its consumer starts on a connection kept for
 the process's life and refreshed every :data:`HEARTBEAT_S` by a thread of its own. A relay
 standing by while one lives claims rows left untaken for ``defer_to_takers_s`` (0.2 s)
-instead. Writing the row (and removing it) rings the relays' channel, so that a relay standing
-by sees the worker come and go at once, not at its next look at the flags. As with the
+instead. Writing the row (and removing it) rings the relays' channel (payload
+``sql.relay.CONSUMER_RING``), so that a relay standing by sees the worker come and go at once,
+not at its next look at the flags. As with the
 takers' flags, the row counts only while its heartbeat is fresh and the session that wrote it
 is open: a worker killed with SIGKILL stops counting when its socket closes. A worker that does
 not consume the dispatch queue (``-Q lookup``, say) writes nothing.
@@ -99,7 +100,7 @@ class Announcer:
                 if arriving:
                     # A relay standing by looks at the flags only once a heartbeat interval:
                     # the ring makes it see this worker now.
-                    sql.relay.ring_relays(conn)
+                    sql.relay.ring_relays(conn, why=sql.relay.CONSUMER_RING)
             except (DBAPIError, psycopg.Error, OSError) as exc:
                 self._close()
                 wait_s = backoff.next_s()
@@ -123,7 +124,7 @@ class Announcer:
         try:
             if self._conn is not None:
                 sql.relay.forget_relay(self._conn, self.name)
-                sql.relay.ring_relays(self._conn)
+                sql.relay.ring_relays(self._conn, why=sql.relay.CONSUMER_RING)
         except (DBAPIError, psycopg.Error, OSError) as exc:
             log.warning("could not remove this worker's row: %s", describe_error(exc))
         finally:

@@ -234,7 +234,7 @@ def test_each_listen_names_its_channel() -> None:
     assert _flat(notify._LISTEN_RELAY.text) == f"LISTEN {notify.RELAY_CHANNEL}"
     assert _flat(notify._LISTEN_PLANNED_ONLY.text) == f"LISTEN {notify.PLANNED_CHANNEL}"
     assert _flat(notify._UNLISTEN_PLANNED_ONLY.text) == f"UNLISTEN {notify.PLANNED_CHANNEL}"
-    assert f"pg_notify('{notify.RELAY_CHANNEL}', '')" in sql.relay._RING_RELAYS.text
+    assert f"pg_notify('{notify.RELAY_CHANNEL}', :why)" in sql.relay._RING_RELAYS.text
     for rung in (
         sql.intents._INSERT_INTENT.sql,
         sql.intents._INSERT_INTENTS.text,
