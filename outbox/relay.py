@@ -285,11 +285,16 @@ class Relay:
             # The workers take due rows themselves: the flag down (enqueue rings the
             # workers'), a poll now and then, and a ring for them if a row became due that
             # no commit rang for (a backoff ended). A worker that takes only messages rings
-            # as it starts and stops: then it looks at the flags again at once, not a
-            # heartbeat interval later (outbox.workers.message_only).
+            # as it starts and stops: then it looks at the flags again after this poll, not
+            # a heartbeat interval later (outbox.workers.message_only). The rings are read
+            # once a poll, not as they come: the takers' flags go up and down often through
+            # a flat run, and waking for each of their rings doubled the relay's CPU. Enqueue's
+            # bell is not for it meanwhile.
             bell.announce(idle=False)
+            bell.hear_planned(False)
             bell.ring_takers()
-            if bell.consumer_rung_within(self.config.poll_interval_s):
+            self._stop.wait(self.config.poll_interval_s)
+            if bell.drain_for_consumer():
                 self._takers_checked_at = None
             return True
         return False
@@ -318,6 +323,8 @@ class Relay:
                 _log_mode("standing by: workers take due operations directly", "standing_by")
             else:
                 _log_mode("claiming at once: no worker takes directly", "claiming")
+                if not deferring:
+                    bell.hear_planned(True)  # it waits on enqueue's bell again
         self.standing_by = standing_by
         if seen.consumers != self.consumers:
             if seen.consumers:
@@ -459,21 +466,10 @@ class _Bell:
         poll only every few seconds; a backoff's end rings nothing)."""
         sql.relay.ring_if_due_unpublished(self._connection())
 
-    def consumer_rung_within(self, timeout_s: float) -> bool:
-        """Wait ``timeout_s`` (stop ends it early), or less if a worker that takes only
-        messages rings the relays' channel: whether one did. Every other ring meanwhile
-        (enqueue's bell, a taker's flag going down) is forgotten: a relay standing by does
-        not wait on them."""
-        listener = self._connection().connection.driver_connection
-        deadline = time.monotonic() + timeout_s
-        while not self._stop.is_set():
-            remaining = deadline - time.monotonic()
-            slice_s = max(min(remaining, _STOP_CHECK_S), 0.0)
-            if _consumer_rang(listener, slice_s):
-                return True
-            if remaining <= 0:
-                break
-        return False
+    def drain_for_consumer(self) -> bool:
+        """Read the rings received meanwhile (a relay standing by does not wait on them):
+        whether a worker that takes only messages rang, as it started or stopped."""
+        return _consumer_rang(self._connection().connection.driver_connection)
 
     def any_due_unpublished(self) -> bool:
         """Whether some due row was never published (checked after raising the flag)."""
@@ -514,14 +510,14 @@ class _Bell:
             conn.close()
 
 
-def _consumer_rang(listener: Any, timeout_s: float) -> bool:
-    """Whether a message-only worker rang the relays' channel within ``timeout_s`` (it
-    returns at that ring); the rings received until then, of any kind, are consumed."""
-    rings = listener.notifies(timeout=timeout_s)
-    return any(
-        ring.channel == sql.notify.RELAY_CHANNEL and ring.payload == sql.relay.CONSUMER_RING
-        for ring in rings
-    )
+def _consumer_rang(listener: Any) -> bool:
+    """Whether a message-only worker rang the relays' channel among the rings received so
+    far (every one of them, of any kind, is consumed; nothing is waited for)."""
+    rang = False
+    for ring in listener.notifies(timeout=0.0):
+        if ring.channel == sql.notify.RELAY_CHANNEL and ring.payload == sql.relay.CONSUMER_RING:
+            rang = True
+    return rang
 
 
 def _drained(listener: Any, timeout_s: float) -> bool:

@@ -487,9 +487,9 @@ def takers(executor: Executor, *, heartbeat_within_s: float) -> Takers:
 # A RabbitMQ worker whose last slot filled (its flag just went down) rings the relays: one that
 # left fresh rows to waiting workers looks again at once (outbox.workers.listening). A worker
 # that takes only messages rings with CONSUMER_RING as its row comes and goes: a relay standing
-# by, which otherwise looks at the flags once a heartbeat interval, looks at once for that ring
-# alone (the takers' flags go up and down often through a flat run, and a relay that looked at
-# each of those rings claimed and published behind the takers' backs).
+# by, which otherwise looks at the flags once a heartbeat interval, looks again after its poll
+# for that ring alone (the takers' flags go up and down often through a flat run: a relay that
+# looked again for each of their rings claimed and published behind their backs).
 _RING_RELAYS = text("SELECT pg_notify('outbox_relay', :why)")
 
 #: The payload of a message-only worker's ring on the relays' channel.

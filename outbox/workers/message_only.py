@@ -13,8 +13,8 @@ idle: enqueue's bell is not for it), written when its consumer starts on a conne
 the process's life and refreshed every :data:`HEARTBEAT_S` by a thread of its own. A relay
 standing by while one lives claims rows left untaken for ``defer_to_takers_s`` (0.2 s)
 instead. Writing the row (and removing it) rings the relays' channel (payload
-``sql.relay.CONSUMER_RING``), so that a relay standing by sees the worker come and go at once,
-not at its next look at the flags. As with the
+``sql.relay.CONSUMER_RING``), so that a relay standing by sees the worker come and go within
+its poll interval, not at its next look at the flags. As with the
 takers' flags, the row counts only while its heartbeat is fresh and the session that wrote it
 is open: a worker killed with SIGKILL stops counting when its socket closes. A worker that does
 not consume the dispatch queue (``-Q lookup``, say) writes nothing.

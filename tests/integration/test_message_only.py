@@ -173,12 +173,13 @@ def test_a_relay_sees_a_message_only_worker_come_and_go(
         runner.join(10)
 
 
-def test_a_relay_standing_by_sees_a_message_only_worker_come_and_go_at_once(
+def test_a_relay_standing_by_sees_a_message_only_worker_come_and_go_within_a_poll(
     engine: Engine, own_engine: Engine, rabbitmq_app: Celery
 ) -> None:
     """Standing by, a relay looks at the flags only once a heartbeat interval (60 s here):
-    the worker's ring as it writes its row, and as it removes it, makes the relay look at
-    once. (Without the rings this waits out the heartbeat interval and fails.)"""
+    the worker's ring as it writes its row, and as it removes it, makes the relay look again
+    after its poll (0.5 s). (Without the rings this waits out the heartbeat interval and
+    fails.)"""
     taker = taker_name(sql.relay.TAKER_PREFIX)
     publisher = CeleryPublisher(rabbitmq_app, engine=engine)
     relay = Relay(engine, publisher, RelayConfig(poll_interval_s=0.5, heartbeat_s=60.0))
@@ -191,9 +192,11 @@ def test_a_relay_standing_by_sees_a_message_only_worker_come_and_go_at_once(
         wait_until(lambda: relay.standing_by, timeout=10.0, interval=0.05, what="standing by")
         assert not relay.consumers
         announcer.start()
-        wait_until(lambda: relay.consumers, timeout=5.0, interval=0.05, what="seen at once")
+        wait_until(lambda: relay.consumers, timeout=5.0, interval=0.05, what="seen within a poll")
         announcer.stop()
-        wait_until(lambda: not relay.consumers, timeout=5.0, interval=0.05, what="gone at once")
+        wait_until(
+            lambda: not relay.consumers, timeout=5.0, interval=0.05, what="gone within a poll"
+        )
         assert relay.standing_by
     finally:
         announcer.stop()
