@@ -14,10 +14,10 @@ the process's life and refreshed every :data:`HEARTBEAT_S` by a thread of its ow
 standing by while one lives claims rows left untaken for ``defer_to_takers_s`` (0.2 s)
 instead. Writing the row (and removing it) rings the relays' channel (payload
 ``sql.relay.CONSUMER_RING``), so that a relay standing by sees the worker come and go within
-its poll interval, not at its next look at the flags. As with the
-takers' flags, the row counts only while its heartbeat is fresh and the session that wrote it
-is open: a worker killed with SIGKILL stops counting when its socket closes. A worker that does
-not consume the dispatch queue (``-Q lookup``, say) writes nothing.
+its poll interval, not at its next look at the flags. As with the takers' flags, the row
+counts only while its heartbeat is fresh and the session that wrote it is open: a worker
+killed with SIGKILL stops counting when its socket closes. A worker that does not consume the
+dispatch queue (``-Q lookup``, say) writes nothing.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class Announcer:
                 )
                 if arriving:
                     # A relay standing by looks at the flags only once a heartbeat interval:
-                    # the ring makes it see this worker now.
+                    # the ring makes it look again after its poll and see this worker.
                     sql.relay.ring_relays(conn, why=sql.relay.CONSUMER_RING)
             except (DBAPIError, psycopg.Error, OSError) as exc:
                 self._close()
