@@ -489,7 +489,7 @@ def takers(executor: Executor, *, heartbeat_within_s: float) -> Takers:
 # that takes only messages rings with CONSUMER_RING as its row comes and goes: a relay standing
 # by, which otherwise looks at the flags once a heartbeat interval, looks again after its poll
 # for that ring alone (the takers' flags go up and down often through a flat run: a relay that
-# woke for each of their rings spent 1.5-2.3 times its CPU, bench/ab.py on peers.py flat).
+# looked again for each of their rings claimed and published behind their backs).
 _RING_RELAYS = text("SELECT pg_notify('outbox_relay', :why)")
 
 #: The payload of a message-only worker's ring on the relays' channel.

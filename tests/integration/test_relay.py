@@ -269,40 +269,6 @@ def test_the_relay_sleeps_on_notify_and_wakes_for_a_new_intent(
     assert [m["operation_id"] for m in _drain(app)] == [str(op.id)]
 
 
-def test_a_relay_that_stood_by_hears_the_bell_again_once_the_takers_are_gone(
-    engine: Engine, app: Celery, make_relay: MakeRelay
-) -> None:
-    """Standing by, a relay stops listening to enqueue's bell; once no worker takes
-    directly it listens again, so an intent enqueued then is claimed at its commit's ring,
-    not at the next poll (5 s here)."""
-    relay = make_relay(app, poll_interval_s=5, heartbeat_s=0.2)
-    taker = "taker:h:1:test"
-    runner = threading.Thread(target=relay.run_forever)
-    runner.start()
-    try:
-        with engine.begin() as conn:  # a taker lives: the relay stands by
-            sql.relay.announce_relay(conn, taker, pid=1, host="h", idle=False)
-        wait_until(lambda: relay.standing_by, timeout=15.0, interval=0.05, what="standing by")
-        with engine.begin() as conn:
-            sql.relay.forget_relay(conn, taker)
-        wait_until(lambda: not relay.standing_by, timeout=15.0, interval=0.05, what="claiming")
-        _wait_until_idle(engine)
-        assert _relay_idle(engine)
-        started = time.monotonic()
-        op = make_operation(engine)
-        while reload(engine, op.id).published_at is None and time.monotonic() - started < 10:
-            time.sleep(0.02)
-        waited = time.monotonic() - started
-        assert reload(engine, op.id).published_at is not None
-        assert waited < 2.5, f"the bell did not wake the relay ({waited:.1f}s)"
-    finally:
-        relay.stop()
-        runner.join(20)
-        with engine.begin() as conn:
-            sql.relay.forget_relay(conn, taker)
-    assert [m["operation_id"] for m in _drain(app)] == [str(op.id)]
-
-
 def test_a_backlog_silences_the_bell_and_the_relay_rings_it_again_when_drained(
     engine: Engine, app: Celery, make_relay: MakeRelay, monkeypatch: pytest.MonkeyPatch
 ) -> None:
